@@ -1,0 +1,32 @@
+# Two entry points for a fresh clone: `make demo` and `make test`.
+# torch is installed first, pinned, so that resolving the package never pulls
+# a CUDA build of several GB.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+TORCH  := torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean venv
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH)
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/kvarena demo
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_entry_copy.py
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,410 @@
+"""Arenas: a field list materialized over one byte buffer.
+
+Entry-major arenas keep entry ``i`` as one contiguous slice, so saving, moving
+or shipping one request's state is one copy of one range; every field still
+gets a ``[layers, entries, *shape]`` view with ordinary strides, so kernels
+take the same tensors they take today. Layer-major arenas keep each layer of
+each field contiguous, the shape paged attention kernels assume.
+
+Every byte position here comes from :func:`~kvarena.layout.fields.field_extents`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .fields import (
+    EntryField,
+    _check_fields,
+    check_unique_names,
+    entry_bytes_for,
+    field_extents,
+    strictest_alignment,
+)
+from .regions import _check_count, carve, check_byte_buffer
+
+
+def _device_matches(buf: torch.Tensor, device: torch.device) -> bool:
+    if buf.device.type != device.type:
+        return False
+    return device.index is None or buf.device.index == device.index
+
+
+def _check_caller_buffer(
+    buf: Any, need: int, alignment: int, device: torch.device, what: str
+) -> torch.Tensor:
+    """A caller's buffer: uint8, 1-D, contiguous, on ``device``, long enough, aligned."""
+    check_byte_buffer(buf, what)
+    if not _device_matches(buf, device):
+        raise ValueError(f"{what} lives on {buf.device} but the arena's device is {device}")
+    if buf.numel() < need:
+        raise ValueError(f"{what} holds {buf.numel()} bytes; this arena needs at least {need}")
+    if buf.storage_offset() % alignment:
+        raise ValueError(
+            f"{what} starts at storage offset {buf.storage_offset()}, which is not a "
+            f"multiple of the strictest alignment {alignment}"
+        )
+    return buf
+
+
+def _typed_view(
+    buf: torch.Tensor,
+    field: EntryField,
+    field_offset: int,
+    layer_stride_bytes: int,
+    entry_stride_bytes: int,
+    entries: int,
+) -> torch.Tensor:
+    """``[layers, entries, *shape]`` of ``field.dtype`` over ``buf``.
+
+    The storage offset is absolute: it includes ``buf``'s own storage offset,
+    so a view over a carved slice addresses that slice, never the front of the
+    allocation it was carved from.
+    """
+    item = field.itemsize
+    shape = field.shape
+    inner: list[int] = []
+    step = 1
+    for dim in reversed(shape):
+        inner.append(step)
+        step *= dim
+    inner.reverse()
+    base = buf.storage_offset() + field_offset
+    # Every byte offset and stride here is a multiple of 256, hence of itemsize.
+    # An empty slice re-typed: as_strided addresses its storage absolutely.
+    return torch.as_strided(
+        buf[:0].view(field.dtype),
+        size=(field.layers, entries, *shape),
+        stride=(layer_stride_bytes // item, entry_stride_bytes // item, *inner),
+        storage_offset=base // item,
+    )
+
+
+def _name_index(fields: Sequence[EntryField]) -> dict[str, int]:
+    return {f.name: i for i, f in enumerate(fields)}
+
+
+def _unknown(name: str, fields: Sequence[EntryField]) -> KeyError:
+    return KeyError(f"no field {name!r}; fields are {[f.name for f in fields]}")
+
+
+class EntryMajorArena:
+    """A field list over one buffer, entry ``i`` one contiguous slice.
+
+    Entries are ``slot_stride`` bytes apart; when the arena sits at the front
+    of larger slots in a shared buffer, the bytes between belong to someone
+    else and are never written. ``live_entries`` counts from the END of the
+    index range (a pool that grows takes the next index down): indices
+    ``[entries - live_entries, entries)`` are this arena's to fill.
+    """
+
+    def __init__(
+        self,
+        fields: Sequence[EntryField],
+        entries: int,
+        device: torch.device | str,
+        buf: torch.Tensor | None = None,
+        slot_stride: int | None = None,
+        live_entries: int | None = None,
+    ) -> None:
+        fields = _check_fields(fields, "EntryMajorArena")
+        check_unique_names(fields, "EntryMajorArena")
+        _check_count(entries, "EntryMajorArena: entries")
+        self._device = torch.device(device)
+        self._fields = tuple(fields)
+        self._index = _name_index(fields)
+        self._offsets = tuple(e.start for e in field_extents(fields))
+        self._entries = entries
+        self._entry_bytes = entry_bytes_for(fields)
+        self._alignment = strictest_alignment(fields)
+        stride = self._entry_bytes if slot_stride is None else slot_stride
+        if isinstance(stride, bool) or not isinstance(stride, int):
+            raise ValueError(f"EntryMajorArena: slot_stride must be an int, got {stride!r}")
+        if stride < self._entry_bytes:
+            raise ValueError(
+                f"EntryMajorArena: slot_stride {stride} is below the entry size "
+                f"{self._entry_bytes}; it must be >= {self._entry_bytes}"
+            )
+        if stride % self._alignment:
+            raise ValueError(
+                f"EntryMajorArena: slot_stride {stride} is not a multiple of the strictest "
+                f"alignment {self._alignment}"
+            )
+        self._stride = stride
+        live = entries if live_entries is None else live_entries
+        _check_count(live, "EntryMajorArena: live_entries")
+        if live > entries:
+            raise ValueError(
+                f"EntryMajorArena: live_entries {live} exceeds entries {entries}; "
+                f"legal: 0..{entries}"
+            )
+        self._live = live
+        self._total = (entries - 1) * stride + self._entry_bytes if entries else 0
+        if buf is None:
+            # Zeroed, so that padding copied along with a whole entry never
+            # carries stale bytes from a previous tenant.
+            self._buf = torch.zeros(self._total, dtype=torch.uint8, device=self._device)
+        else:
+            self._buf = _check_caller_buffer(
+                buf, self._total, self._alignment, self._device, "EntryMajorArena: buf"
+            )
+        first_live = entries - live
+        for field in self._fields:
+            if not field.fill_is_zero_bits:
+                self.view(field.name)[:, first_live:].fill_(field.fill)
+
+    @property
+    def fields(self) -> tuple[EntryField, ...]:
+        return self._fields
+
+    @property
+    def entries(self) -> int:
+        return self._entries
+
+    @property
+    def entry_bytes(self) -> int:
+        return self._entry_bytes
+
+    @property
+    def slot_stride(self) -> int:
+        return self._stride
+
+    @property
+    def live_entries(self) -> int:
+        return self._live
+
+    @property
+    def total_bytes(self) -> int:
+        """Span from the first entry's start to the last entry's end."""
+        return self._total
+
+    @property
+    def buf(self) -> torch.Tensor:
+        return self._buf
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def _field(self, name: str) -> tuple[EntryField, int]:
+        try:
+            i = self._index[name]
+        except KeyError:
+            raise _unknown(name, self._fields) from None
+        return self._fields[i], self._offsets[i]
+
+    def field_offset(self, name: str) -> int:
+        """Byte offset of field ``name`` inside every entry."""
+        return self._field(name)[1]
+
+    def view(self, name: str) -> torch.Tensor:
+        """``[layers, entries, *shape]``: layer stride ``per_layer_numel``,
+        entry stride ``slot_stride / itemsize``, inner dims contiguous."""
+        field, offset = self._field(name)
+        return _typed_view(
+            self._buf, field, offset, field.bytes_per_layer, self._stride, self._entries
+        )
+
+    def entry(self, i: int) -> torch.Tensor:
+        """Entry ``i``'s bytes as one 1-D uint8 slice of ``entry_bytes``."""
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise IndexError(f"entry index must be an int, got {i!r}")
+        if not 0 <= i < self._entries:
+            raise IndexError(f"entry index {i} out of range; legal: 0..{self._entries - 1}")
+        start = i * self._stride
+        return self._buf[start : start + self._entry_bytes]
+
+    def __repr__(self) -> str:
+        return (
+            f"EntryMajorArena(fields={[f.name for f in self._fields]}, entries={self._entries}, "
+            f"entry_bytes={self._entry_bytes}, slot_stride={self._stride}, "
+            f"live_entries={self._live}, device={self._device})"
+        )
+
+
+class SplitEntryMajorArena:
+    """One request's state spread over planes (one entry-major arena per plane).
+
+    A field is one strided tensor, so it lives in exactly one plane; the
+    contiguous unit is the slot (the same rows in every plane), so there is no
+    whole-entry accessor here.
+    """
+
+    def __init__(self, arenas: Sequence[EntryMajorArena]) -> None:
+        arenas = tuple(arenas)
+        if not arenas:
+            raise ValueError("SplitEntryMajorArena: no planes given; pass at least one arena")
+        owner: dict[str, int] = {}
+        for p, arena in enumerate(arenas):
+            if not isinstance(arena, EntryMajorArena):
+                raise ValueError(
+                    f"SplitEntryMajorArena: arenas[{p}] must be an EntryMajorArena, "
+                    f"got {type(arena).__name__}"
+                )
+            if arena.entries != arenas[0].entries:
+                raise ValueError(
+                    f"SplitEntryMajorArena: plane {p} has {arena.entries} entries but plane 0 "
+                    f"has {arenas[0].entries}; every plane must index the same entries"
+                )
+            for field in arena.fields:
+                if field.name in owner:
+                    raise ValueError(
+                        f"SplitEntryMajorArena: field {field.name!r} is in plane "
+                        f"{owner[field.name]} and plane {p}; a field lives in exactly one plane"
+                    )
+                owner[field.name] = p
+        self._arenas = arenas
+        self._owner = owner
+
+    @property
+    def arenas(self) -> tuple[EntryMajorArena, ...]:
+        return self._arenas
+
+    @property
+    def fields(self) -> tuple[EntryField, ...]:
+        return tuple(f for a in self._arenas for f in a.fields)
+
+    @property
+    def entries(self) -> int:
+        return self._arenas[0].entries
+
+    @property
+    def entry_bytes(self) -> int:
+        return sum(a.entry_bytes for a in self._arenas)
+
+    def plane_of(self, name: str) -> int:
+        try:
+            return self._owner[name]
+        except KeyError:
+            raise _unknown(name, self.fields) from None
+
+    def view(self, name: str) -> torch.Tensor:
+        return self._arenas[self.plane_of(name)].view(name)
+
+    def field_offset(self, name: str) -> int:
+        """Offset of ``name`` inside its own plane's entry."""
+        return self._arenas[self.plane_of(name)].field_offset(name)
+
+
+class LayerMajorArena:
+    """A field list laid out ``[layers, entries, *shape]`` per field, each
+    layer contiguous: the shape paged attention kernels assume.
+
+    Field ``f``'s region starts at its walk offset times ``entries``. Over a
+    caller's buffer the arena never writes, so a non-zero fill is refused
+    there: the buffer may already hold a peer's KV, and a ``-inf`` score plane
+    silently left at 0.0 would turn "never selected" into "always".
+    """
+
+    def __init__(
+        self,
+        fields: Sequence[EntryField],
+        entries: int,
+        device: torch.device | str,
+        buf: torch.Tensor | None = None,
+    ) -> None:
+        fields = _check_fields(fields, "LayerMajorArena")
+        if not fields:
+            raise ValueError("LayerMajorArena: no fields given; pass at least one EntryField")
+        check_unique_names(fields, "LayerMajorArena")
+        _check_count(entries, "LayerMajorArena: entries")
+        self._device = torch.device(device)
+        self._fields = tuple(fields)
+        self._index = _name_index(fields)
+        self._offsets = tuple(e.start * entries for e in field_extents(fields))
+        self._entries = entries
+        self._entry_bytes = entry_bytes_for(fields)
+        self._total = self._entry_bytes * entries
+        if buf is None:
+            self._buf = torch.zeros(self._total, dtype=torch.uint8, device=self._device)
+            for field in self._fields:
+                if not field.fill_is_zero_bits:
+                    self.view(field.name).fill_(field.fill)
+        else:
+            filled = [f.name for f in self._fields if not f.fill_is_zero_bits]
+            if filled:
+                raise ValueError(
+                    f"LayerMajorArena: fields {filled} declare a non-zero fill, which a "
+                    "caller's buffer is never written with; allocate the arena (buf=None) "
+                    "or declare fill=0.0"
+                )
+            self._buf = _check_caller_buffer(
+                buf, self._total, strictest_alignment(fields), self._device, "LayerMajorArena: buf"
+            )
+
+    @property
+    def fields(self) -> tuple[EntryField, ...]:
+        return self._fields
+
+    @property
+    def entries(self) -> int:
+        return self._entries
+
+    @property
+    def entry_bytes(self) -> int:
+        return self._entry_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self._total
+
+    @property
+    def buf(self) -> torch.Tensor:
+        return self._buf
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def _field(self, name: str) -> tuple[EntryField, int]:
+        try:
+            i = self._index[name]
+        except KeyError:
+            raise _unknown(name, self._fields) from None
+        return self._fields[i], self._offsets[i]
+
+    def field_offset(self, name: str) -> int:
+        """Byte offset of field ``name``'s region in the buffer."""
+        return self._field(name)[1]
+
+    def view(self, name: str) -> torch.Tensor:
+        """``[layers, entries, *shape]``: layer stride ``entries * per_layer_numel``,
+        entry stride ``per_layer_numel``."""
+        field, offset = self._field(name)
+        return _typed_view(
+            self._buf,
+            field,
+            offset,
+            field.bytes_per_layer * self._entries,
+            field.bytes_per_layer,
+            self._entries,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"LayerMajorArena(fields={[f.name for f in self._fields]}, entries={self._entries}, "
+            f"total_bytes={self._total}, device={self._device})"
+        )
+
+
+def carve_layer_major(
+    groups: Sequence[Sequence[EntryField]],
+    entries: int,
+    device: torch.device | str,
+    buf: torch.Tensor | None = None,
+) -> list[LayerMajorArena | None]:
+    """One layer-major arena per field group, regions placed by ``plan_regions``.
+
+    An empty group gets ``None``. With ``buf=None`` each arena owns its memory.
+    """
+    _check_count(entries, "carve_layer_major: entries")
+    groups = [list(g) for g in groups]
+    sizes = [entry_bytes_for(g) * entries for g in groups]
+    slices = carve(buf, sizes)
+    return [
+        LayerMajorArena(g, entries, device, buf=s) if g else None
+        for g, s in zip(groups, slices, strict=False)
+    ]
