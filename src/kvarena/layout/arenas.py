@@ -24,7 +24,7 @@ from .fields import (
     field_extents,
     strictest_alignment,
 )
-from .regions import _check_count, carve, check_byte_buffer
+from .regions import _check_count, align_up, carve, check_byte_buffer
 
 
 def _device_matches(buf: torch.Tensor, device: torch.device) -> bool:
@@ -131,7 +131,8 @@ class EntryMajorArena:
         if stride % self._alignment:
             raise ValueError(
                 f"EntryMajorArena: slot_stride {stride} is not a multiple of the strictest "
-                f"alignment {self._alignment}"
+                f"alignment {self._alignment} (the smallest legal stride here is "
+                f"{align_up(self._entry_bytes, self._alignment)})"
             )
         self._stride = stride
         live = entries if live_entries is None else live_entries
