@@ -1,3 +1,4 @@
+import itertools
 import math
 import subprocess
 import sys
@@ -57,7 +58,7 @@ def test_walk_properties(fields):
     assert eb == (align_up(extents[-1].end) if extents else 0)
     assert eb % ALIGNMENT == 0
     # Fields never overlap and all lie inside the entry.
-    for a, b in zip(extents, extents[1:], strict=False):
+    for a, b in itertools.pairwise(extents):
         assert a.end <= b.start
     assert all(e.end <= eb for e in extents)
 
@@ -89,7 +90,7 @@ def test_checkpoint_ranges_cover_carried_bytes_only(fields):
         else:
             assert not span & covered
     # Ranges are ordered, disjoint and maximal: two ranges never touch.
-    for (o1, n1), (o2, _) in zip(ranges, ranges[1:], strict=False):
+    for (o1, n1), (o2, _) in itertools.pairwise(ranges):
         assert o1 + n1 < o2 or any(
             not e.field.in_checkpoint and o1 + n1 <= e.start <= o2 for e in field_extents(fields)
         )
