@@ -1,0 +1,128 @@
+"""Copy N request states from one set of slots to another, three ways, side by side.
+
+1. kvarena: one ``copy_`` per request, of the whole entry (``arena.entry(i)``).
+2. per-layer-per-field: separate ``[layers, slots, *shape]`` tensors per field,
+   as engines allocate today, copied one (layer, field) slice per request.
+3. memcpy: one contiguous copy of the same total bytes (the ceiling).
+
+Prints GB/s, ratios against memcpy and the number of copy ops issued.
+
+    python benchmarks/bench_entry_copy.py [--requests 8] [--repeats 5] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvarena import EntryMajorArena, entry_bytes_for
+from kvarena.models import REFERENCE_STATES
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], None], device: torch.device, repeats: int) -> float:
+    fn()  # warm-up: first touch of pages, allocator, caches
+    _sync(device)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def bench_layout(name: str, requests: int, repeats: int, device: torch.device) -> dict:
+    fields = REFERENCE_STATES[name]()
+    slots = 2 * requests
+    src = list(range(requests))
+    dst = list(range(requests, slots))
+    nbytes = requests * entry_bytes_for(fields)
+
+    arena = EntryMajorArena(fields, slots, device)
+    for f in fields:
+        arena.view(f.name)[:, :requests].copy_(
+            torch.randn(arena.view(f.name)[:, :requests].shape, device=device).to(f.dtype)
+        )
+
+    def kvarena_copy() -> None:
+        for s, d in zip(src, dst, strict=True):
+            arena.entry(d).copy_(arena.entry(s))
+
+    # Engines' layout: one allocation per field, [layers, slots, *shape].
+    separate = {
+        f.name: torch.zeros((f.layers, slots, *f.shape), dtype=f.dtype, device=device)
+        for f in fields
+    }
+    for f in fields:
+        separate[f.name].copy_(arena.view(f.name))
+
+    def per_layer_copy() -> None:
+        for s, d in zip(src, dst, strict=True):
+            for f in fields:
+                t = separate[f.name]
+                for layer in range(f.layers):
+                    t[layer, d].copy_(t[layer, s])
+
+    flat_src = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    flat_dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+
+    def memcpy() -> None:
+        flat_dst.copy_(flat_src)
+
+    t_kv = timed(kvarena_copy, device, repeats)
+    t_loop = timed(per_layer_copy, device, repeats)
+    t_mem = timed(memcpy, device, repeats)
+
+    # The copies must be right, not only fast.
+    for f in fields:
+        v = arena.view(f.name)
+        assert torch.equal(v[:, dst], v[:, src]), f.name
+        assert torch.equal(separate[f.name][:, dst], separate[f.name][:, src]), f.name
+
+    return {
+        "layout": name,
+        "entry_bytes": entry_bytes_for(fields),
+        "requests": requests,
+        "kvarena_ops": requests,
+        "loop_ops": requests * sum(f.layers for f in fields),
+        "gbps": {
+            k: nbytes / t / 1e9 for k, t in (("kvarena", t_kv), ("loop", t_loop), ("memcpy", t_mem))
+        },
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--layouts", nargs="*", default=list(REFERENCE_STATES))
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    print(
+        f"torch {torch.__version__}, device {device}, {args.requests} requests, median of {args.repeats}"
+    )
+    header = f"{'layout':<20} {'entry MB':>9} {'ops kv/loop':>12} {'kvarena GB/s':>13} {'loop GB/s':>10} {'memcpy GB/s':>12} {'kv/memcpy':>10} {'kv/loop':>8}"
+    print(header)
+    print("-" * len(header))
+    for name in args.layouts:
+        r = bench_layout(name, args.requests, args.repeats, device)
+        g = r["gbps"]
+        print(
+            f"{name:<20} {r['entry_bytes'] / 2**20:>9.2f} {r['kvarena_ops']:>5}/{r['loop_ops']:<6} "
+            f"{g['kvarena']:>13.2f} {g['loop']:>10.2f} {g['memcpy']:>12.2f} "
+            f"{g['kvarena'] / g['memcpy']:>9.2f}x {g['kvarena'] / g['loop']:>7.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()

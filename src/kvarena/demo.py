@@ -1,0 +1,204 @@
+"""The main job: materialize a real model's request states and prove the bytes.
+
+Each step returns a :class:`Check` (what was verified, and whether it held),
+so the CLI renders progress and a report, and tests assert on the same
+results. Every check compares bytes, never only shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .layout import (
+    EntryField,
+    EntryMajorArena,
+    SplitEntryMajorArena,
+    carve_layer_major,
+    checkpoint_ranges_for,
+    entry_bytes_for,
+    field_extents,
+    layout_fingerprint,
+    plan_field_planes,
+    strictest_alignment,
+)
+from .layout.regions import align_up
+from .models import states
+
+
+@dataclass(frozen=True)
+class Check:
+    """One verified claim: a short name, whether it held, and the numbers."""
+
+    name: str
+    ok: bool
+    detail: str
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    model: str = "qwen3-next-80b-a3b"
+    tp: int = 8
+    requests: int = 4
+    seed: int = 0
+
+
+def state_fields(model: str, tp: int) -> list[EntryField]:
+    """The state declaration of a built-in model at tensor-parallel size ``tp``."""
+    if model == "qwen3-next-80b-a3b":
+        return states.qwen3_next_gdn_state(tp=tp)
+    if model == "mamba2-2.7b":
+        return states.mamba2_state(tp=tp)
+    if model == "deepseek-v4-flash":
+        if tp != 1:
+            raise ValueError("deepseek-v4-flash states are per request, not split by TP; use tp=1")
+        return states.deepseek_v4_flash_state()
+    raise ValueError(f"unknown model {model!r}; built-in: {sorted(states.REFERENCE_STATES)}")
+
+
+def _entry_image(arena: EntryMajorArena, i: int) -> bytes:
+    """What entry i must hold: each field's [:, i] bytes at its walk offset, zero padding."""
+    image = bytearray(arena.entry_bytes)
+    for ext in field_extents(arena.fields):
+        col = arena.view(ext.field.name)[:, i].contiguous()
+        image[ext.start : ext.end] = col.view(-1).view(torch.uint8).numpy().tobytes()
+    return bytes(image)
+
+
+def _pattern_(t: torch.Tensor, gen: torch.Generator) -> None:
+    """Random bytes, as the field's dtype, written through a (strided) view."""
+    if t.numel():
+        noise = torch.randint(
+            0, 256, (t.numel() * t.element_size(),), dtype=torch.uint8, generator=gen
+        )
+        t.copy_(noise.view(t.dtype).view(t.shape))
+
+
+def run_demo(config: DemoConfig, device: torch.device) -> Iterator[Check]:
+    """Yield one :class:`Check` per step; all must hold."""
+    fields = state_fields(config.model, config.tp)
+    gen = torch.Generator().manual_seed(config.seed)
+    eb = entry_bytes_for(fields)
+    yield Check(
+        "layout walk",
+        eb == align_up(field_extents(fields)[-1].end),
+        f"{len(fields)} fields, entry {eb:,} B, fingerprint {layout_fingerprint(fields)[:16]}",
+    )
+
+    # A state pool of 2N slots at the front of larger slots (someone else's
+    # bytes between), with only the top N live, as a growing pool would be.
+    n = config.requests
+    stride = align_up(eb + 4096, strictest_alignment(fields))
+    slots = 2 * n
+    host = torch.full(((slots - 1) * stride + eb,), 0xA5, dtype=torch.uint8, device=device)
+    for i in range(slots):
+        host[i * stride : i * stride + eb] = 0
+    gaps = torch.ones_like(host, dtype=torch.bool)
+    for i in range(slots):
+        gaps[i * stride : i * stride + eb] = False
+    arena = EntryMajorArena(fields, slots, device, buf=host, slot_stride=stride, live_entries=n)
+    live = range(slots - n, slots)
+    fills_ok = all(
+        bool((arena.view(f.name)[:, list(live)] == f.fill).all())
+        and not arena.view(f.name)[:, : slots - n].any()
+        for f in fields
+        if arena.view(f.name).numel()
+    )
+    yield Check(
+        "fills on live slots only", fills_ok, f"{n} live of {slots} slots, stride {stride:,} B"
+    )
+
+    # Kernels write through per-layer views; each entry must then be exactly
+    # its fields' bytes, in declared order, padding zero.
+    for f in fields:
+        _pattern_(arena.view(f.name)[:, list(live)], gen)
+    images_ok = all(
+        bytes(arena.entry(i).cpu().numpy().tobytes()) == _entry_image(arena, i) for i in live
+    )
+    yield Check("entry = its fields' bytes", images_ok, f"{n} entries compared byte for byte")
+
+    # Move every request's state to a free slot: one copy per request.
+    moves = list(zip(live, range(n), strict=True))
+    for src, dst in moves:
+        arena.entry(dst).copy_(arena.entry(src))
+    moved_ok = all(
+        torch.equal(arena.view(f.name)[:, dst], arena.view(f.name)[:, src])
+        for f in fields
+        for src, dst in moves
+    )
+    yield Check(
+        "whole-entry copies", moved_ok, f"{len(moves)} copies of {eb:,} B, views agree per layer"
+    )
+    yield Check(
+        "gaps between slots untouched",
+        bool((host[gaps] == 0xA5).all()),
+        f"{int(gaps.sum()):,} foreign bytes keep their sentinel",
+    )
+
+    # A checkpoint image is the carried ranges of one entry.
+    ranges = checkpoint_ranges_for(fields)
+    image = torch.cat([arena.entry(moves[0][0])[o : o + k] for o, k in ranges]) if ranges else None
+    carried = sum(k for _, k in ranges)
+    ckpt_ok = image is None or image.numel() == carried
+    yield Check(
+        "checkpoint ranges", ckpt_ok, f"{len(ranges)} range(s), {carried:,} of {eb:,} B carried"
+    )
+
+    # The same state split over two planes of different row widths.
+    widths = [4096, 65536]
+    per_plane, rows = plan_field_planes(fields, widths)
+    planes = [
+        EntryMajorArena(
+            g, 2, device, slot_stride=align_up(entry_bytes_for(g), strictest_alignment(g))
+        )
+        for g in per_plane
+    ]
+    split = SplitEntryMajorArena(planes)
+    for f in fields:
+        split.view(f.name).copy_(arena.view(f.name)[:, :2])
+    split_ok = all(torch.equal(split.view(f.name), arena.view(f.name)[:, :2]) for f in fields)
+    yield Check(
+        "planes planned exactly",
+        split_ok,
+        f"rows {rows} over widths {widths}: {[[f.name for f in g] for g in per_plane]}",
+    )
+
+    # Layer-major regions carved from one buffer, as paged KV kernels want them.
+    kv = [
+        [
+            EntryField("k", 4, (16, 2, 128), torch.bfloat16),
+            EntryField("v", 4, (16, 2, 128), torch.bfloat16),
+        ],
+        [EntryField("k_scale", 4, (16, 2), torch.float32)],
+    ]
+    blocks = 8
+    total = sum(align_up(entry_bytes_for(g) * blocks) for g in kv)
+    pool = torch.zeros(total, dtype=torch.uint8, device=device)
+    kv_arenas = carve_layer_major(kv, blocks, device, buf=pool)
+    for a in kv_arenas:
+        for f in a.fields:
+            _pattern_(a.view(f.name), gen)
+    k = kv_arenas[0].view("k")
+    contiguous_ok = all(k[layer].is_contiguous() for layer in range(k.shape[0]))
+    disjoint_ok = (
+        kv_arenas[0].buf.data_ptr() + kv_arenas[0].total_bytes <= kv_arenas[1].buf.data_ptr()
+    )
+    yield Check(
+        "layer-major carve",
+        contiguous_ok and disjoint_ok,
+        f"{len(kv)} regions over {total:,} B, each layer contiguous",
+    )
+
+
+def run_all(
+    config: DemoConfig, device: torch.device, on_step: Callable[[Check], None] | None = None
+) -> list[Check]:
+    """Run every step, calling ``on_step`` after each; return all checks."""
+    results = []
+    for check in run_demo(config, device):
+        results.append(check)
+        if on_step is not None:
+            on_step(check)
+    return results

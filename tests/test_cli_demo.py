@@ -1,0 +1,67 @@
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kvarena import entry_bytes_for, layout_fingerprint
+from kvarena.cli import app
+from kvarena.demo import DemoConfig, run_demo, state_fields
+from kvarena.models import REFERENCE_STATES
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize(
+    ("name", "want"), [("qwen3-next-80b-a3b", 39_518_208), ("mamba2-2.7b", 85_950_464)]
+)
+def test_reference_states_match_published_bytes(name, want):
+    # shared/reference/model_cache_facts.json: per-request state, bf16, TP 1.
+    assert entry_bytes_for(REFERENCE_STATES[name]()) == want
+
+
+def test_deepseek_v4_flash_state_rings():
+    fields = REFERENCE_STATES["deepseek-v4-flash"]()
+    by_name = {f.name: f for f in fields}
+    # Per layer per request: CSA main 65,536 B, indexer 16,384 B, HCA 524,288 B.
+    assert (
+        by_name["csa_kv_state"].bytes_per_layer + by_name["csa_score_state"].bytes_per_layer
+        == 65_536
+    )
+    assert by_name["csa_indexer_kv_state"].bytes_per_layer * 2 == 16_384
+    assert by_name["hca_kv_state"].bytes_per_layer * 2 == 524_288
+    assert by_name["hca_score_state"].fill == float("-inf")
+    assert not by_name["hca_kv_state"].in_checkpoint
+
+
+def test_demo_checks_all_hold_for_every_model():
+    for model, tp in (("qwen3-next-80b-a3b", 8), ("mamba2-2.7b", 8), ("deepseek-v4-flash", 1)):
+        checks = list(run_demo(DemoConfig(model=model, tp=tp, requests=2), torch.device("cpu")))
+        assert len(checks) == 8
+        assert all(c.ok for c in checks), [c for c in checks if not c.ok]
+
+
+def test_cli_demo_exits_zero_and_reports():
+    result = runner.invoke(app, ["demo", "--requests", "2"])
+    assert result.exit_code == 0, result.output
+    assert "all checks passed" in result.output and "FAILED" not in result.output
+
+
+def test_cli_describe_json():
+    result = runner.invoke(app, ["describe", "qwen3-next-80b-a3b", "--tp", "4", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    fields = state_fields("qwen3-next-80b-a3b", 4)
+    assert doc["entry_bytes"] == entry_bytes_for(fields)
+    assert doc["fingerprint"] == layout_fingerprint(fields)
+    assert [f["name"] for f in doc["fields"]] == ["conv_state", "recurrent_state"]
+    assert doc["fields"][1]["offset"] == 36 * 3 * 2048 * 2
+
+
+@pytest.mark.parametrize(
+    "args", [["describe", "nope"], ["demo", "nope"], ["describe", "mamba2-2.7b", "--tp", "3"]]
+)
+def test_cli_bad_input_exits_2_with_reason(args):
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2
+    assert "error:" in result.output
