@@ -65,3 +65,13 @@ def test_cli_bad_input_exits_2_with_reason(args):
     result = runner.invoke(app, args)
     assert result.exit_code == 2
     assert "error:" in result.output
+
+
+def test_readme_api_tour_runs():
+    import pathlib
+    import runpy
+
+    tour = pathlib.Path(__file__).parent.parent / "examples" / "api_tour.py"
+    scope = runpy.run_path(str(tour))
+    assert scope["k"].shape == (32, 1024, 16, 8, 128) and scope["k"][0].is_contiguous()
+    assert scope["pool"].live_entries == 4
