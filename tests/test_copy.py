@@ -1,0 +1,147 @@
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvarena.copy import (
+    CopyBatch,
+    CopyBoundsError,
+    describe_batch,
+    execute_batch,
+    plan_segmented_copy,
+)
+
+
+def test_plan_by_hand():
+    p = plan_segmented_copy([5, 7], [3, 4, 5], 12)
+    rows = list(
+        zip(p.src_segment, p.src_offset, p.dst_segment, p.dst_offset, p.length, strict=True)
+    )
+    assert [tuple(int(x) for x in r) for r in rows] == [
+        (0, 0, 0, 0, 3),
+        (0, 3, 1, 0, 2),
+        (1, 0, 1, 2, 2),
+        (1, 2, 2, 0, 5),
+    ]
+    assert plan_segmented_copy([5, 7], [3, 4, 5], 4).length.tolist() == [3, 1]
+    assert plan_segmented_copy([5], [5], 0).num_spans == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (([5], [5], -1), "total_bytes must be >= 0"),
+        (([5, 0], [5], 5), r"src_sizes\[1\]"),
+        (([5], [2, -1], 1), r"dst_sizes\[1\]"),
+        (([5], [9], 6), "source stream holds 5 bytes but 6"),
+        (([9], [5], 6), "destination stream holds 5 bytes"),
+    ],
+)
+def test_plan_refusals(args, match):
+    with pytest.raises(ValueError, match=match):
+        plan_segmented_copy(*args)
+
+
+sizes = st.lists(st.integers(1, 300), min_size=1, max_size=8)
+
+
+@given(sizes, sizes, st.data())
+def test_plan_covers_total_in_order_within_segments(src, dst, data):
+    total = data.draw(st.integers(0, min(sum(src), sum(dst))))
+    p = plan_segmented_copy(src, dst, total)
+    assert int(p.length.sum()) == total and (p.length > 0).all()
+    src_starts = np.concatenate(([0], np.cumsum(src)[:-1]))
+    dst_starts = np.concatenate(([0], np.cumsum(dst)[:-1]))
+    pos = 0
+    for i in range(p.num_spans):
+        s, so, d, do, n = (
+            int(a[i]) for a in (p.src_segment, p.src_offset, p.dst_segment, p.dst_offset, p.length)
+        )
+        assert src_starts[s] + so == pos == dst_starts[d] + do  # in stream order
+        assert so + n <= src[s] and do + n <= dst[d]  # never crosses a segment
+        pos += n
+    r = p.reversed()
+    assert r.src_sizes == p.dst_sizes and (r.src_offset == p.dst_offset).all()
+
+
+def test_describe_batch_and_refusals():
+    p = plan_segmented_copy([5, 7], [3, 4, 5], 12)
+    b = describe_batch(p, [[0, 100], [1000, 2000]], [[0, 10, 20], [50, 60, 70]])
+    assert b.src.tolist() == [0, 3, 100, 102, 1000, 1003, 2000, 2002]
+    assert b.dst.tolist() == [0, 10, 12, 20, 50, 60, 62, 70]
+    assert b.length.tolist() == [3, 2, 2, 5] * 2
+    with pytest.raises(ValueError, match="2 source copies but 1 destination"):
+        describe_batch(p, [[0, 100], [1000, 2000]], [[0, 10, 20]])
+    with pytest.raises(ValueError, match=r"shape \[copies, 3\]"):
+        describe_batch(p, [[0, 100]], [[0, 10]])
+    with pytest.raises(ValueError, match="negative"):
+        describe_batch(p, [[0, -1]], [[0, 10, 20]])
+
+
+@given(
+    st.lists(st.integers(1, 200), min_size=1, max_size=6),
+    st.lists(st.integers(1, 200), min_size=1, max_size=6),
+    st.integers(1, 40),
+    st.integers(0, 2**31),
+    st.sampled_from([64, 1 << 16]),
+)
+def test_execute_round_trip_and_sentinels(src_sizes, dst_sizes, copies, seed, large):
+    total = min(sum(src_sizes), sum(dst_sizes))
+    plan = plan_segmented_copy(src_sizes, dst_sizes, total)
+    rng = np.random.default_rng(seed)
+    # Each copy's segments scattered at random, disjoint slots of 256 bytes.
+    src_slots = rng.permutation(copies * len(src_sizes)).reshape(copies, -1) * 256
+    dst_slots = rng.permutation(copies * len(dst_sizes)).reshape(copies, -1) * 256
+    src_buf = torch.from_numpy(rng.integers(0, 256, copies * len(src_sizes) * 256, dtype=np.uint8))
+    dst_buf = torch.full((copies * len(dst_sizes) * 256,), 0xA5, dtype=torch.uint8)
+    batch = describe_batch(plan, src_slots, dst_slots)
+    stats = execute_batch(batch, src_buf, dst_buf, large_span_bytes=large)
+    assert stats.nbytes == copies * total and stats.ops <= batch.num_spans
+    written = np.zeros(dst_buf.numel(), dtype=bool)
+    for c in range(copies):
+        stream = b"".join(
+            src_buf[int(b) : int(b) + n].numpy().tobytes()
+            for b, n in zip(src_slots[c], src_sizes, strict=True)
+        )[:total]
+        got = b""
+        left = total
+        for b, n in zip(dst_slots[c], dst_sizes, strict=True):
+            k = min(n, left)
+            got += dst_buf[int(b) : int(b) + k].numpy().tobytes()
+            written[int(b) : int(b) + k] = True
+            left -= k
+        assert got == stream
+    assert (dst_buf.numpy()[~written] == 0xA5).all()
+    # Restore with the same plan, reversed, into a fresh source-shaped buffer.
+    back = torch.zeros_like(src_buf)
+    execute_batch(describe_batch(plan.reversed(), dst_slots, src_slots), dst_buf, back)
+    for c in range(copies):
+        left = total
+        for b, n in zip(src_slots[c], src_sizes, strict=True):
+            k = min(n, left)
+            assert torch.equal(back[int(b) : int(b) + k], src_buf[int(b) : int(b) + k])
+            left -= k
+
+
+def test_execute_refuses_before_writing():
+    src = torch.arange(64, dtype=torch.uint8)
+    dst = torch.zeros(64, dtype=torch.uint8)
+
+    def batch(s, d, n):
+        return CopyBatch(
+            np.array(s, dtype=np.int64), np.array(d, dtype=np.int64), np.array(n, dtype=np.int64)
+        )
+
+    with pytest.raises(CopyBoundsError, match=r"reach \[0, 65\).*\[0, 64\)"):
+        execute_batch(batch([0, 0], [0, 16], [8, 65]), src, dst)
+    with pytest.raises(CopyBoundsError, match="overlap"):
+        execute_batch(batch([0, 8], [0, 4], [8, 8]), src, dst)
+    with pytest.raises(CopyBoundsError, match="one storage"):
+        execute_batch(batch([0], [4], [8]), src, src)
+    assert not dst.any()  # nothing written by any refused batch
+    with pytest.raises(ValueError, match="uint8"):
+        execute_batch(batch([0], [0], [4]), src.float(), dst)
+    # Disjoint spans inside one storage are fine.
+    execute_batch(batch([0], [32], [8]), src, src)
+    assert src[32:40].tolist() == list(range(8))
