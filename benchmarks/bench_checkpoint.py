@@ -1,0 +1,142 @@
+"""Checkpoint and restore a batch of request states, three ways, side by side.
+
+1. kvarena: one planned batch (checkpoint ranges vs PAGE units), one execution.
+2. per-layer-per-field: separate ``[layers, slots, *shape]`` tensors per field,
+   copied one (layer, field) slice per request into a separate checkpoint pool.
+3. memcpy: one contiguous copy of the same total bytes.
+
+Prints GB/s, ratios against memcpy and the loop, and the ops each issued.
+
+    python benchmarks/bench_checkpoint.py [--requests 64] [--unit-kib 2048] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvarena import EntryField, EntryMajorArena
+from kvarena.checkpoint import CheckpointSpec, PageUnits, restore, store
+from kvarena.models import deepseek_v4_flash_state, mamba2_state, qwen3_next_gdn_state
+
+
+def sliding_window_ring() -> list[EntryField]:
+    """Gemma-3-27B's 52 local layers as a 1024-token K/V ring, TP 16 (1 KV head)."""
+    return [
+        EntryField("k_ring", 52, (1024, 1, 128), torch.bfloat16),
+        EntryField("v_ring", 52, (1024, 1, 128), torch.bfloat16),
+    ]
+
+
+LAYOUTS: dict[str, Callable[[], list[EntryField]]] = {
+    "qwen3-next gdn tp8": lambda: qwen3_next_gdn_state(tp=8),
+    "mamba2-2.7b tp8": lambda: mamba2_state(tp=8),
+    "deepseek-v4-flash": deepseek_v4_flash_state,
+    "gemma-3 swa ring": sliding_window_ring,
+}
+
+
+def timed(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def bench(name: str, requests: int, unit_bytes: int, repeats: int) -> dict:
+    fields = LAYOUTS[name]()
+    spec = CheckpointSpec.build(fields, unit_bytes)
+    state = EntryMajorArena(fields, requests, "cpu")
+    gen = torch.Generator().manual_seed(0)
+    for f in fields:
+        v = state.view(f.name)
+        v.copy_(torch.randn(v.shape, generator=gen).to(f.dtype))
+    n_units = requests * spec.units_per_image
+    pages = PageUnits(
+        torch.zeros(n_units * unit_bytes, dtype=torch.uint8), unit_bytes, unit_bytes, n_units
+    )
+    # Scatter each image's units across the pool (reverse order: no accidental runs).
+    order = list(reversed(range(n_units)))
+    units = [
+        order[c * spec.units_per_image : (c + 1) * spec.units_per_image] for c in range(requests)
+    ]
+    slots = list(range(requests))
+    ops = {"kvarena": 0}
+
+    def kv_store() -> None:
+        ops["kvarena"] = store(spec, state, slots, pages, units).ops
+
+    carried = [f for f in fields if f.in_checkpoint]
+    sep_src = {f.name: state.view(f.name).contiguous() for f in carried}
+    sep_dst = {f.name: torch.zeros_like(sep_src[f.name]) for f in carried}
+
+    def loop_store() -> None:
+        for r in range(requests):
+            for f in carried:
+                for layer in range(f.layers):
+                    sep_dst[f.name][layer, r].copy_(sep_src[f.name][layer, r])
+
+    nbytes = requests * spec.image_bytes
+    flat_a = torch.zeros(nbytes, dtype=torch.uint8)
+    flat_b = torch.zeros(nbytes, dtype=torch.uint8)
+
+    t_kv = timed(kv_store, repeats)
+    t_loop = timed(loop_store, repeats)
+    t_mem = timed(lambda: flat_b.copy_(flat_a), repeats)
+
+    # Restore into a fresh arena and check the carried bytes came back.
+    back = EntryMajorArena(fields, requests, "cpu")
+    t_restore = timed(lambda: restore(spec, pages, units, back, slots), repeats)
+    for f in carried:
+        assert torch.equal(
+            back.view(f.name).view(torch.uint8), state.view(f.name).view(torch.uint8)
+        ), f.name
+
+    return {
+        "name": name,
+        "image_mb": spec.image_bytes / 2**20,
+        "units": spec.units_per_image,
+        "ops": (ops["kvarena"], requests * sum(f.layers for f in carried)),
+        "gbps": {
+            k: nbytes / t / 1e9
+            for k, t in (("kv", t_kv), ("restore", t_restore), ("loop", t_loop), ("mem", t_mem))
+        },
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--unit-kib", type=int, default=2048, help="PAGE unit size in KiB")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS))
+    args = parser.parse_args()
+    print(
+        f"torch {torch.__version__}, cpu, {args.requests} requests, unit {args.unit_kib} KiB, "
+        f"median of {args.repeats}"
+    )
+    header = (
+        f"{'layout':<20} {'image MB':>9} {'units':>5} {'ops kv/loop':>13} {'store GB/s':>11} "
+        f"{'restore GB/s':>13} {'loop GB/s':>10} {'memcpy GB/s':>12} {'kv/memcpy':>10} {'kv/loop':>8}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name in args.layouts:
+        r = bench(name, args.requests, args.unit_kib * 1024, args.repeats)
+        g = r["gbps"]
+        print(
+            f"{name:<20} {r['image_mb']:>9.2f} {r['units']:>5} {r['ops'][0]:>6}/{r['ops'][1]:<6} "
+            f"{g['kv']:>11.2f} {g['restore']:>13.2f} {g['loop']:>10.2f} {g['mem']:>12.2f} "
+            f"{g['kv'] / g['mem']:>9.2f}x {g['kv'] / g['loop']:>7.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()
