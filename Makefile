@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean venv
+.PHONY: demo test lint bench clean venv test-triton
 
 venv: $(STAMP)
 
@@ -27,6 +27,13 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_entry_copy.py
+	$(PY) benchmarks/bench_checkpoint.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .hypothesis
+
+# The Triton kernel under Triton's CPU interpreter (downloads Triton, ~0.5 GB;
+# not part of `make test`). On a CUDA machine tests/test_gpu.py runs it for real.
+test-triton: $(STAMP)
+	$(PY) -m pip install --quiet triton
+	TRITON_INTERPRET=1 $(PY) -m pytest -q tests/test_copy.py

@@ -1,3 +1,5 @@
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +12,13 @@ from kvarena.copy import (
     describe_batch,
     execute_batch,
     plan_segmented_copy,
+)
+from kvarena.copy.executor import triton_available
+
+# The Triton path runs here only under its interpreter (TRITON_INTERPRET=1);
+# on a GPU machine it runs for real in tests/test_gpu.py.
+PATHS = ["cpu", "torch"] + (
+    ["triton"] if triton_available() and os.environ.get("TRITON_INTERPRET") == "1" else []
 )
 
 
@@ -85,8 +94,9 @@ def test_describe_batch_and_refusals():
     st.integers(1, 40),
     st.integers(0, 2**31),
     st.sampled_from([64, 1 << 16]),
+    st.sampled_from(PATHS),
 )
-def test_execute_round_trip_and_sentinels(src_sizes, dst_sizes, copies, seed, large):
+def test_execute_round_trip_and_sentinels(src_sizes, dst_sizes, copies, seed, large, path):
     total = min(sum(src_sizes), sum(dst_sizes))
     plan = plan_segmented_copy(src_sizes, dst_sizes, total)
     rng = np.random.default_rng(seed)
@@ -96,8 +106,9 @@ def test_execute_round_trip_and_sentinels(src_sizes, dst_sizes, copies, seed, la
     src_buf = torch.from_numpy(rng.integers(0, 256, copies * len(src_sizes) * 256, dtype=np.uint8))
     dst_buf = torch.full((copies * len(dst_sizes) * 256,), 0xA5, dtype=torch.uint8)
     batch = describe_batch(plan, src_slots, dst_slots)
-    stats = execute_batch(batch, src_buf, dst_buf, large_span_bytes=large)
-    assert stats.nbytes == copies * total and stats.ops <= batch.num_spans
+    stats = execute_batch(batch, src_buf, dst_buf, large_span_bytes=large, path=path)
+    assert stats.nbytes == copies * total and stats.path == path
+    assert stats.ops <= 2 * batch.num_spans  # never per layer or field: at most 2 per span
     written = np.zeros(dst_buf.numel(), dtype=bool)
     for c in range(copies):
         stream = b"".join(
@@ -115,7 +126,7 @@ def test_execute_round_trip_and_sentinels(src_sizes, dst_sizes, copies, seed, la
     assert (dst_buf.numpy()[~written] == 0xA5).all()
     # Restore with the same plan, reversed, into a fresh source-shaped buffer.
     back = torch.zeros_like(src_buf)
-    execute_batch(describe_batch(plan.reversed(), dst_slots, src_slots), dst_buf, back)
+    execute_batch(describe_batch(plan.reversed(), dst_slots, src_slots), dst_buf, back, path=path)
     for c in range(copies):
         left = total
         for b, n in zip(src_slots[c], src_sizes, strict=True):
