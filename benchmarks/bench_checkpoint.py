@@ -13,11 +13,10 @@ Prints GB/s, ratios against memcpy and the loop, and the ops each issued.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
+from _timing import side_by_side
 
 from kvarena import EntryField, EntryMajorArena
 from kvarena.checkpoint import CheckpointSpec, PageUnits, restore, store
@@ -38,16 +37,6 @@ LAYOUTS: dict[str, Callable[[], list[EntryField]]] = {
     "deepseek-v4-flash": deepseek_v4_flash_state,
     "gemma-3 swa ring": sliding_window_ring,
 }
-
-
-def timed(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def bench(name: str, requests: int, unit_bytes: int, repeats: int) -> dict:
@@ -84,16 +73,22 @@ def bench(name: str, requests: int, unit_bytes: int, repeats: int) -> dict:
                     sep_dst[f.name][layer, r].copy_(sep_src[f.name][layer, r])
 
     nbytes = requests * spec.image_bytes
-    flat_a = torch.zeros(nbytes, dtype=torch.uint8)
+    # Filled, not zeros: untouched zero pages all map one shared page and read for free.
+    flat_a = torch.ones(nbytes, dtype=torch.uint8)
     flat_b = torch.zeros(nbytes, dtype=torch.uint8)
 
-    t_kv = timed(kv_store, repeats)
-    t_loop = timed(loop_store, repeats)
-    t_mem = timed(lambda: flat_b.copy_(flat_a), repeats)
-
-    # Restore into a fresh arena and check the carried bytes came back.
     back = EntryMajorArena(fields, requests, "cpu")
-    t_restore = timed(lambda: restore(spec, pages, units, back, slots), repeats)
+    t = side_by_side(
+        {
+            "kv": kv_store,
+            "restore": lambda: restore(spec, pages, units, back, slots),
+            "loop": loop_store,
+            "mem": lambda: flat_b.copy_(flat_a),
+        },
+        repeats,
+        torch.device("cpu"),
+    )
+    # The restored arena holds exactly the carried bytes.
     for f in carried:
         assert torch.equal(
             back.view(f.name).view(torch.uint8), state.view(f.name).view(torch.uint8)
@@ -104,10 +99,7 @@ def bench(name: str, requests: int, unit_bytes: int, repeats: int) -> dict:
         "image_mb": spec.image_bytes / 2**20,
         "units": spec.units_per_image,
         "ops": (ops["kvarena"], requests * sum(f.layers for f in carried)),
-        "gbps": {
-            k: nbytes / t / 1e9
-            for k, t in (("kv", t_kv), ("restore", t_restore), ("loop", t_loop), ("mem", t_mem))
-        },
+        "gbps": {k: nbytes / seconds / 1e9 for k, seconds in t.items()},
     }
 
 
@@ -115,7 +107,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--unit-kib", type=int, default=2048, help="PAGE unit size in KiB")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS))
     args = parser.parse_args()
     print(

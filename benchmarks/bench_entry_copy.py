@@ -13,31 +13,12 @@ Prints GB/s, ratios against memcpy and the number of copy ops issued.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
+from _timing import side_by_side
 
 from kvarena import EntryMajorArena, entry_bytes_for
 from kvarena.models import REFERENCE_STATES
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn: Callable[[], None], device: torch.device, repeats: int) -> float:
-    fn()  # warm-up: first touch of pages, allocator, caches
-    _sync(device)
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def bench_layout(name: str, requests: int, repeats: int, device: torch.device) -> dict:
@@ -72,15 +53,16 @@ def bench_layout(name: str, requests: int, repeats: int, device: torch.device) -
                 for layer in range(f.layers):
                     t[layer, d].copy_(t[layer, s])
 
-    flat_src = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    # Filled, not zeros: untouched zero pages all map one shared page and read for free.
+    flat_src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     flat_dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
 
     def memcpy() -> None:
         flat_dst.copy_(flat_src)
 
-    t_kv = timed(kvarena_copy, device, repeats)
-    t_loop = timed(per_layer_copy, device, repeats)
-    t_mem = timed(memcpy, device, repeats)
+    t = side_by_side(
+        {"kvarena": kvarena_copy, "loop": per_layer_copy, "memcpy": memcpy}, repeats, device
+    )
 
     # The copies must be right, not only fast.
     for f in fields:
@@ -94,16 +76,14 @@ def bench_layout(name: str, requests: int, repeats: int, device: torch.device) -
         "requests": requests,
         "kvarena_ops": requests,
         "loop_ops": requests * sum(f.layers for f in fields),
-        "gbps": {
-            k: nbytes / t / 1e9 for k, t in (("kvarena", t_kv), ("loop", t_loop), ("memcpy", t_mem))
-        },
+        "gbps": {k: nbytes / seconds / 1e9 for k, seconds in t.items()},
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--layouts", nargs="*", default=list(REFERENCE_STATES))
     args = parser.parse_args()

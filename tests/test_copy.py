@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from kvarena.copy import (
     CopyBatch,
     CopyBoundsError,
+    coalesce,
     describe_batch,
     execute_batch,
     plan_segmented_copy,
@@ -133,6 +134,22 @@ def test_execute_round_trip_and_sentinels(src_sizes, dst_sizes, copies, seed, la
             k = min(n, left)
             assert torch.equal(back[int(b) : int(b) + k], src_buf[int(b) : int(b) + k])
             left -= k
+
+
+def test_coalesce_merges_runs_continuing_on_both_sides():
+    src = np.array([100, 0, 10, 30], dtype=np.int64)
+    dst = np.array([600, 500, 510, 900], dtype=np.int64)
+    n = np.array([5, 10, 20, 4], dtype=np.int64)
+    s, d, k = coalesce(src, dst, n)
+    # [0,10)->500 and [10,30)->510 join; [30,34)->900 breaks on the destination side.
+    assert (s.tolist(), d.tolist(), k.tolist()) == ([0, 30, 100], [500, 900, 600], [30, 4, 5])
+    src_buf = torch.from_numpy(np.arange(256, dtype=np.uint8))
+    dst_buf = torch.zeros(1024, dtype=torch.uint8)
+    stats = execute_batch(CopyBatch(src, dst, n), src_buf, dst_buf)
+    assert stats.spans == 4 and stats.ops == 3  # one copy per coalesced run
+    assert dst_buf[500:530].tolist() == list(range(30)) and dst_buf[520:525].tolist() == list(
+        range(20, 25)
+    )
 
 
 def test_execute_refuses_before_writing():

@@ -1,6 +1,6 @@
 """Segmented copy plans (sizes only) and their batched execution (addresses)."""
 
-from .executor import CopyBoundsError, CopyStats, execute_batch, validate_batch
+from .executor import CopyBoundsError, CopyStats, coalesce, execute_batch, validate_batch
 from .plan import CopyBatch, SegmentedCopyPlan, describe_batch, plan_segmented_copy
 
 __all__ = [
@@ -8,6 +8,7 @@ __all__ = [
     "CopyBoundsError",
     "CopyStats",
     "SegmentedCopyPlan",
+    "coalesce",
     "describe_batch",
     "execute_batch",
     "plan_segmented_copy",

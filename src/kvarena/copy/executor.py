@@ -146,6 +146,27 @@ def _short_spans_torch(
     return 2
 
 
+def coalesce(
+    src: np.ndarray, dst: np.ndarray, length: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merge spans that continue each other on BOTH sides into one span.
+
+    Spans are ordered by source offset; span i+1 joins span i when it starts
+    where span i ends in the source and in the destination. Image units
+    handed out consecutively by an allocator collapse into one copy this way.
+    """
+    if src.size < 2:
+        return src, dst, length
+    order = np.argsort(src, kind="stable")
+    s, d, n = src[order], dst[order], length[order]
+    joins = (s[1:] == s[:-1] + n[:-1]) & (d[1:] == d[:-1] + n[:-1])
+    if not joins.any():
+        return s, d, n
+    head = np.concatenate(([True], ~joins))
+    run = np.cumsum(head) - 1
+    return s[head], d[head], np.bincount(run, weights=n).astype(np.int64)
+
+
 def execute_batch(
     batch: CopyBatch,
     src_buf: torch.Tensor,
@@ -165,8 +186,8 @@ def execute_batch(
         raise ValueError(f"execute_batch: path must be one of {_PATHS}, got {path!r}")
     validate_batch(batch, src_buf, dst_buf)
     keep = batch.length > 0
-    src, dst, length = batch.src[keep], batch.dst[keep], batch.length[keep]
-    spans, nbytes = int(src.size), int(length.sum())
+    spans, nbytes = int(keep.sum()), int(batch.length[keep].sum())
+    src, dst, length = coalesce(batch.src[keep], batch.dst[keep], batch.length[keep])
     if spans == 0:
         return CopyStats(0, 0, 0, "empty")
     if path == "auto":
