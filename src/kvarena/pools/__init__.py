@@ -1,0 +1,33 @@
+"""Pools: sizing from a budget, allocators, and one allocation with a movable boundary."""
+
+from .blocks import BlockAllocationError, BlockAllocator
+from .sizing import (
+    ClassPlan,
+    EntryClass,
+    PoolBudgetError,
+    PoolKind,
+    PoolPlan,
+    max_fitting_seqs,
+    merge_classes,
+    plan_pools,
+)
+from .states import StateAllocationError, StateAllocator
+from .unified import BoundaryMove, BoundaryMoveError, UnifiedCache
+
+__all__ = [
+    "BlockAllocationError",
+    "BlockAllocator",
+    "BoundaryMove",
+    "BoundaryMoveError",
+    "ClassPlan",
+    "EntryClass",
+    "PoolBudgetError",
+    "PoolKind",
+    "PoolPlan",
+    "StateAllocationError",
+    "StateAllocator",
+    "UnifiedCache",
+    "max_fitting_seqs",
+    "merge_classes",
+    "plan_pools",
+]

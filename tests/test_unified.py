@@ -1,0 +1,177 @@
+import math
+
+import pytest
+import torch
+
+from kvarena import EntryField
+from kvarena.pools import (
+    BlockAllocationError,
+    BlockAllocator,
+    BoundaryMoveError,
+    StateAllocator,
+    UnifiedCache,
+)
+
+PAGE = [EntryField("k", 2, (4, 8), torch.bfloat16), EntryField("v", 2, (4, 8), torch.bfloat16)]
+STATE = [
+    EntryField("ssm", 2, (2, 16, 8), torch.float32),
+    EntryField("score", 1, (8,), torch.float32, fill=-math.inf, in_checkpoint=False),
+]
+
+
+def make(**kw):
+    args = {"state_slots": 4, "entries_per_req": 1, "tokens_per_block": 16} | kw
+    return UnifiedCache(PAGE, STATE, 64 * 1024, "cpu", **args)
+
+
+def test_geometry_and_views():
+    c = make()
+    assert c.block_stride == 512 and c.slot_stride == 2304
+    assert c.total_slots == 64 * 1024 // 2304
+    # PAGE blocks end below the first STATE slot; views address the one buffer.
+    assert c.num_blocks * c.block_stride <= c.slot_base + c.slots.first * c.slot_stride
+    k = c.page_view("k")
+    assert k.shape == (2, c.max_blocks, 4, 8) and k.stride()[1] == 512 // 2
+    assert k[0, 3].data_ptr() == c.buf.data_ptr() + 3 * 512
+    ssm = c.state_view("ssm")
+    top = c.total_slots - 1
+    assert ssm[1, top].data_ptr() == c.buf.data_ptr() + c.slot_base + top * 2304 + 1024
+    # Only the pool's slots carry the fill; the rest of the buffer is zero.
+    assert (c.state_view("score")[0, c.slots.first :] == -math.inf).all()
+    assert not c.buf[: c.num_blocks * 512].any()
+
+
+def test_grow_relocates_live_blocks_one_copy_each_and_keeps_bytes():
+    evicted = []
+    c = make(on_evict=evicted.append)
+    blocks = c.blocks.allocate(c.num_blocks)
+    for b in blocks:
+        c.block_bytes_of(b).fill_(b % 251)
+    for b in blocks[:40]:
+        c.blocks.release(b)  # free low
+    high = blocks[-6:]
+    c.blocks.set_cached(high[0])
+    c.blocks.release(high[0])  # evictable at the top
+    k_before = c.page_view("k")
+    move = c.grow_state(2)
+    assert move.slots_after == 6 and move.blocks_after < move.blocks_before
+    assert high[0] in move.evicted_blocks and evicted == [high[0]]
+    assert set(move.block_remap) == {b for b in blocks[move.blocks_after :] if b != high[0]}
+    for old, new in move.block_remap.items():
+        assert new < move.blocks_after
+        assert (c.block_bytes_of(new) == old % 251).all()
+        assert c.blocks.refcount(new) == 1 and c.blocks.refcount(old) == 0
+    assert move.copies <= len(move.block_remap)  # one copy per block at most (runs coalesce)
+    assert c.page_view("k").data_ptr() == k_before.data_ptr()  # views stay valid
+    # New slots start from their fills, padding zero.
+    assert (c.state_view("score")[0, c.slots.first : c.slots.first + 2] == -math.inf).all()
+    assert not c.state_view("ssm")[:, c.slots.first].any()
+
+
+def test_shrink_relocates_live_states_upward_and_keeps_bytes():
+    c = make(state_slots=6)
+    reqs = [c.allocate_state(r)[0] for r in range(6)]  # fills top-down
+    for r, s in enumerate(reqs):
+        c.slot_bytes_of(s).fill_(r + 1)
+    c.free_state(0)
+    c.free_state(1)  # the two topmost are free now
+    first = c.slots.first
+    move = c.shrink_state(2)
+    assert set(move.slot_remap) == {first, first + 1}
+    for old, new in move.slot_remap.items():
+        r = reqs.index(old)
+        assert c.slots.slots_of(r) == (new,) and (c.slot_bytes_of(new) == r + 1).all()
+    assert move.blocks_after > move.blocks_before and c.blocks.num_free == move.blocks_after
+    assert not c.buf[move.blocks_before * 512 : move.blocks_after * 512].any()
+
+
+def test_refused_moves_change_nothing():
+    c = make()
+    c.blocks.allocate(c.num_blocks)
+    c.allocate_state("a")
+    before = c.buf.clone()
+    with pytest.raises(BoundaryMoveError, match="live blocks sit above") as info:
+        c.grow_state(1)
+    assert info.value.needed > info.value.available == 0
+    with pytest.raises(BoundaryMoveError, match="only 4 slots"):
+        c.shrink_state(5)
+    for r in "bcd":
+        c.allocate_state(r)
+    with pytest.raises(
+        BoundaryMoveError, match="4 live states sit in the released slots but only 0"
+    ):
+        c.shrink_state(4)
+    assert torch.equal(c.buf, before) and c.num_blocks == c.blocks.num_live
+    with pytest.raises(BoundaryMoveError, match="slots remain below"):
+        c.grow_state(c.slots.first + 1)
+
+
+def test_layer_major_pages_have_a_fixed_boundary():
+    c = make(page_layout="layer_major")
+    k = c.page_view("k")
+    assert k.shape == (2, c.num_blocks, 4, 8) and k[0].is_contiguous()
+    assert c.num_blocks * c.block_bytes <= c.slot_base + c.slots.first * c.slot_stride
+    with pytest.raises(BoundaryMoveError, match="boundary is fixed"):
+        c.grow_state(1)
+    with pytest.raises(ValueError, match="no contiguous block"):
+        c.block_bytes_of(0)
+
+
+def test_rebalance_follows_demand():
+    c = make()
+    blocks = c.blocks.allocate(20)
+    for r in range(4):
+        c.allocate_state(r)  # every slot busy
+    move = c.rebalance(waiting_requests=3, blocks_needed=10)
+    assert move is not None and move.slots_after == 4 + 3 and not move.block_remap
+    assert c.blocks.num_free >= 10
+    assert c.rebalance(waiting_requests=0, blocks_needed=0) is None
+    # Demand that would leave fewer than blocks_needed obtainable is not granted.
+    assert c.rebalance(waiting_requests=3 + c.slots.first, blocks_needed=c.num_blocks) is None
+    for b in blocks:
+        c.blocks.release(b)
+    for r in range(4):
+        c.free_state(r)
+    move = c.rebalance(waiting_requests=0, blocks_needed=c.num_blocks + 5)
+    assert move is not None and move.blocks_after >= move.blocks_before + 5
+
+
+def test_block_allocator_rules():
+    evicted = []
+    a = BlockAllocator(4, on_evict=evicted.append)
+    assert a.allocate(2) == [0, 1]
+    a.retain(0)
+    a.release(0)
+    assert a.refcount(0) == 1
+    a.set_cached(1)
+    a.release(1)
+    assert a.is_evictable(1) and a.num_free == 2
+    a.retain(1)  # a prefix hit revives it
+    assert a.refcount(1) == 1 and not a.is_evictable(1)
+    a.release(1)
+    assert a.allocate(3) == [1, 2, 3] and evicted == [1]  # LRU eviction, then lowest ids
+    with pytest.raises(
+        BlockAllocationError, match="wanted 1 blocks but only 0 are free and 0 evictable"
+    ):
+        a.allocate(1)
+    with pytest.raises(ValueError, match=r"out of range; legal: 0\.\.3"):
+        a.release(7)
+    a.release(3)
+    with pytest.raises(ValueError, match="not live"):
+        a.release(3)
+    with pytest.raises(ValueError, match="blocks \\[2\\] are not free"):
+        a.shrink(2)
+
+
+def test_state_allocator_groups_topmost_first():
+    s = StateAllocator(total=10, live=6, entries_per_req=2)
+    assert s.allocate("a") == (9, 8) and s.allocate("b") == (7, 6)
+    s.free("a")
+    assert s.allocate("c") == (9, 8)
+    with pytest.raises(ValueError, match="already holds"):
+        s.allocate("c")
+    s.allocate("d")
+    from kvarena.pools import StateAllocationError
+
+    with pytest.raises(StateAllocationError, match="needs 2 state slots but only 0"):
+        s.allocate("e")
