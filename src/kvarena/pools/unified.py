@@ -18,10 +18,8 @@ import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from ..copy import CopyBatch, execute_batch
 from ..layout import (
     EntryField,
     EntryMajorArena,
@@ -212,15 +210,12 @@ class UnifiedCache:
     def _copy(
         self, moves: list[tuple[int, int]], stride: int, nbytes: int, base: int
     ) -> tuple[int, int]:
-        if not moves:
-            return 0, 0
-        old = np.array([m[0] for m in moves], dtype=np.int64)
-        new = np.array([m[1] for m in moves], dtype=np.int64)
-        batch = CopyBatch(
-            base + old * stride, base + new * stride, np.full(old.size, nbytes, dtype=np.int64)
-        )
-        stats = execute_batch(batch, self.buf, self.buf)
-        return stats.ops, stats.nbytes
+        """One contiguous copy per moved entry. Sources lie in the released
+        range and targets outside it, so no copy reads bytes another wrote."""
+        for old, new in moves:
+            src, dst = base + old * stride, base + new * stride
+            self.buf[dst : dst + nbytes].copy_(self.buf[src : src + nbytes])
+        return len(moves), len(moves) * nbytes
 
     # -- the movable boundary --------------------------------------------------
     def plan_grow_state(self, n: int) -> tuple[int, list[int], list[int], list[int]]:
