@@ -63,9 +63,17 @@ def test_grow_relocates_live_blocks_one_copy_each_and_keeps_bytes():
         assert c.blocks.refcount(new) == 1 and c.blocks.refcount(old) == 0
     assert move.copies <= len(move.block_remap)  # one copy per block at most (runs coalesce)
     assert c.page_view("k").data_ptr() == k_before.data_ptr()  # views stay valid
-    # New slots start from their fills, padding zero.
-    assert (c.state_view("score")[0, c.slots.first : c.slots.first + 2] == -math.inf).all()
-    assert not c.state_view("ssm")[:, c.slots.first].any()
+    # A request on a slot won from PAGE starts from the fills, padding zero.
+    slot = c.allocate_state("new")[0]
+    assert c.slots.first <= slot and c.slots.is_free(slot) is False
+    c.free_state("new")
+    c.slot_bytes_of(c.slots.first).fill_(0xEE)  # stale bytes in a free slot
+    while c.slots.num_free:
+        last = c.allocate_state(("r", c.slots.num_free))[0]
+    assert last == c.slots.first
+    assert (c.state_view("score")[0, last] == -math.inf).all()
+    raw = c.slot_bytes_of(last)
+    assert not raw[: c.state.field_offset("score")].any()
 
 
 def test_shrink_relocates_live_states_upward_and_keeps_bytes():
@@ -82,7 +90,11 @@ def test_shrink_relocates_live_states_upward_and_keeps_bytes():
         r = reqs.index(old)
         assert c.slots.slots_of(r) == (new,) and (c.slot_bytes_of(new) == r + 1).all()
     assert move.blocks_after > move.blocks_before and c.blocks.num_free == move.blocks_after
-    assert not c.buf[move.blocks_before * 512 : move.blocks_after * 512].any()
+    # The blocks won are addressable through the same page view.
+    assert (
+        c.page_view("k")[:, move.blocks_after - 1].data_ptr()
+        == c.buf.data_ptr() + (move.blocks_after - 1) * 512
+    )
 
 
 def test_refused_moves_change_nothing():

@@ -1,6 +1,7 @@
 """Segmented copy plans (sizes only) and their batched execution (addresses)."""
 
-from .executor import CopyBoundsError, CopyStats, coalesce, execute_batch, validate_batch
+from ..spans import coalesce
+from .executor import CopyBoundsError, CopyStats, execute_batch, validate_batch
 from .plan import CopyBatch, SegmentedCopyPlan, describe_batch, plan_segmented_copy
 
 __all__ = [

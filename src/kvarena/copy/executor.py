@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from ..layout.regions import check_byte_buffer
+from ..spans import coalesce
 from .plan import CopyBatch
 
 LARGE_SPAN_BYTES = 128 * 1024
@@ -144,27 +145,6 @@ def _short_spans_torch(
     d_idx = torch.from_numpy(d // w).to(src.device, non_blocking=True)
     dst_rows.index_copy_(0, d_idx, src_rows.index_select(0, s_idx))
     return 2
-
-
-def coalesce(
-    src: np.ndarray, dst: np.ndarray, length: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Merge spans that continue each other on BOTH sides into one span.
-
-    Spans are ordered by source offset; span i+1 joins span i when it starts
-    where span i ends in the source and in the destination. Image units
-    handed out consecutively by an allocator collapse into one copy this way.
-    """
-    if src.size < 2:
-        return src, dst, length
-    order = np.argsort(src, kind="stable")
-    s, d, n = src[order], dst[order], length[order]
-    joins = (s[1:] == s[:-1] + n[:-1]) & (d[1:] == d[:-1] + n[:-1])
-    if not joins.any():
-        return s, d, n
-    head = np.concatenate(([True], ~joins))
-    run = np.cumsum(head) - 1
-    return s[head], d[head], np.bincount(run, weights=n).astype(np.int64)
 
 
 def execute_batch(

@@ -18,6 +18,7 @@ import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..layout import (
@@ -29,6 +30,7 @@ from ..layout import (
     strictest_alignment,
 )
 from ..layout.regions import align_up
+from ..spans import coalesce
 from .blocks import BlockAllocator
 from .states import StateAllocator
 
@@ -178,14 +180,19 @@ class UnifiedCache:
 
     # -- requests --------------------------------------------------------------
     def allocate_state(self, request: Hashable) -> tuple[int, ...]:
-        return self.slots.allocate(request)
+        """Slots for a new request, reset to the fields' fills (padding zero).
 
-    def free_state(self, request: Hashable) -> tuple[int, ...]:
-        """Free a request's slots and reset them to the fields' fills."""
-        slots = self.slots.free(request)
+        Slots are reset here, when they are handed out, rather than when they
+        are freed or won from the PAGE pool: whatever a slot held before (a
+        finished request, KV bytes), a request always starts from a clean state.
+        """
+        slots = self.slots.allocate(request)
         for s in slots:
             self._reset_slot(s)
         return slots
+
+    def free_state(self, request: Hashable) -> tuple[int, ...]:
+        return self.slots.free(request)
 
     def _reset_slot(self, slot: int) -> None:
         self.state.entry(slot).zero_()
@@ -210,12 +217,22 @@ class UnifiedCache:
     def _copy(
         self, moves: list[tuple[int, int]], stride: int, nbytes: int, base: int
     ) -> tuple[int, int]:
-        """One contiguous copy per moved entry. Sources lie in the released
-        range and targets outside it, so no copy reads bytes another wrote."""
-        for old, new in moves:
-            src, dst = base + old * stride, base + new * stride
-            self.buf[dst : dst + nbytes].copy_(self.buf[src : src + nbytes])
-        return len(moves), len(moves) * nbytes
+        """One contiguous copy per moved entry, or per run of entries that are
+        consecutive on both sides (when ``nbytes`` fills the stride). Sources
+        lie in the released range and targets outside it, so no copy reads
+        bytes another one wrote."""
+        if not moves:
+            return 0, 0
+        pairs = np.array(moves, dtype=np.int64)
+        src, dst, length = (
+            base + pairs[:, 0] * stride,
+            base + pairs[:, 1] * stride,
+            np.full(len(moves), nbytes),
+        )
+        src, dst, length = coalesce(src, dst, length)
+        for s, d, n in zip(src.tolist(), dst.tolist(), length.tolist(), strict=True):
+            self.buf[d : d + n].copy_(self.buf[s : s + n])
+        return int(src.size), len(moves) * nbytes
 
     # -- the movable boundary --------------------------------------------------
     def plan_grow_state(self, n: int) -> tuple[int, list[int], list[int], list[int]]:
@@ -265,12 +282,7 @@ class UnifiedCache:
         for old, new in moves:
             self.blocks.move(old, new)
         self.blocks.shrink(new_blocks)
-        old_boundary = self._boundary(self.slots.first)
         self.slots.grow(n)
-        new_boundary = self._boundary(self.slots.first)
-        self.buf[new_boundary:old_boundary].zero_()
-        for s in range(self.slots.first, self.slots.first + n):
-            self._reset_slot(s)
         return BoundaryMove(
             before[0], self.blocks.capacity, before[1], self.slots.capacity,
             dict(moves), {}, tuple(free), tuple(evicted), ops, copied,
@@ -303,10 +315,7 @@ class UnifiedCache:
         ops, copied = self._copy(moves, self.slot_stride, self.slot_bytes, self.slot_base)
         for old, new in moves:
             self.slots.move(old, new)
-        old_boundary = self._boundary(first)
         self.slots.shrink(n)
-        new_boundary = self._boundary(self.slots.first)
-        self.buf[old_boundary:new_boundary].zero_()
         old_blocks = self.blocks.capacity
         self.blocks.grow(self._blocks_below(self.slots.first))
         self._fill_pages(old_blocks, self.blocks.capacity)
