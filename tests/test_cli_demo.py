@@ -37,7 +37,7 @@ def test_deepseek_v4_flash_state_rings():
 def test_demo_checks_all_hold_for_every_model():
     for model, tp in (("qwen3-next-80b-a3b", 8), ("mamba2-2.7b", 8), ("deepseek-v4-flash", 1)):
         checks = list(run_demo(DemoConfig(model=model, tp=tp, requests=2), torch.device("cpu")))
-        assert len(checks) == 8
+        assert len(checks) == 10
         assert all(c.ok for c in checks), [c for c in checks if not c.ok]
 
 

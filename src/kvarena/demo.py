@@ -26,6 +26,7 @@ from .layout import (
 )
 from .layout.regions import align_up
 from .models import states
+from .pools import EntryClass, PoolKind, UnifiedCache, plan_pools
 
 
 @dataclass(frozen=True)
@@ -190,6 +191,8 @@ def run_demo(config: DemoConfig, device: torch.device) -> Iterator[Check]:
         f"rows {rows} over widths {widths}: {[[f.name for f in g] for g in per_plane]}",
     )
 
+    yield from _unified_checks(fields, device, gen)
+
     # Layer-major regions carved from one buffer, as paged KV kernels want them.
     kv = [
         [
@@ -214,6 +217,69 @@ def run_demo(config: DemoConfig, device: torch.device) -> Iterator[Check]:
         "layer-major carve",
         contiguous_ok and disjoint_ok,
         f"{len(kv)} regions over {total:,} B, each layer contiguous",
+    )
+
+
+def _unified_checks(
+    fields: list[EntryField], device: torch.device, gen: torch.Generator
+) -> Iterator[Check]:
+    """Plan a budget, carve one buffer, move the boundary both ways under load."""
+    page = [
+        EntryField("k", 12, (16, 1, 256), torch.bfloat16),
+        EntryField("v", 12, (16, 1, 256), torch.bfloat16),
+    ]
+    # Room for the PAGE blocks and ~16 state slots, so STATE can grow by 6.
+    budget = max(96 << 20, 16 * align_up(entry_bytes_for(fields), strictest_alignment(fields)))
+    classes = [
+        EntryClass(
+            PoolKind.PAGE, "attention", align_up(entry_bytes_for(page)), tokens_per_entry=16
+        ),
+        EntryClass(
+            PoolKind.STATE, "gdn", align_up(entry_bytes_for(fields), strictest_alignment(fields))
+        ),
+    ]
+    plan = plan_pools(classes, budget, 4)
+    cache = UnifiedCache(
+        page, fields, budget, device, state_slots=plan.of("gdn").entries, tokens_per_block=16
+    )
+    yield Check(
+        "pool plan",
+        cache.num_blocks >= plan.of("attention").entries - 1
+        and cache.num_slots == plan.of("gdn").entries,
+        f"{budget >> 20} MiB: {cache.num_blocks} blocks ({cache.token_capacity:,} tokens), "
+        f"{cache.num_slots} state slots, {plan.unused_bytes:,} B unused",
+    )
+    blocks = cache.blocks.allocate(cache.num_blocks)
+    seeds = {}
+    for b in blocks[::2]:
+        cache.blocks.release(b)  # fragment: every other block free
+    for b in blocks[1::2]:
+        seeds[b] = int(torch.randint(0, 256, (1,), generator=gen))
+        cache.block_bytes_of(b).fill_(seeds[b])
+    reqs = {r: cache.allocate_state(r)[0] for r in range(cache.num_slots)}
+    for r, slot in reqs.items():
+        cache.slot_bytes_of(slot).fill_(r + 1)
+    grow = cache.grow_state(6)
+    seeds = {grow.block_remap.get(b, b): v for b, v in seeds.items()}
+    blocks_ok = all(bool((cache.block_bytes_of(b) == v).all()) for b, v in seeds.items())
+    # Fill the slots won from PAGE, then finish the original (topmost) requests:
+    # the live states now sit at the bottom, where a shrink releases slots.
+    extra = {r: cache.allocate_state(r)[0] for r in range(100, 100 + cache.slots.num_free)}
+    for r in reqs:
+        cache.free_state(r)
+    survivors = extra
+    for r, slot in survivors.items():
+        cache.slot_bytes_of(slot).fill_(r % 251)
+    shrink = cache.shrink_state(len(reqs))
+    states_ok = all(
+        bool((cache.slot_bytes_of(shrink.slot_remap.get(s, s)) == r % 251).all())
+        for r, s in survivors.items()
+    )
+    yield Check(
+        "boundary moves",
+        blocks_ok and states_ok and bool(grow.block_remap) and bool(shrink.slot_remap),
+        f"grow +6 slots: {len(grow.block_remap)} live blocks relocated in {grow.copies} copies; "
+        f"shrink: {len(shrink.slot_remap)} live states relocated; every byte followed its remap",
     )
 
 
