@@ -28,6 +28,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_entry_copy.py
 	$(PY) benchmarks/bench_checkpoint.py
+	$(PY) benchmarks/bench_boundary.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .hypothesis

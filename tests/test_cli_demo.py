@@ -75,3 +75,12 @@ def test_readme_api_tour_runs():
     scope = runpy.run_path(str(tour))
     assert scope["k"].shape == (32, 1024, 16, 8, 128) and scope["k"][0].is_contiguous()
     assert scope["pool"].live_entries == 4
+
+
+def test_checkpoint_and_pools_example_runs():
+    import pathlib
+    import runpy
+
+    example = pathlib.Path(__file__).parent.parent / "examples" / "checkpoint_and_pools.py"
+    scope = runpy.run_path(str(example))
+    assert scope["plan"].of("gdn").entries == 16 and scope["cache"].num_slots == 20

@@ -16,8 +16,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from kvarena import EntryField
 from kvarena.pools import BoundaryMoveError, UnifiedCache
 
-EXAMPLES = int(os.environ.get("KVARENA_STATEFUL_EXAMPLES", "40"))
-STEPS = 60  # 40 examples of up to 60 steps: over 2,000 steps by default
+EXAMPLES = int(os.environ.get("KVARENA_STATEFUL_EXAMPLES", "50"))
+STEPS = 60  # 50 examples of up to 60 steps: about 3,000 steps by default
 
 PAGE_FIELDS = [
     EntryField("k", 2, (4, 8), torch.bfloat16),
