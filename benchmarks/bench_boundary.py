@@ -18,23 +18,15 @@ import time
 
 import torch
 
-from kvarena import EntryField, UnifiedCache
-from kvarena.models import qwen3_next_gdn_state
-
-
-def attention_block(tp: int = 8, block_size: int = 16) -> list[EntryField]:
-    """Qwen3-Next's 12 full-attention layers: 2 KV heads of 256 (TP <= 2 splits them)."""
-    heads = max(1, 2 // tp)
-    return [
-        EntryField("k", 12, (block_size, heads, 256), torch.bfloat16),
-        EntryField("v", 12, (block_size, heads, 256), torch.bfloat16),
-    ]
+from kvarena import UnifiedCache
+from kvarena.models import ServingOptions, model_cache
 
 
 def one_round(budget: int, grow: int, pattern: str) -> tuple[float, float, int, int, int]:
+    model = model_cache("qwen3-next-80b-a3b", ServingOptions(tp=8))
     cache = UnifiedCache(
-        attention_block(),
-        qwen3_next_gdn_state(tp=8),
+        model.page_fields,
+        model.state_fields,
         budget,
         "cpu",
         state_slots=8,

@@ -20,22 +20,19 @@ from _timing import side_by_side
 
 from kvarena import EntryField, EntryMajorArena
 from kvarena.checkpoint import CheckpointSpec, PageUnits, restore, store
-from kvarena.models import deepseek_v4_flash_state, mamba2_state, qwen3_next_gdn_state
+from kvarena.models import ServingOptions, model_cache
 
 
-def sliding_window_ring() -> list[EntryField]:
-    """Gemma-3-27B's 52 local layers as a 1024-token K/V ring, TP 16 (1 KV head)."""
-    return [
-        EntryField("k_ring", 52, (1024, 1, 128), torch.bfloat16),
-        EntryField("v_ring", 52, (1024, 1, 128), torch.bfloat16),
-    ]
+def _states(model: str, tp: int = 1) -> Callable[[], list[EntryField]]:
+    return lambda: list(model_cache(model, ServingOptions(tp=tp)).state_fields)
 
 
 LAYOUTS: dict[str, Callable[[], list[EntryField]]] = {
-    "qwen3-next gdn tp8": lambda: qwen3_next_gdn_state(tp=8),
-    "mamba2-2.7b tp8": lambda: mamba2_state(tp=8),
-    "deepseek-v4-flash": deepseek_v4_flash_state,
-    "gemma-3 swa ring": sliding_window_ring,
+    "qwen3-next gdn tp8": _states("qwen3-next-80b-a3b", 8),
+    "mamba2-2.7b tp8": _states("mamba2-2.7b", 8),
+    "deepseek-v4-flash": _states("deepseek-v4-flash"),
+    # Gemma-3-27B's 52 local layers as a 1024-token K/V ring (TP 16: one KV head).
+    "gemma-3 swa ring": _states("gemma-3-27b", 16),
 }
 
 

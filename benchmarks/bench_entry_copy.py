@@ -18,11 +18,13 @@ import torch
 from _timing import side_by_side
 
 from kvarena import EntryMajorArena, entry_bytes_for
-from kvarena.models import REFERENCE_STATES
+from kvarena.models import model_cache
+
+LAYOUTS = ("qwen3-next-80b-a3b", "mamba2-2.7b", "deepseek-v4-flash")
 
 
 def bench_layout(name: str, requests: int, repeats: int, device: torch.device) -> dict:
-    fields = REFERENCE_STATES[name]()
+    fields = list(model_cache(name).state_fields)
     slots = 2 * requests
     src = list(range(requests))
     dst = list(range(requests, slots))
@@ -85,7 +87,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--layouts", nargs="*", default=list(REFERENCE_STATES))
+    parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS))
     args = parser.parse_args()
     device = torch.device(args.device)
     print(

@@ -8,7 +8,7 @@ from kvarena import EntryMajorArena, align_up, strictest_alignment
 from kvarena.checkpoint import CheckpointSpec, PageUnits, restore, store
 from kvarena.copy import describe_batch, execute_batch, plan_segmented_copy
 from kvarena.copy.executor import triton_available
-from kvarena.models import deepseek_v4_flash_state
+from kvarena.models import model_cache
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA_PATHS = ["torch"] + (["triton"] if triton_available() else [])
@@ -50,7 +50,7 @@ def test_cuda_round_trip_bytes_and_sentinels(path, unit):
 
 def test_cuda_checkpoint_round_trip():
     dev = torch.device("cuda")
-    fields = deepseek_v4_flash_state()
+    fields = list(model_cache("deepseek-v4-flash").state_fields)
     stride = align_up(sum(f.bytes_per_entry for f in fields) + 4096, strictest_alignment(fields))
     state = EntryMajorArena(fields, 8, dev, slot_stride=stride)
     for f in fields:

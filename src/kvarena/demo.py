@@ -25,7 +25,7 @@ from .layout import (
     strictest_alignment,
 )
 from .layout.regions import align_up
-from .models import states
+from .models import ServingOptions, model_cache
 from .pools import EntryClass, PoolKind, UnifiedCache, plan_pools
 
 
@@ -47,16 +47,14 @@ class DemoConfig:
 
 
 def state_fields(model: str, tp: int) -> list[EntryField]:
-    """The state declaration of a built-in model at tensor-parallel size ``tp``."""
-    if model == "qwen3-next-80b-a3b":
-        return states.qwen3_next_gdn_state(tp=tp)
-    if model == "mamba2-2.7b":
-        return states.mamba2_state(tp=tp)
-    if model == "deepseek-v4-flash":
-        if tp != 1:
-            raise ValueError("deepseek-v4-flash states are per request, not split by TP; use tp=1")
-        return states.deepseek_v4_flash_state()
-    raise ValueError(f"unknown model {model!r}; built-in: {sorted(states.REFERENCE_STATES)}")
+    """The per-request state declaration of a model (preset name or config path)."""
+    cache = model_cache(model, ServingOptions(tp=tp))
+    if not cache.state_fields:
+        raise ValueError(
+            f"{model} keeps no per-request state (only paged KV); the demo needs a model with "
+            "states, e.g. qwen3-next-80b-a3b, mamba2-2.7b, nemotron-h-8b, deepseek-v4-flash"
+        )
+    return list(cache.state_fields)
 
 
 def _entry_image(arena: EntryMajorArena, i: int) -> bytes:

@@ -1,10 +1,25 @@
-"""Field declarations of real models' per-request states."""
+"""Model presets: cache declarations derived from Hugging Face configs."""
 
-from .states import (
-    REFERENCE_STATES,
-    deepseek_v4_flash_state,
-    mamba2_state,
-    qwen3_next_gdn_state,
+from .presets import (
+    KV_DTYPES,
+    PRESETS,
+    STATE_DTYPES,
+    ModelCache,
+    ServingOptions,
+    UnknownModelError,
+    detect_family,
+    load_config,
+    model_cache,
 )
 
-__all__ = ["REFERENCE_STATES", "deepseek_v4_flash_state", "mamba2_state", "qwen3_next_gdn_state"]
+__all__ = [
+    "KV_DTYPES",
+    "PRESETS",
+    "STATE_DTYPES",
+    "ModelCache",
+    "ServingOptions",
+    "UnknownModelError",
+    "detect_family",
+    "load_config",
+    "model_cache",
+]

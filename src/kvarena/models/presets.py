@@ -1,0 +1,489 @@
+"""Cache declarations derived from a Hugging Face ``config.json``.
+
+A preset turns a model's config (a dict, a path, or a built-in name whose
+fixture ships with the package; never a hub download) and the serving options
+(tensor-parallel size, KV and state dtypes, block size, speculative tokens)
+into kvarena declarations: the fields of one PAGE block (``block_size`` tokens
+of every paged layer) and the fields of one request's STATE entry.
+
+Shapes follow what the serving engines allocate (vLLM's shape calculators and
+ATOM's DeepSeek-V4 layout), and every byte count is checked against the
+published numbers in ``shared/reference/model_cache_facts.json`` by the tests.
+Conventions worth knowing:
+
+- ``kv_dtype="fp8"`` is float8_e4m3fn with per-tensor scales kept outside the
+  cache (vLLM's default); ``"fp8_ds_mla"`` is the packed MLA row with its
+  scales inside (656 B per token for DeepSeek-V3, 584 B per row for V4).
+- ``state_dtype`` sets the recurrent / SSM state; conv states keep the model
+  dtype. ``"auto"`` is the model's ``torch_dtype``, except where the family
+  keeps the state in fp32 (Kimi's KDA recurrent state).
+- Speculative tokens give each request ``1 + spec_tokens`` state entries
+  (rollback copies); DeepSeek-V4 also widens its rings by ``spec_tokens`` rows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..layout import EntryField
+
+PRESETS = (
+    "llama-3.1-8b",
+    "qwen3-8b",
+    "gemma-3-27b",
+    "deepseek-v3",
+    "qwen3-next-80b-a3b",
+    "mamba2-2.7b",
+    "nemotron-h-8b",
+    "kimi-linear-48b-a3b",
+    "deepseek-v4-flash",
+)
+
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+}
+KV_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_ds_mla")
+STATE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+class UnknownModelError(ValueError):
+    """A config whose family kvarena has no preset for."""
+
+
+@dataclass(frozen=True)
+class ServingOptions:
+    """How the model is served. ``block_size=None`` takes the family default
+    (16 tokens; 64 for MLA, FlashMLA's alignment; 256 for DeepSeek-V4)."""
+
+    tp: int = 1
+    kv_dtype: str = "auto"
+    state_dtype: str = "auto"
+    block_size: int | None = None
+    spec_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        for what, v, lo in (("tp", self.tp, 1), ("spec_tokens", self.spec_tokens, 0)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{what} must be an int >= {lo}, got {v!r}")
+        if self.block_size is not None and (
+            isinstance(self.block_size, bool)
+            or not isinstance(self.block_size, int)
+            or self.block_size < 1
+        ):
+            raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype {self.kv_dtype!r} unknown; legal: {', '.join(KV_DTYPES)}")
+        if self.state_dtype not in STATE_DTYPES:
+            raise ValueError(
+                f"state_dtype {self.state_dtype!r} unknown; legal: {', '.join(STATE_DTYPES)}"
+            )
+
+
+@dataclass(frozen=True)
+class ModelCache:
+    """The cache of one model under given serving options.
+
+    ``attention_layers`` / ``state_layers`` count the paged layers and the
+    layers holding a per-request recurrent state; ``state_bytes_per_layer`` is
+    one such layer's state (vLLM's mamba page), ``kernel_block_align`` the
+    attention kernel's block-size multiple (16, or 64 for MLA).
+    """
+
+    name: str
+    family: str
+    options: ServingOptions
+    block_size: int
+    page_fields: tuple[EntryField, ...]
+    state_fields: tuple[EntryField, ...]
+    attention_layers: int
+    state_layers: int
+    state_bytes_per_layer: int
+    kernel_block_align: int
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def entries_per_req(self) -> int:
+        return 1 + self.options.spec_tokens
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Paged bytes one token adds, over every paged layer."""
+        return sum(f.bytes_per_entry for f in self.page_fields) // self.block_size
+
+    @property
+    def kv_bytes_per_token_per_layer(self) -> int:
+        return self.kv_bytes_per_token // self.attention_layers if self.attention_layers else 0
+
+    @property
+    def state_bytes(self) -> int:
+        """One request state's field bytes (one entry; rollback copies not counted)."""
+        return sum(f.bytes_per_entry for f in self.state_fields)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.attention_layers > 0 and self.state_layers > 0
+
+
+def load_config(source: str | Path | Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """``(name, config)`` from a built-in preset name, a ``config.json`` path or a dict."""
+    if isinstance(source, Mapping):
+        return str(source.get("_name_or_path", source.get("model_type", "config"))), dict(source)
+    text = str(source)
+    if text in PRESETS:
+        data = resources.files("kvarena.models").joinpath("configs", f"{text}.json").read_text()
+        return text, json.loads(data)
+    path = Path(text)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise UnknownModelError(
+            f"unknown model {text!r}: not a built-in preset ({', '.join(PRESETS)}) nor a config.json path"
+        )
+    try:
+        return path.parent.name or path.stem, json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UnknownModelError(f"{path} is not valid JSON: {exc}") from None
+
+
+_FAMILY_BY_TYPE = {
+    "llama": "gqa",
+    "mistral": "gqa",
+    "qwen2": "gqa",
+    "qwen3": "gqa",
+    "gemma3": "gemma3",
+    "gemma3_text": "gemma3",
+    "deepseek_v2": "mla",
+    "deepseek_v3": "mla",
+    "qwen3_next": "qwen3_next",
+    "mamba2": "mamba2",
+    "nemotron_h": "nemotron_h",
+    "kimi_linear": "kimi_linear",
+    "deepseek_v4": "deepseek_v4",
+}
+_FAMILY_BY_ARCH = {
+    "LlamaForCausalLM": "gqa",
+    "MistralForCausalLM": "gqa",
+    "Qwen2ForCausalLM": "gqa",
+    "Qwen3ForCausalLM": "gqa",
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",
+    "DeepseekV3ForCausalLM": "mla",
+    "DeepseekV2ForCausalLM": "mla",
+    "Qwen3NextForCausalLM": "qwen3_next",
+    "Mamba2ForCausalLM": "mamba2",
+    "NemotronHForCausalLM": "nemotron_h",
+    "KimiLinearForCausalLM": "kimi_linear",
+    "DeepseekV4ForCausalLM": "deepseek_v4",
+}
+
+
+def detect_family(config: Mapping[str, Any]) -> str:
+    """The preset family from ``model_type``, then ``architectures``."""
+    family = _FAMILY_BY_TYPE.get(str(config.get("model_type", "")))
+    if family is None:
+        for arch in config.get("architectures") or []:
+            family = _FAMILY_BY_ARCH.get(arch)
+            if family:
+                break
+    if family is None and (config.get("ssm_cfg") or {}).get("layer") == "Mamba2":
+        family = "mamba2"  # mamba_ssm-format configs name neither
+    if family is None:
+        raise UnknownModelError(
+            f"unknown model family: model_type={config.get('model_type')!r}, "
+            f"architectures={config.get('architectures')!r}; supported model_types: "
+            f"{', '.join(sorted(_FAMILY_BY_TYPE))}"
+        )
+    return family
+
+
+# -- helpers -------------------------------------------------------------------
+
+
+def _model_dtype(config: Mapping[str, Any]) -> torch.dtype:
+    name = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+    if name not in _DTYPES:
+        raise ValueError(f"config torch_dtype {name!r} unsupported; legal: {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def _kv_dtype(opts: ServingOptions, model: torch.dtype, *, packed_mla: bool = False) -> torch.dtype:
+    if opts.kv_dtype == "auto":
+        return model
+    if opts.kv_dtype == "fp8":
+        return torch.float8_e4m3fn
+    if opts.kv_dtype == "fp8_ds_mla":
+        if not packed_mla:
+            raise ValueError("kv_dtype 'fp8_ds_mla' is an MLA format; use 'fp8' for this model")
+        return torch.uint8
+    return _DTYPES[opts.kv_dtype]
+
+
+def _state_dtype(opts: ServingOptions, default: torch.dtype) -> torch.dtype:
+    return default if opts.state_dtype == "auto" else _DTYPES[opts.state_dtype]
+
+
+def _split(n: int, tp: int, what: str) -> int:
+    if n % tp:
+        raise ValueError(f"{what} = {n} is not divisible by tensor-parallel size {tp}")
+    return n // tp
+
+
+def _kv_heads(n: int, tp: int) -> int:
+    """KV heads per rank: split when they divide, replicated when tp exceeds them."""
+    if tp >= n:
+        return 1
+    return _split(n, tp, "num_key_value_heads")
+
+
+def _block(opts: ServingOptions, default: int) -> int:
+    return opts.block_size or default
+
+
+def _kv_fields(
+    layers: int, block: int, heads: int, head_dim: int, dtype: torch.dtype
+) -> list[EntryField]:
+    return [
+        EntryField("k", layers, (block, heads, head_dim), dtype),
+        EntryField("v", layers, (block, heads, head_dim), dtype),
+    ]
+
+
+def _per_layer(fields: list[EntryField]) -> int:
+    return sum(f.bytes_per_layer for f in fields)
+
+
+def _mamba2_fields(
+    layers: int, heads: int, head_dim: int, state: int, groups: int, kernel: int, tp: int,
+    conv_dtype: torch.dtype, ssm_dtype: torch.dtype, names: tuple[str, str] = ("conv_state", "ssm_state"),
+) -> list[EntryField]:  # fmt: skip
+    intermediate = heads * head_dim
+    conv_dim = _split(intermediate + 2 * groups * state, tp, "mamba conv dim")
+    return [
+        EntryField(names[0], layers, (kernel - 1, conv_dim), conv_dtype),
+        EntryField(
+            names[1], layers, (_split(heads, tp, "mamba heads"), head_dim, state), ssm_dtype
+        ),
+    ]
+
+
+# -- families --------------------------------------------------------------------
+
+
+def _gqa(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCache:
+    layers = c["num_hidden_layers"]
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    block = _block(o, 16)
+    kv = _kv_dtype(o, _model_dtype(c))
+    page = _kv_fields(layers, block, _kv_heads(c["num_key_value_heads"], o.tp), head_dim, kv)
+    return ModelCache(name, "gqa", o, block, tuple(page), (), layers, 0, 0, 16)
+
+
+def _gemma3(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCache:
+    t = c.get("text_config") or c
+    layers = t["num_hidden_layers"]
+    if "layer_types" in t:
+        full = sum(1 for kind in t["layer_types"] if kind == "full_attention")
+    else:
+        pattern = t.get("sliding_window_pattern", 6)
+        full = sum(1 for i in range(layers) if (i + 1) % pattern == 0)
+    local = layers - full
+    heads = _kv_heads(t["num_key_value_heads"], o.tp)
+    head_dim = t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"]
+    window = t["sliding_window"]
+    block = _block(o, 16)
+    kv = _kv_dtype(o, _model_dtype(c))
+    page = _kv_fields(full, block, heads, head_dim, kv)
+    # Local layers never need more than the window: a per-request ring.
+    state = [
+        EntryField("k_window", local, (window, heads, head_dim), kv),
+        EntryField("v_window", local, (window, heads, head_dim), kv),
+    ]
+    notes = (
+        f"{local} sliding-window layers keep a {window}-token K/V ring per request; {full} global layers page",
+    )
+    return ModelCache(name, "gemma3", o, block, tuple(page), tuple(state), full, 0, 0, 16, notes)
+
+
+def _mla_row(
+    c: Mapping[str, Any], o: ServingOptions, model: torch.dtype
+) -> tuple[tuple[int, ...], torch.dtype]:
+    latent, rope = c["kv_lora_rank"], c["qk_rope_head_dim"]
+    dtype = _kv_dtype(o, model, packed_mla=True)
+    if o.kv_dtype == "fp8_ds_mla":
+        # [latent fp8 | one fp32 scale per 128 | rope bf16]: 512 + 16 + 128 = 656 B.
+        return (latent + 4 * (latent // 128) + 2 * rope,), torch.uint8
+    return (latent + rope,), dtype
+
+
+def _mla(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCache:
+    layers = c["num_hidden_layers"] + (c.get("num_nextn_predict_layers", 0) if o.spec_tokens else 0)
+    block = _block(o, 64)
+    row, dtype = _mla_row(c, o, _model_dtype(c))
+    page = [EntryField("kv", layers, (block, *row), dtype)]
+    return ModelCache(name, "mla", o, block, tuple(page), (), layers, 0, 0, 64)
+
+
+def _qwen3_next(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCache:
+    layers, interval = c["num_hidden_layers"], c["full_attention_interval"]
+    attn = sum(1 for i in range(layers) if (i + 1) % interval == 0)
+    gdn = layers - attn
+    model = _model_dtype(c)
+    block = _block(o, 16)
+    page = _kv_fields(
+        attn, block, _kv_heads(c["num_key_value_heads"], o.tp), c["head_dim"], _kv_dtype(o, model)
+    )
+    nk, nv = c["linear_num_key_heads"], c["linear_num_value_heads"]
+    dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
+    conv_dim = _split(2 * nk * dk + nv * dv, o.tp, "GDN conv dim")
+    state = [
+        EntryField("conv_state", gdn, (c["linear_conv_kernel_dim"] - 1, conv_dim), model),
+        EntryField(
+            "recurrent_state",
+            gdn,
+            (_split(nv, o.tp, "linear value heads"), dk, dv),
+            _state_dtype(o, model),
+        ),
+    ]
+    return ModelCache(
+        name, "qwen3_next", o, block, tuple(page), tuple(state), attn, gdn, _per_layer(state), 16
+    )
+
+
+def _mamba2(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCache:
+    hidden = c.get("hidden_size") or c["d_model"]
+    layers = c.get("num_hidden_layers") or c["n_layer"]
+    ssm = c.get("ssm_cfg") or {}
+    expand = c.get("expand") or ssm.get("expand", 2)
+    head_dim = c.get("head_dim") or ssm.get("headdim", 64)
+    heads = c.get("num_heads") or expand * hidden // head_dim
+    model = _model_dtype(c)
+    state = _mamba2_fields(
+        layers, heads, head_dim, c.get("state_size") or ssm.get("d_state", 128),
+        c.get("n_groups") or ssm.get("ngroups", 1), c.get("conv_kernel") or ssm.get("d_conv", 4),
+        o.tp, model, _state_dtype(o, model),
+    )  # fmt: skip
+    return ModelCache(
+        name, "mamba2", o, _block(o, 16), (), tuple(state), 0, layers, _per_layer(state), 16
+    )
+
+
+def _nemotron_h(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCache:
+    pattern = c["hybrid_override_pattern"]
+    mamba, attn = pattern.count("M"), pattern.count("*")
+    model = _model_dtype(c)
+    block = _block(o, 16)
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    page = _kv_fields(
+        attn, block, _kv_heads(c["num_key_value_heads"], o.tp), head_dim, _kv_dtype(o, model)
+    )
+    state = _mamba2_fields(
+        mamba, c["mamba_num_heads"], c["mamba_head_dim"], c["ssm_state_size"], c["n_groups"],
+        c["conv_kernel"], o.tp, model, _state_dtype(o, model),
+    )  # fmt: skip
+    return ModelCache(
+        name, "nemotron_h", o, block, tuple(page), tuple(state), attn, mamba, _per_layer(state), 16
+    )
+
+
+def _kimi_linear(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCache:
+    lin = c["linear_attn_config"]
+    mla, kda = len(lin["full_attn_layers"]), len(lin["kda_layers"])
+    model = _model_dtype(c)
+    block = _block(o, 64)
+    row, dtype = _mla_row(c, o, model)
+    page = [EntryField("kv", mla, (block, *row), dtype)]
+    heads, head_dim = lin["num_heads"], lin["head_dim"]
+    state = [
+        # Short convolutions over q, k and v: three heads x head_dim channels each.
+        EntryField("conv_state", kda, (lin["short_conv_kernel_size"] - 1, _split(3 * heads * head_dim, o.tp, "KDA conv dim")), model),
+        EntryField("recurrent_state", kda, (_split(heads, o.tp, "KDA heads"), head_dim, head_dim), _state_dtype(o, torch.float32)),
+    ]  # fmt: skip
+    return ModelCache(
+        name, "kimi_linear", o, block, tuple(page), tuple(state), mla, kda, _per_layer(state), 64
+    )
+
+
+def _deepseek_v4(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCache:
+    layers = c["num_hidden_layers"]
+    ratios = c["compress_ratios"][:layers]
+    csa, hca = ratios.count(4), ratios.count(128)
+    block = _block(o, 256)
+    if block % 128:
+        raise ValueError(
+            f"DeepSeek-V4 blocks must be a multiple of 128 tokens (one HCA row), got {block}"
+        )
+    head_dim, k = c["head_dim"], o.spec_tokens
+    model = _model_dtype(c)
+    if o.kv_dtype in ("fp8", "fp8_ds_mla"):
+        # 448 fp8 NoPE + 64 bf16 RoPE + 8 B of UE8M0 scales: 584 B per compressed row.
+        row, kv = (head_dim - 64 + 64 * 2 + 8,), torch.uint8
+    else:
+        row, kv = (head_dim,), _kv_dtype(o, model)
+    page = [
+        EntryField("csa_kv", csa, (block // 4, *row), kv),
+        # Indexer keys: 128 fp8 values + one fp32 scale per compressed row.
+        EntryField("csa_indexer_k", csa, (block // 4, c["index_head_dim"] + 4), torch.uint8),
+        EntryField("hca_kv", hca, (block // 128, *row), kv),
+    ]
+    f32, ninf = torch.float32, -math.inf
+    window = c["sliding_window"] + k
+    state = [
+        # Compressor rings: coff * ratio rows (coff 2 for the overlapping ratio-4
+        # CSA, 1 for HCA), each row kv + score of 2 * coff * head_dim / 2 fp32.
+        EntryField("csa_kv_state", csa, (8 + k, 2 * head_dim), f32),
+        EntryField("csa_score_state", csa, (8 + k, 2 * head_dim), f32, fill=ninf),
+        EntryField("csa_indexer_kv_state", csa, (8 + k, 2 * c["index_head_dim"]), f32),
+        EntryField(
+            "csa_indexer_score_state", csa, (8 + k, 2 * c["index_head_dim"]), f32, fill=ninf
+        ),
+        EntryField("swa_window", layers, (window, *row), kv),
+        EntryField("hca_kv_state", hca, (128 + k, head_dim), f32, in_checkpoint=False),
+        EntryField(
+            "hca_score_state", hca, (128 + k, head_dim), f32, fill=ninf, in_checkpoint=False
+        ),
+    ]
+    notes = ("HCA compressor rings are rebuilt from the compressed KV, so checkpoints skip them",)
+    return ModelCache(
+        name, "deepseek_v4", o, block, tuple(page), tuple(state), csa + hca, 0, 0, 64, notes
+    )
+
+
+_BUILDERS = {
+    "gqa": _gqa,
+    "gemma3": _gemma3,
+    "mla": _mla,
+    "qwen3_next": _qwen3_next,
+    "mamba2": _mamba2,
+    "nemotron_h": _nemotron_h,
+    "kimi_linear": _kimi_linear,
+    "deepseek_v4": _deepseek_v4,
+}
+
+
+def model_cache(
+    source: str | Path | Mapping[str, Any], options: ServingOptions | None = None
+) -> ModelCache:
+    """The cache declarations of a model: a preset name, a config path or a dict."""
+    name, config = load_config(source)
+    family = detect_family(config)
+    try:
+        return _BUILDERS[family](name, config, options or ServingOptions())
+    except KeyError as exc:
+        raise UnknownModelError(
+            f"config of {name!r} ({family}) lacks the field {exc.args[0]!r}"
+        ) from None

@@ -1,0 +1,189 @@
+"""Presets against the published numbers (shared/reference/model_cache_facts.json)."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvarena.models import (
+    PRESETS,
+    ServingOptions,
+    UnknownModelError,
+    detect_family,
+    load_config,
+    model_cache,
+)
+
+FACTS = Path(__file__).resolve().parents[2] / "shared" / "reference" / "model_cache_facts.json"
+
+# (preset, options, KV bytes per token over all paged layers, per-request state bytes)
+PUBLISHED = [
+    ("llama-3.1-8b", {}, 131_072, 0),
+    ("llama-3.1-8b", {"kv_dtype": "fp8"}, 65_536, 0),
+    ("qwen3-8b", {}, 147_456, 0),
+    ("qwen3-8b", {"kv_dtype": "fp8"}, 73_728, 0),
+    # Global layers page (81,920 B/token); 52 local layers keep a 1024-token ring.
+    ("gemma-3-27b", {}, 81_920, 436_207_616),
+    ("deepseek-v3", {}, 70_272, 0),
+    ("deepseek-v3", {"kv_dtype": "fp8"}, 35_136, 0),
+    ("deepseek-v3", {"kv_dtype": "fp8_ds_mla"}, 40_016, 0),
+    ("qwen3-next-80b-a3b", {}, 24_576, 39_518_208),
+    ("qwen3-next-80b-a3b", {"kv_dtype": "fp8"}, 12_288, 39_518_208),
+    ("qwen3-next-80b-a3b", {"state_dtype": "float32"}, 24_576, 77_266_944),
+    ("mamba2-2.7b", {}, 0, 85_950_464),
+    ("mamba2-2.7b", {"state_dtype": "float32"}, 0, 169_836_544),
+    ("nemotron-h-8b", {}, 16_384, 51_806_208),
+    ("nemotron-h-8b", {"kv_dtype": "fp8", "state_dtype": "float32"}, 8_192, 102_137_856),
+    ("kimi-linear-48b-a3b", {}, 8_064, 43_417_600),
+    ("kimi-linear-48b-a3b", {"kv_dtype": "fp8"}, 4_032, 43_417_600),
+]
+
+
+@pytest.mark.parametrize(("preset", "opts", "kv_per_token", "state"), PUBLISHED)
+def test_presets_match_published_bytes(preset, opts, kv_per_token, state):
+    m = model_cache(preset, ServingOptions(**opts))
+    assert m.kv_bytes_per_token == kv_per_token
+    assert m.state_bytes == state
+
+
+@pytest.mark.parametrize(
+    ("preset", "per_layer_state", "attention", "states"),
+    [
+        ("qwen3-next-80b-a3b", 1_097_728, 12, 36),  # vLLM mamba page per layer
+        ("nemotron-h-8b", 2_158_592, 4, 24),
+        ("kimi-linear-48b-a3b", 2_170_880, 7, 20),
+        ("mamba2-2.7b", 1_342_976, 0, 64),
+    ],
+)
+def test_layer_counts_and_per_layer_state(preset, per_layer_state, attention, states):
+    m = model_cache(preset)
+    assert (m.state_bytes_per_layer, m.attention_layers, m.state_layers) == (
+        per_layer_state,
+        attention,
+        states,
+    )
+
+
+def test_deepseek_v3_fp8_ds_mla_row_is_656_bytes():
+    m = model_cache("deepseek-v3", ServingOptions(kv_dtype="fp8_ds_mla"))
+    (kv,) = m.page_fields
+    assert kv.dtype == torch.uint8 and kv.shape == (64, 656) and kv.layers == 61
+    assert (
+        model_cache("deepseek-v3", ServingOptions(spec_tokens=1)).page_fields[0].layers == 62
+    )  # + MTP
+
+
+def test_deepseek_v4_flash_rings_and_pages():
+    m = model_cache("deepseek-v4-flash")
+    f = {x.name: x for x in m.state_fields}
+    # Per layer per request: CSA main 65,536 B, CSA indexer 16,384 B, HCA 524,288 B, window 131,072 B.
+    assert f["csa_kv_state"].bytes_per_layer + f["csa_score_state"].bytes_per_layer == 65_536
+    assert f["csa_indexer_kv_state"].bytes_per_layer * 2 == 16_384
+    assert f["hca_kv_state"].bytes_per_layer + f["hca_score_state"].bytes_per_layer == 524_288
+    assert f["swa_window"].bytes_per_layer == 131_072 and f["swa_window"].layers == 43
+    assert (f["csa_kv_state"].layers, f["hca_kv_state"].layers) == (21, 20)
+    assert f["csa_score_state"].fill == -math.inf and not f["hca_kv_state"].in_checkpoint
+    p = {x.name: x for x in m.page_fields}
+    # A 256-token block holds 64 CSA rows and 2 HCA rows of 1,024 B (bf16).
+    assert p["csa_kv"].shape == (64, 512) and p["hca_kv"].shape == (2, 512)
+    assert p["csa_indexer_k"].bytes_per_layer == 64 * 132
+    fp8 = {
+        x.name: x
+        for x in model_cache("deepseek-v4-flash", ServingOptions(kv_dtype="fp8")).page_fields
+    }
+    assert fp8["csa_kv"].bytes_per_layer == 64 * 584
+    spec = {
+        x.name: x
+        for x in model_cache("deepseek-v4-flash", ServingOptions(spec_tokens=2)).state_fields
+    }
+    assert spec["csa_kv_state"].shape[0] == 10 and spec["swa_window"].shape[0] == 130
+
+
+def test_tensor_parallel_splits_heads_and_replicates_kv_heads():
+    m = model_cache("qwen3-next-80b-a3b", ServingOptions(tp=4))
+    f = {x.name: x for x in m.state_fields}
+    assert f["conv_state"].shape == (3, 2048) and f["recurrent_state"].shape == (8, 128, 128)
+    assert m.page_fields[0].shape == (16, 1, 256)  # 2 KV heads over 4 ranks: replicated
+    assert model_cache("llama-3.1-8b", ServingOptions(tp=2)).kv_bytes_per_token == 131_072 // 2
+    with pytest.raises(ValueError, match="not divisible by tensor-parallel size 3"):
+        model_cache("mamba2-2.7b", ServingOptions(tp=3))
+
+
+def test_kimi_recurrent_state_is_fp32_by_default():
+    f = {x.name: x for x in model_cache("kimi-linear-48b-a3b").state_fields}
+    assert f["recurrent_state"].dtype == torch.float32 and f["conv_state"].dtype == torch.bfloat16
+    f16 = {
+        x.name: x
+        for x in model_cache(
+            "kimi-linear-48b-a3b", ServingOptions(state_dtype="bfloat16")
+        ).state_fields
+    }
+    assert f16["recurrent_state"].dtype == torch.bfloat16
+
+
+def test_config_sources_and_family_detection(tmp_path):
+    name, cfg = load_config("nemotron-h-8b")
+    assert name == "nemotron-h-8b"
+    assert detect_family(cfg) == "nemotron_h"
+    path = tmp_path / "my-model"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert model_cache(path).state_bytes == model_cache(cfg).state_bytes == 51_806_208
+    # mamba_ssm-format config (no model_type): detected by ssm_cfg.
+    ssm = {
+        "d_model": 2560,
+        "n_layer": 64,
+        "ssm_cfg": {"layer": "Mamba2"},
+        "torch_dtype": "bfloat16",
+    }
+    assert model_cache(ssm).state_bytes == 85_950_464
+    with pytest.raises(UnknownModelError, match="model_type='gpt2'"):
+        model_cache({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(UnknownModelError, match="not a built-in preset"):
+        model_cache("no-such-model")
+    with pytest.raises(UnknownModelError, match="lacks the field 'num_hidden_layers'"):
+        model_cache({"model_type": "llama"})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"tp": 0}, "tp"),
+        ({"kv_dtype": "int4"}, "kv_dtype"),
+        ({"state_dtype": "fp8"}, "state_dtype"),
+        ({"block_size": 0}, "block_size"),
+    ],
+)
+def test_serving_option_refusals(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ServingOptions(**kwargs)
+    with pytest.raises(ValueError, match="MLA format"):
+        model_cache("llama-3.1-8b", ServingOptions(kv_dtype="fp8_ds_mla"))
+
+
+def test_every_preset_builds_and_is_consistent():
+    for preset in PRESETS:
+        m = model_cache(preset)
+        assert m.page_fields or m.state_fields
+        assert all(f.layers > 0 for f in (*m.page_fields, *m.state_fields))
+
+
+@pytest.mark.skipif(not FACTS.is_file(), reason="shared/reference facts not beside this checkout")
+def test_against_the_facts_file():
+    facts = json.loads(FACTS.read_text())
+    llama = facts["llama-3.1-8b-instruct"]["attention_kv"]["per_token_all_layers"]
+    assert model_cache("llama-3.1-8b").kv_bytes_per_token == llama["bf16"]
+    nxt = facts["qwen3-next-80b-a3b"]["recurrent_state"]["per_request_all_36_layers"]
+    assert model_cache("qwen3-next-80b-a3b").state_bytes == nxt["bf16_state"]
+    nem = facts["nemotron-h-8b"]["recurrent_state"]["per_request_24_layers"]
+    assert (
+        model_cache("nemotron-h-8b", ServingOptions(state_dtype="float32")).state_bytes
+        == nem["fp32_ssm"]
+    )
+    v3 = facts["deepseek-v3-r1"]["attention_kv"]["per_token_all_layers"]
+    assert (
+        model_cache("deepseek-v3", ServingOptions(kv_dtype="fp8_ds_mla")).kv_bytes_per_token
+        == v3["fp8_ds_mla"]
+    )
