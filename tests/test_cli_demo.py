@@ -7,14 +7,20 @@ from typer.testing import CliRunner
 from kvarena import entry_bytes_for, layout_fingerprint
 from kvarena.cli import app
 from kvarena.demo import DemoConfig, run_demo, state_fields
+from kvarena.models import PRESETS
 
 runner = CliRunner()
 
 
 def test_demo_checks_all_hold_for_every_model():
-    for model, tp in (("qwen3-next-80b-a3b", 8), ("mamba2-2.7b", 8), ("deepseek-v4-flash", 1)):
+    for model, tp, steps in (
+        ("qwen3-next-80b-a3b", 8, 10),
+        ("nemotron-h-8b", 8, 10),
+        ("mamba2-2.7b", 8, 8),  # no paged layers: no pool plan or boundary to move
+        ("deepseek-v4-flash", 1, 10),
+    ):
         checks = list(run_demo(DemoConfig(model=model, tp=tp, requests=2), torch.device("cpu")))
-        assert len(checks) == 10
+        assert len(checks) == steps, [c.name for c in checks]
         assert all(c.ok for c in checks), [c for c in checks if not c.ok]
 
 
@@ -24,24 +30,55 @@ def test_cli_demo_exits_zero_and_reports():
     assert "all checks passed" in result.output and "FAILED" not in result.output
 
 
-def test_cli_describe_json():
-    result = runner.invoke(app, ["describe", "qwen3-next-80b-a3b", "--tp", "4", "--json"])
+def test_cli_plan_json_matches_the_presets():
+    result = runner.invoke(
+        app, ["plan", "qwen3-next-80b-a3b", "--tp", "4", "--memory", "8GiB", "--json"]
+    )
     assert result.exit_code == 0, result.output
-    doc = json.loads(result.output)
+    doc = json.loads(result.stdout)
     fields = state_fields("qwen3-next-80b-a3b", 4)
-    assert doc["entry_bytes"] == entry_bytes_for(fields)
-    assert doc["fingerprint"] == layout_fingerprint(fields)
-    assert [f["name"] for f in doc["fields"]] == ["conv_state", "recurrent_state"]
-    assert doc["fields"][1]["offset"] == 36 * 3 * 2048 * 2
+    assert doc["schema"] == "kvarena-plan/1"
+    assert doc["state_entry"]["entry_bytes"] == entry_bytes_for(fields)
+    assert doc["state_entry"]["fingerprint"] == layout_fingerprint(fields)
+    assert [f["name"] for f in doc["state_entry"]["fields"]] == ["conv_state", "recurrent_state"]
+    assert doc["state_entry"]["fields"][1]["offset"] == 36 * 3 * 2048 * 2
+    pools = doc["pools"]
+    assert pools["budget_bytes"] == 8 << 30 and pools["state_slots"] == 64
+    assert pools["token_capacity"] == pools["blocks"] * 16
+    assert doc["vllm_unified"]["attention_block_tokens"] % 16 == 0
 
 
 @pytest.mark.parametrize(
-    "args", [["describe", "nope"], ["demo", "nope"], ["describe", "mamba2-2.7b", "--tp", "3"]]
+    ("preset", "args", "block"),
+    [
+        ("nemotron-h-8b", [], 528),
+        ("nemotron-h-8b", ["--state-dtype", "float32"], 1040),
+        ("qwen3-next-80b-a3b", [], 544),
+        ("qwen3-next-80b-a3b", ["--kv-dtype", "fp8"], 1072),
+        ("qwen3-next-80b-a3b", ["--state-dtype", "float32"], 1056),
+        ("kimi-linear-48b-a3b", [], 1920),
+    ],
 )
-def test_cli_bad_input_exits_2_with_reason(args):
-    result = runner.invoke(app, args)
-    assert result.exit_code == 2
-    assert "error:" in result.output
+def test_plan_reproduces_vllm_unified_block_sizes(preset, args, block):
+    # The attention block sizes vLLM's hybrid alignment picks (model_cache_facts.json).
+    result = runner.invoke(app, ["plan", preset, "--json", *args])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["vllm_unified"]["attention_block_tokens"] == block
+
+
+def test_cli_plan_tables_for_every_preset():
+    for preset in PRESETS:
+        result = runner.invoke(app, ["plan", preset, "--memory", "80GB", "--max-seqs", "32"])
+        assert result.exit_code == 0, (preset, result.output)
+        assert "Pool plan" in result.stdout and "token capacity" in result.stdout
+
+
+def test_plan_clamps_concurrency_and_says_so():
+    result = runner.invoke(
+        app, ["plan", "mamba2-2.7b", "--memory", "1GiB", "--max-seqs", "64", "--json"]
+    )
+    pools = json.loads(result.stdout)["pools"]
+    assert pools["clamped"] and pools["effective_max_seqs"] == (1 << 30) // 85_950_464
 
 
 def test_readme_api_tour_runs():
@@ -61,3 +98,22 @@ def test_checkpoint_and_pools_example_runs():
     example = pathlib.Path(__file__).parent.parent / "examples" / "checkpoint_and_pools.py"
     scope = runpy.run_path(str(example))
     assert scope["plan"].of("gdn").entries == 16 and scope["cache"].num_slots == 20
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["plan", "nope"],
+        ["demo", "nope"],
+        ["demo", "llama-3.1-8b"],
+        ["plan", "mamba2-2.7b", "--tp", "3"],
+        ["plan", "llama-3.1-8b", "--memory", "12XB"],
+        ["plan", "llama-3.1-8b", "--kv-dtype", "int3"],
+        ["plan", "llama-3.1-8b", "--max-seqs", "0"],
+    ],
+)
+def test_cli_bad_input_exits_2_with_a_one_line_reason(args):
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2
+    assert not result.stdout.strip()
+    assert "error" in result.stderr.lower() or "invalid value" in result.stderr.lower()

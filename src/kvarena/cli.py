@@ -1,4 +1,4 @@
-"""The ``kvarena`` command: ``describe`` a state layout, run the ``demo``.
+"""The ``kvarena`` command: ``plan`` a model's cache, run the ``demo``.
 
 Exit codes: 0 success, 1 a verification failed, 2 bad arguments or an
 unknown model (with a one-line reason).
@@ -7,6 +7,7 @@ unknown model (with a one-line reason).
 from __future__ import annotations
 
 import json
+import re
 import sys
 from typing import Annotated
 
@@ -16,60 +17,44 @@ from rich.console import Console
 from rich.table import Table
 
 from .demo import DemoConfig, run_demo, state_fields
-from .layout import checkpoint_ranges_for, layout_fingerprint, layout_rows
+from .models import KV_DTYPES, PRESETS, STATE_DTYPES, ServingOptions, model_cache
+from .report import plan_report
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 # Piped output (CI logs, files) gets wide tables instead of 80 folded columns.
 console = Console(width=None if sys.stdout.isatty() else 160)
+errors = Console(stderr=True)
 
 ModelArg = Annotated[
-    str, typer.Argument(help="built-in model: qwen3-next-80b-a3b, mamba2-2.7b, deepseek-v4-flash")
+    str, typer.Argument(help=f"a preset ({', '.join(PRESETS)}) or a config.json path")
 ]
 
-
-def _fields_or_exit(model: str, tp: int):
-    try:
-        return state_fields(model, tp)
-    except ValueError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from None
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20,
+          "mb": 10**6, "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}  # fmt: skip
 
 
-@app.command()
-def describe(
-    model: ModelArg = "qwen3-next-80b-a3b",
-    tp: Annotated[int, typer.Option(help="tensor-parallel size")] = 1,
-    as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
-) -> None:
-    """Print one request state's layout: each field's offset, bytes, padding."""
-    fields = _fields_or_exit(model, tp)
-    rows, tail, entry_bytes = layout_rows(fields)
-    if as_json:
-        doc = {
-            "model": model,
-            "tp": tp,
-            "entry_bytes": entry_bytes,
-            "tail_padding": tail,
-            "fingerprint": layout_fingerprint(fields),
-            "checkpoint_ranges": [list(r) for r in checkpoint_ranges_for(fields)],
-            "fields": [
-                {
-                    "name": r.name,
-                    "dtype": r.dtype,
-                    "layers": r.layers,
-                    "shape": list(r.shape),
-                    "offset": r.start,
-                    "bytes": r.nbytes,
-                    "pad_before": r.pad_before,
-                    "in_checkpoint": r.in_checkpoint,
-                    "fill": repr(r.fill),
-                }
-                for r in rows
-            ],
-        }
-        typer.echo(json.dumps(doc, indent=2))
-        return
-    table = Table(title=f"{model} state, TP {tp}")
+def parse_bytes(text: str) -> int:
+    """``"40GiB"``, ``"40G"`` (binary), ``"40GB"`` (decimal), ``"1048576"`` -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise typer.BadParameter(
+            f"{text!r} is not a size; use e.g. 40GiB, 512MiB, 80GB or a byte count"
+        )
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise typer.BadParameter(f"{text!r} must be positive")
+    return value
+
+
+def _fail(message: str) -> typer.Exit:
+    """Print a one-line reason on stderr; exit code 2 (bad arguments, unknown model)."""
+    errors.print(f"[red]error:[/red] {message}", soft_wrap=True)
+    return typer.Exit(2)
+
+
+def _fields_table(title: str, entry: dict) -> Table:
+    table = Table(title=title, title_justify="left")
     for col in (
         "field",
         "dtype",
@@ -83,21 +68,117 @@ def describe(
         table.add_column(
             col, justify="right" if col in ("offset", "bytes", "pad before") else "left"
         )
-    for r in rows:
+    for f in entry["fields"]:
         table.add_row(
-            r.name,
-            r.dtype,
-            f"{r.layers} x {list(r.shape)}",
-            f"{r.start:,}",
-            f"{r.nbytes:,}",
-            f"{r.pad_before:,}",
-            "yes" if r.in_checkpoint else "no",
-            repr(r.fill),
+            f["name"], f["dtype"], f"{f['layers']} x {f['shape']}", f"{f['offset']:,}", f"{f['bytes']:,}",
+            f"{f['pad_before']:,}", "yes" if f["in_checkpoint"] else "no", f["fill"],
+        )  # fmt: skip
+    table.caption = f"entry {entry['entry_bytes']:,} B ({entry['tail_padding']:,} B tail padding)"
+    return table
+
+
+def _render_plan(r: dict) -> None:
+    o = r["options"]
+    console.print(
+        f"[bold]{r['model']}[/bold] ({r['family']}): TP {o['tp']}, KV {o['kv_dtype']}, state {o['state_dtype']}, "
+        f"block {o['block_size']} tokens, {o['spec_tokens']} speculative tokens; "
+        f"{r['layers']['attention']} paged layers, {r['layers']['state']} state layers"
+    )
+    console.print(
+        f"KV {r['kv_bytes_per_token']:,} B per token; state {r['state_bytes_per_request']:,} B per request"
+    )
+    if r["page_entry"]["fields"]:
+        console.print(_fields_table("PAGE block (one block of every paged layer)", r["page_entry"]))
+    if r["state_entry"]["fields"]:
+        console.print(_fields_table("STATE entry (one request)", r["state_entry"]))
+    p = r["pools"]
+    pools = Table(title="Pool plan", title_justify="left")
+    for col in ("budget", "blocks", "token capacity", "state slots", "max seqs", "unused"):
+        pools.add_column(col, justify="right")
+    seqs = f"{p['effective_max_seqs']}" + (
+        f" (asked {p['requested_max_seqs']})" if p["clamped"] else ""
+    )
+    pools.add_row(
+        f"{p['budget_bytes']:,}",
+        f"{p['blocks']:,}",
+        f"{p['token_capacity']:,}",
+        f"{p['state_slots']:,}",
+        seqs,
+        f"{p['unused_bytes']:,}",
+    )
+    console.print(pools)
+    if r["checkpoint"]:
+        c = r["checkpoint"]
+        console.print(
+            f"checkpoint image: {c['image_bytes']:,} B in {c['units_per_image']} PAGE units of {c['unit_bytes']:,} B "
+            f"(ranges {c['ranges']})"
         )
-    console.print(table)
-    console.print(f"entry: {entry_bytes:,} B ({tail:,} B tail padding)")
-    console.print(f"checkpoint ranges: {checkpoint_ranges_for(fields)}")
-    console.print(f"fingerprint: {layout_fingerprint(fields)}")
+    t = r["transfer_descriptors"]
+    console.print(
+        f"transfer descriptors for a {t['context_tokens']:,}-token request: kvarena {t['kvarena_best']} "
+        f"(blocks in one run) to {t['kvarena_worst']} (no two blocks adjacent); "
+        f"per layer per tensor {t['per_layer_best']:,} to {t['per_layer_worst']:,}"
+    )
+    v = r["vllm_unified"]
+    if v:
+        cmp = Table(
+            title="Same budget: kvarena vs vLLM-style page unification", title_justify="left"
+        )
+        for col in (
+            "",
+            "attention block",
+            "state page padding",
+            "padding at max seqs",
+            "KV token capacity",
+        ):
+            cmp.add_column(col, justify="right")
+        cmp.add_row(
+            "kvarena", f"{o['block_size']} tokens", "0 B", "0 B", f"{p['token_capacity']:,}"
+        )
+        cmp.add_row(
+            "vLLM", f"{v['attention_block_tokens']} tokens", f"{v['state_page_padding_bytes']:,} B",
+            f"{v['padding_bytes_at_max_seqs']:,} B", f"{v['kv_token_capacity']:,}",
+        )  # fmt: skip
+        console.print(cmp)
+    for note in r["notes"]:
+        console.print(f"note: {note}")
+
+
+@app.command()
+def plan(
+    model: ModelArg = "qwen3-next-80b-a3b",
+    memory: Annotated[str, typer.Option(help="cache budget, e.g. 40GiB")] = "40GiB",
+    max_seqs: Annotated[int, typer.Option(min=1, help="requests in flight")] = 64,
+    block_size: Annotated[
+        int | None, typer.Option(min=1, help="tokens per PAGE block (family default)")
+    ] = None,
+    tp: Annotated[int, typer.Option(min=1, help="tensor-parallel size")] = 1,
+    kv_dtype: Annotated[str, typer.Option(help=f"one of {', '.join(KV_DTYPES)}")] = "auto",
+    state_dtype: Annotated[str, typer.Option(help=f"one of {', '.join(STATE_DTYPES)}")] = "auto",
+    spec_tokens: Annotated[
+        int, typer.Option(min=0, help="speculative tokens (rollback copies)")
+    ] = 0,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="machine-readable output (schema kvarena-plan/1)")
+    ] = False,
+) -> None:
+    """What a model's cache looks like and how much of it fits a budget."""
+    try:
+        budget = parse_bytes(memory)
+        options = ServingOptions(
+            tp=tp,
+            kv_dtype=kv_dtype,
+            state_dtype=state_dtype,
+            block_size=block_size,
+            spec_tokens=spec_tokens,
+        )
+        report = plan_report(model_cache(model, options), budget, max_seqs)
+    except (ValueError, typer.BadParameter) as exc:
+        raise _fail(str(exc)) from None
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+    else:
+        _render_plan(report)
 
 
 @app.command()
@@ -109,12 +190,11 @@ def demo(
     seed: Annotated[int, typer.Option(help="pattern seed")] = 0,
 ) -> None:
     """Materialize request states, write through kernel views, verify every byte."""
-    _fields_or_exit(model, tp)
     try:
+        state_fields(model, tp)
         dev = torch.device(device)
-    except RuntimeError as exc:
-        console.print(f"[red]error:[/red] bad device {device!r}: {exc}")
-        raise typer.Exit(2) from None
+    except (ValueError, RuntimeError) as exc:
+        raise _fail(str(exc)) from None
     config = DemoConfig(model=model, tp=tp, requests=requests, seed=seed)
     table = Table(title=f"kvarena demo: {model}, TP {tp}, {requests} requests on {dev}")
     table.add_column("check")

@@ -1,0 +1,171 @@
+"""``kvarena plan``'s answer, as plain data: what a model's cache looks like and
+how much of it fits a budget, next to what vLLM's page unification would give.
+
+Everything here is computed from sizes; :func:`plan_report` returns a dict
+whose schema (``SCHEMA_VERSION``) is documented in the README, and the CLI
+renders the same dict as tables or JSON.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .checkpoint import CheckpointSpec
+from .layout import entry_bytes_for, layout_fingerprint, layout_rows, strictest_alignment
+from .layout.regions import align_up
+from .models import ModelCache
+from .pools import EntryClass, PoolKind, plan_pools
+
+SCHEMA_VERSION = "kvarena-plan/1"
+
+
+def _fields(fields) -> dict[str, Any]:
+    rows, tail, entry = layout_rows(fields)
+    return {
+        "entry_bytes": entry,
+        "tail_padding": tail,
+        "fingerprint": layout_fingerprint(fields) if fields else None,
+        "fields": [
+            {
+                "name": r.name,
+                "dtype": r.dtype,
+                "layers": r.layers,
+                "shape": list(r.shape),
+                "offset": r.start,
+                "bytes": r.nbytes,
+                "pad_before": r.pad_before,
+                "in_checkpoint": r.in_checkpoint,
+                "fill": repr(r.fill),
+            }
+            for r in rows
+        ],
+    }
+
+
+def vllm_unification(m: ModelCache, budget: int, max_seqs: int) -> dict[str, Any] | None:
+    """What vLLM's hybrid page unification forces for the same budget.
+
+    vLLM gives every layer one page size: the attention block grows until one
+    layer's page holds one layer's state (rounded to the kernel's block
+    multiple: 16, or 64 for MLA), and state pages are padded to it. Layers are
+    grouped ``g = min(attention layers, state layers)`` to a group; every
+    group shares ``g`` page tensors, so a block id costs ``g`` pages, a request
+    holds one block id per state group (per rollback copy), and each block of
+    tokens needs one block id per attention group. This models vLLM v1's
+    HybridKVCacheCoordinator (vllm/v1/core/kv_cache_utils.py and
+    Platform._align_hybrid_block_size); the per-layer numbers match those
+    recorded in model_cache_facts.json.
+    """
+    if not m.is_hybrid or not m.kv_bytes_per_token_per_layer:
+        return None
+    per_token = m.kv_bytes_per_token_per_layer
+    state_page = m.state_bytes_per_layer
+    block = align_up(-(-state_page // per_token), m.kernel_block_align)
+    page = block * per_token
+    g = min(m.attention_layers, m.state_layers)
+    attn_groups = -(-m.attention_layers // g)
+    state_groups = -(-m.state_layers // g)
+    num_blocks = budget // (g * page)
+    state_ids = max_seqs * state_groups * m.entries_per_req
+    tokens = max(0, num_blocks - state_ids) // attn_groups * block
+    # Padding: each state page's slack, plus whole pages of layer slots that a
+    # last, partly filled group leaves empty.
+    padding_per_request = m.entries_per_req * (
+        m.state_layers * (page - state_page) + (state_groups * g - m.state_layers) * page
+    )
+    return {
+        "attention_block_tokens": block,
+        "page_bytes": page,
+        "state_page_bytes": state_page,
+        "state_page_padding_bytes": page - state_page,
+        "group_size": g,
+        "attention_groups": attn_groups,
+        "state_groups": state_groups,
+        "num_block_ids": num_blocks,
+        "state_block_ids": state_ids,
+        "padding_bytes_at_max_seqs": padding_per_request * max_seqs,
+        "kv_token_capacity": tokens,
+        "fits_max_seqs": num_blocks >= state_ids,
+    }
+
+
+def plan_report(
+    m: ModelCache, memory_bytes: int, max_seqs: int, *, context_tokens: int = 32768
+) -> dict[str, Any]:
+    """The whole ``kvarena plan`` answer for one model and budget."""
+    page_bytes = entry_bytes_for(m.page_fields)
+    state_stride = (
+        align_up(entry_bytes_for(m.state_fields), strictest_alignment(m.state_fields))
+        if m.state_fields
+        else 0
+    )
+    classes = []
+    if m.page_fields:
+        classes.append(EntryClass(PoolKind.PAGE, "page", page_bytes, tokens_per_entry=m.block_size))
+    if m.state_fields:
+        classes.append(
+            EntryClass(PoolKind.STATE, "state", state_stride, entries_per_req=m.entries_per_req)
+        )
+    plan = plan_pools(classes, memory_bytes, max_seqs, clamp=True)
+    pools = {
+        "budget_bytes": memory_bytes,
+        "requested_max_seqs": max_seqs,
+        "effective_max_seqs": plan.max_num_seqs,
+        "clamped": plan.clamped,
+        "blocks": plan.of("page").entries if m.page_fields else 0,
+        "token_capacity": plan.token_capacity,
+        "state_slots": plan.of("state").entries if m.state_fields else 0,
+        "unused_bytes": plan.unused_bytes,
+        "classes": [
+            {
+                "name": c.entry_class.name,
+                "pool": c.entry_class.pool.value,
+                "entries": c.entries,
+                "bytes": c.nbytes,
+            }
+            for c in plan.classes
+        ],
+    }
+    checkpoint = None
+    if m.state_fields and page_bytes:
+        spec = CheckpointSpec.build(m.state_fields, page_bytes)
+        checkpoint = {
+            "image_bytes": spec.image_bytes,
+            "unit_bytes": page_bytes,
+            "units_per_image": spec.units_per_image,
+            "ranges": [list(r) for r in spec.ranges],
+        }
+    blocks = math.ceil(context_tokens / m.block_size) if m.page_fields else 0
+    page_tensors = sum(f.layers for f in m.page_fields)
+    state_tensors = sum(f.layers for f in m.state_fields)
+    transfer = {
+        "context_tokens": context_tokens,
+        "kvarena_best": m.entries_per_req * bool(m.state_fields) + min(blocks, 1),
+        "kvarena_worst": m.entries_per_req * bool(m.state_fields) + blocks,
+        "per_layer_best": page_tensors * min(blocks, 1) + state_tensors * m.entries_per_req,
+        "per_layer_worst": page_tensors * blocks + state_tensors * m.entries_per_req,
+    }
+    return {
+        "schema": SCHEMA_VERSION,
+        "model": m.name,
+        "family": m.family,
+        "options": {
+            "tp": m.options.tp,
+            "kv_dtype": m.options.kv_dtype,
+            "state_dtype": m.options.state_dtype,
+            "block_size": m.block_size,
+            "spec_tokens": m.options.spec_tokens,
+        },
+        "layers": {"attention": m.attention_layers, "state": m.state_layers},
+        "kv_bytes_per_token": m.kv_bytes_per_token,
+        "state_bytes_per_request": m.state_bytes * m.entries_per_req,
+        "page_entry": _fields(m.page_fields),
+        "state_entry": _fields(m.state_fields),
+        "state_slot_stride": state_stride,
+        "pools": pools,
+        "checkpoint": checkpoint,
+        "transfer_descriptors": transfer,
+        "vllm_unified": vllm_unification(m, memory_bytes, plan.max_num_seqs),
+        "notes": list(m.notes),
+    }
