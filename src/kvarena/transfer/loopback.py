@@ -1,0 +1,244 @@
+"""Two local processes, a prefill and a decode side, driven over pipes.
+
+This is the harness the tests, the demo and the benchmark share: each side
+runs in its own spawned process (its own NIXL agent and UCX worker), serves
+commands from the parent over a ``multiprocessing`` pipe, and the parent
+relays the control messages between them (hello, expected requests, ids). The
+data path is NIXL's, never the pipes.
+
+Buffers start filled with a sentinel so the decode side can prove that no
+byte outside a request's allocation was written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..layout import EntryField
+from ..pools import UnifiedCache
+
+SENTINEL = 0xA5
+
+
+@dataclass(frozen=True)
+class SideSpec:
+    """Enough to build one side's unified cache in another process."""
+
+    page_fields: tuple[EntryField, ...]
+    state_fields: tuple[EntryField, ...]
+    total_bytes: int
+    state_slots: int
+    entries_per_req: int = 1
+
+
+def _pattern(seed: int, nbytes: int) -> torch.Tensor:
+    return torch.randint(
+        0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
+    )
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
+
+
+class _Side:
+    def __init__(self, role: str, spec: SideSpec) -> None:
+        from .nixl_agent import DecodeReceiver, PrefillSender
+
+        self.cache = UnifiedCache(
+            spec.page_fields, spec.state_fields, spec.total_bytes, "cpu",
+            state_slots=spec.state_slots, entries_per_req=spec.entries_per_req,
+        )  # fmt: skip
+        self.cache.buf.fill_(SENTINEL)
+        cls = PrefillSender if role == "prefill" else DecodeReceiver
+        self.ep = cls(role, self.cache)
+        self.requests: dict[str, tuple[list[int], list[int]]] = {}
+
+    # -- both sides -------------------------------------------------------------
+    def hello(self) -> dict:
+        return self.ep.hello()
+
+    def connect(self, hello: dict) -> str:
+        return self.ep.connect(hello)
+
+    def digests(self, blocks: Sequence[int], slots: Sequence[int]) -> list[str]:
+        return [_digest(self.cache.block_bytes_of(b)) for b in blocks] + [
+            _digest(self.cache.slot_bytes_of(s)) for s in slots
+        ]
+
+    def stats(self) -> dict:
+        b, s = self.cache.blocks, self.cache.slots
+        pending = getattr(self.ep, "pending", [])
+        return {
+            "free_blocks": b.num_free,
+            "live_blocks": b.num_live,
+            "free_slots": s.num_free,
+            "live_slots": s.num_live,
+            "pending": pending,
+        }
+
+    # -- prefill ----------------------------------------------------------------
+    def fill(self, request: str, num_blocks: int, seed: int) -> dict:
+        """Allocate and pattern a request's blocks and first state slot."""
+        blocks = self.cache.blocks.allocate(num_blocks)
+        slots = list(self.cache.allocate_state(request)[:1])
+        for i, b in enumerate(blocks):
+            self.cache.block_bytes_of(b).copy_(_pattern(seed + i, self.cache.block_bytes))
+        for s in slots:
+            self.cache.slot_bytes_of(s).copy_(_pattern(seed + 10**6, self.cache.slot_bytes))
+        self.requests[request] = (blocks, slots)
+        return {"blocks": blocks, "slots": slots, "digests": self.digests(blocks, slots)}
+
+    def ship(self, peer: str, request: str, dst: dict, timeout_s: float) -> dict:
+        from .geometry import CacheGeometry
+
+        blocks, slots = self.requests[request]
+        before = [self.cache.blocks.refcount(b) for b in blocks]
+        result = self.ep.ship(
+            peer, request, blocks, slots, dst["blocks"], dst["slots"],
+            CacheGeometry.from_dict(dst["geometry"]), timeout_s=timeout_s,
+        )  # fmt: skip
+        assert [self.cache.blocks.refcount(b) for b in blocks] == before  # pins released
+        return {
+            "descriptors": result.descriptors,
+            "nbytes": result.nbytes,
+            "seconds": result.seconds,
+        }
+
+    def refcounts(self, request: str) -> list[int]:
+        return [self.cache.blocks.refcount(b) for b in self.requests[request][0]]
+
+    # -- decode -----------------------------------------------------------------
+    def expect(self, request: str, num_blocks: int, timeout_s: float) -> dict:
+        return self.ep.expect(request, num_blocks, timeout_s=timeout_s)
+
+    def wait(self, request: str, timeout_s: float) -> dict:
+        p = self.ep.wait(request, timeout_s)
+        return {"digests": self.digests(p.blocks, p.slots[:1])}
+
+    def untouched(self) -> bool:
+        """Every byte outside the pending and ready requests' entries still holds the sentinel."""
+        mask = torch.ones(self.cache.buf.numel(), dtype=torch.bool)
+        held = list(self.ep.ready.values()) + list(self.ep._pending.values())
+        for p in held:
+            for b in p.blocks:
+                o = b * self.cache.block_stride
+                mask[o : o + self.cache.block_bytes] = False
+            for s in p.slots:
+                o = self.cache.slot_base + s * self.cache.slot_stride
+                mask[o : o + self.cache.slot_stride] = False
+        return bool((self.cache.buf[mask] == SENTINEL).all())
+
+    def poll(self) -> dict:
+        """Everything the receiver has seen so far: ready, failed and refused requests."""
+        self.ep.poll()
+        return {
+            "ready": sorted(self.ep.ready),
+            "failed": list(self.ep.failed),
+            "refused": list(self.ep.refused),
+        }
+
+    def finish(self, request: str) -> None:
+        self.ep.finish(request)
+
+
+def _serve(conn, role: str, spec: SideSpec, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    side = None
+    try:
+        side = _Side(role, spec)
+        conn.send(("ok", None))
+        while True:
+            # The decode side must keep its UCX worker moving while it waits.
+            while not conn.poll(0.001):
+                if role == "decode":
+                    side.ep.poll()
+            op, args = conn.recv()
+            if op == "quit":
+                break
+            try:
+                conn.send(("ok", getattr(side, op)(*args)))
+            except Exception as exc:
+                conn.send(("error", f"{type(exc).__name__}: {exc}"))
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        if side is not None:
+            side.ep.close()
+        conn.close()
+
+
+class SideProcess:
+    """A spawned process serving one side; ``call`` runs a command there."""
+
+    def __init__(
+        self, role: str, spec: SideSpec, env: dict[str, str] | None = None, timeout_s: float = 120.0
+    ) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.timeout_s = timeout_s
+        self.process = ctx.Process(
+            target=_serve, args=(child, role, spec, env or {}), daemon=True, name=f"kvarena-{role}"
+        )
+        self.process.start()
+        child.close()
+        status, detail = self._recv()
+        if status != "ok":
+            self.stop()
+            raise RuntimeError(f"{role} side failed to start: {detail}")
+
+    def _recv(self) -> tuple[str, Any]:
+        if not self.conn.poll(self.timeout_s):
+            raise TimeoutError(f"{self.process.name} did not answer within {self.timeout_s}s")
+        return self.conn.recv()
+
+    def call(self, op: str, *args: Any) -> Any:
+        self.conn.send((op, args))
+        status, value = self._recv()
+        if status != "ok":
+            raise RuntimeError(f"{self.process.name}.{op}: {value}")
+        return value
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join(10)
+
+    def stop(self) -> int | None:
+        """Ask the side to quit; kill it if it does not; return its exit code."""
+        if self.process.is_alive():
+            try:
+                self.conn.send(("quit", ()))
+            except (BrokenPipeError, OSError):
+                pass
+            self.process.join(20)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(10)
+        self.conn.close()
+        return self.process.exitcode
+
+
+def connect_pair(prefill: SideProcess, decode: SideProcess) -> tuple[str, str]:
+    """Exchange hellos both ways; returns (decode's name at prefill, prefill's name at decode)."""
+    hp, hd = prefill.call("hello"), decode.call("hello")
+    return prefill.call("connect", hd), decode.call("connect", hp)
+
+
+def ship_request(
+    prefill: SideProcess, decode: SideProcess, peer: str, request: str, num_blocks: int, seed: int,
+    *, timeout_s: float = 30.0,
+) -> dict:  # fmt: skip
+    """Fill a request on the prefill side, ship it, wait for it; compare digests."""
+    src = prefill.call("fill", request, num_blocks, seed)
+    dst = decode.call("expect", request, num_blocks, timeout_s)
+    shipped = prefill.call("ship", peer, request, dst, timeout_s)
+    got = decode.call("wait", request, timeout_s)
+    return {**shipped, "byte_exact": got["digests"] == src["digests"], "src": src, "dst": dst}

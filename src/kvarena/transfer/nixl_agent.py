@@ -1,0 +1,321 @@
+"""Prefill -> decode transfer of blocks and request states over NIXL.
+
+Each side wraps one NIXL agent (UCX backend, no progress thread: it would spin
+a core while idle, so the passive side polls instead) and registers its
+unified cache's whole buffer ONCE. At connect time each side prepares one
+descriptor list per peer covering every block id and slot id the buffer can
+hold; shipping a request is then one ``make_prepped_xfer`` over index lists:
+one entry per block and per state slot, which NIXL merges where consecutive
+on both sides. Completion is a NIXL notification carrying the request id.
+
+Before any byte moves the two sides compare :class:`CacheGeometry` (layout
+fingerprints, entry sizes) and refuse on a mismatch, naming the field; every
+descriptor is bounds-checked by :func:`plan_request` before it is posted.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..pools import UnifiedCache
+from .descriptors import plan_request
+from .geometry import CacheGeometry
+
+
+class TransferError(RuntimeError):
+    """A transfer that failed; nothing of it may be used."""
+
+
+class TransferTimeout(TransferError):
+    """A transfer (or an awaited one) that did not finish in time."""
+
+
+class LayoutMismatchError(TransferError):
+    """The peer's cache layout differs; no byte was moved."""
+
+
+def nixl_available() -> bool:
+    try:
+        import nixl_cu12._api  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _nixl():
+    try:
+        from nixl_cu12._api import nixl_agent, nixl_agent_config
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise TransferError(
+            "NIXL is not installed; install kvarena's transfer extra (pip install 'kvarena[transfer]')"
+        ) from exc
+    return nixl_agent, nixl_agent_config
+
+
+@dataclass
+class _Peer:
+    name: str
+    geometry: CacheGeometry
+    local_prep: object
+    remote_prep: object
+
+
+class NixlEndpoint:
+    """One side of a transfer: a NIXL agent over a unified cache's buffer."""
+
+    def __init__(self, name: str, cache: UnifiedCache) -> None:
+        if cache.buf.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"NIXL registers CPU or CUDA memory, not {cache.buf.device}")
+        # A system libibverbs makes UCX's IB module crash NIXL processes at
+        # exit; loopback and TCP never need it. UCX reads this when the agent
+        # starts, so a caller's own setting wins.
+        os.environ.setdefault("UCX_MODULES", "^ib")
+        nixl_agent, nixl_agent_config = _nixl()
+        self.name = name
+        self.cache = cache
+        self.mem_type = "DRAM" if cache.buf.device.type == "cpu" else "VRAM"
+        config = nixl_agent_config(
+            enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"]
+        )
+        self.agent = nixl_agent(name, config)
+        self._reg = self.agent.register_memory([cache.buf])
+        self._peers: dict[str, _Peer] = {}
+
+    def geometry(self) -> CacheGeometry:
+        return CacheGeometry.of(self.cache)
+
+    def hello(self) -> dict:
+        """What the peer needs: NIXL metadata and this cache's geometry."""
+        return {
+            "name": self.name,
+            "metadata": self.agent.get_agent_metadata(),
+            "geometry": self.geometry().to_dict(),
+        }
+
+    def _all_rows(self, g: CacheGeometry) -> np.ndarray:
+        """One row per block id the buffer can hold, then one per slot id."""
+        max_blocks = g.size // g.block_stride
+        rows = np.zeros((max_blocks + g.total_slots, 3), dtype=np.uint64)
+        rows[:max_blocks, 0] = g.base + np.arange(max_blocks, dtype=np.uint64) * g.block_stride
+        rows[:max_blocks, 1] = g.block_bytes
+        rows[max_blocks:, 0] = (
+            g.base + g.slot_base + np.arange(g.total_slots, dtype=np.uint64) * g.slot_stride
+        )
+        rows[max_blocks:, 1] = g.slot_bytes
+        return rows
+
+    def connect(self, hello: dict) -> str:
+        """Accept a peer after checking its layout; prepare descriptor lists once."""
+        theirs = CacheGeometry.from_dict(hello["geometry"])
+        problems = self.geometry().mismatches(theirs)
+        if problems:
+            raise LayoutMismatchError(
+                f"peer {hello['name']!r} refused, layouts differ: " + "; ".join(problems)
+            )
+        name = self.agent.add_remote_agent(hello["metadata"])
+        name = name.decode() if isinstance(name, bytes) else name
+        local_prep = self.agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", self._all_rows(self.geometry()), self.mem_type
+        )
+        remote_prep = self.agent.prep_xfer_dlist(name, self._all_rows(theirs), self.mem_type)
+        self._peers[name] = _Peer(name, theirs, local_prep, remote_prep)
+        return name
+
+    def progress(self) -> dict[str, list[bytes]]:
+        """Drive this agent's worker and collect notifications (the passive side must poll)."""
+        return self.agent.get_new_notifs()
+
+    def close(self) -> None:
+        for peer in self._peers.values():
+            for handle in (peer.local_prep, peer.remote_prep):
+                try:
+                    self.agent.release_dlist_handle(handle)
+                except Exception:
+                    pass
+            try:
+                self.agent.remove_remote_agent(peer.name)
+            except Exception:
+                pass
+        self._peers.clear()
+        self.agent.deregister_memory(self._reg)
+
+
+@dataclass(frozen=True)
+class ShipResult:
+    request: str
+    descriptors: int
+    nbytes: int
+    seconds: float
+
+
+class PrefillSender(NixlEndpoint):
+    """The side that holds a request's blocks and state and WRITEs them to a peer."""
+
+    def ship(
+        self,
+        peer: str,
+        request: str,
+        src_blocks: Sequence[int],
+        src_slots: Sequence[int],
+        dst_blocks: Sequence[int],
+        dst_slots: Sequence[int],
+        dst_geometry: CacheGeometry,
+        *,
+        timeout_s: float = 30.0,
+    ) -> ShipResult:
+        """Write the request's blocks and slots into the peer's; notify with the request id.
+
+        The source blocks are pinned (one more reference) until the transfer
+        ends, successfully or not. On failure or timeout the transfer handle
+        is released and :class:`TransferError` raised.
+        """
+        p = self._peers.get(peer)
+        if p is None:
+            raise TransferError(f"no connected peer {peer!r}; connected: {sorted(self._peers)}")
+        here = self.geometry()
+        plan = plan_request(here, dst_geometry, src_blocks, dst_blocks, src_slots, dst_slots)
+        max_local = here.size // here.block_stride
+        max_remote = p.geometry.size // p.geometry.block_stride
+        local_idx = np.concatenate(
+            [np.asarray(src_blocks, np.int64), max_local + np.asarray(src_slots, np.int64)]
+        )
+        remote_idx = np.concatenate(
+            [np.asarray(dst_blocks, np.int64), max_remote + np.asarray(dst_slots, np.int64)]
+        )
+        pins = list(src_blocks)
+        for b in pins:
+            self.cache.blocks.retain(b)
+        start = time.perf_counter()
+        handle = None
+        try:
+            handle = self.agent.make_prepped_xfer(
+                "WRITE", p.local_prep, local_idx.astype(np.int32), p.remote_prep, remote_idx.astype(np.int32),
+                notif_msg=request.encode(),
+            )  # fmt: skip
+            state = self.agent.transfer(handle)
+            deadline = start + timeout_s
+            while state == "PROC":
+                if time.perf_counter() > deadline:
+                    raise TransferTimeout(
+                        f"request {request!r}: transfer to {peer!r} not done after {timeout_s}s"
+                    )
+                state = self.agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise TransferError(
+                    f"request {request!r}: transfer to {peer!r} ended in state {state!r}"
+                )
+        except TransferError:
+            raise
+        except Exception as exc:  # NIXL's own errors, e.g. a peer that disconnected
+            raise TransferError(
+                f"request {request!r}: transfer to {peer!r} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        finally:
+            if handle is not None:
+                try:
+                    self.agent.release_xfer_handle(handle)
+                except Exception:
+                    pass
+            for b in pins:
+                self.cache.blocks.release(b)
+        return ShipResult(request, plan.count, plan.nbytes, time.perf_counter() - start)
+
+
+@dataclass
+class _Pending:
+    blocks: list[int]
+    slots: tuple[int, ...]
+    deadline: float
+
+
+@dataclass
+class ReceiverEvents:
+    ready: list[str] = field(default_factory=list)
+    failed: list[tuple[str, str]] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)
+
+
+class DecodeReceiver(NixlEndpoint):
+    """The side that allocates destinations for expected requests and waits for them."""
+
+    def __init__(self, name: str, cache: UnifiedCache) -> None:
+        super().__init__(name, cache)
+        self._pending: dict[str, _Pending] = {}
+        self.ready: dict[str, _Pending] = {}
+        self.failed: list[tuple[str, str]] = []  # every failure so far, with its reason
+        self.refused: list[str] = []  # notifications for requests nobody expected
+
+    def expect(
+        self, request: str, num_blocks: int, *, with_state: bool = True, timeout_s: float = 30.0
+    ) -> dict:
+        """Allocate ``num_blocks`` blocks (and the request's state slots) for ``request``.
+
+        Returns what the sender needs: destination ids and this side's current
+        geometry. Refused (nothing allocated) when the pools cannot hold it.
+        """
+        if request in self._pending or request in self.ready:
+            raise ValueError(f"request {request!r} is already expected")
+        blocks = self.cache.blocks.allocate(num_blocks)
+        try:
+            slots = self.cache.allocate_state(request) if with_state else ()
+        except Exception:
+            for b in blocks:
+                self.cache.blocks.release(b)
+            raise
+        self._pending[request] = _Pending(blocks, tuple(slots), time.monotonic() + timeout_s)
+        # The request's first slot receives the shipped state; rollback copies stay local.
+        return {"blocks": blocks, "slots": list(slots[:1]), "geometry": self.geometry().to_dict()}
+
+    def _free(self, p: _Pending, request: Hashable) -> None:
+        for b in p.blocks:
+            self.cache.blocks.release(b)
+        if p.slots:
+            self.cache.free_state(request)
+
+    def poll(self) -> ReceiverEvents:
+        """Progress NIXL, mark notified requests ready, fail the ones past their deadline."""
+        events = ReceiverEvents()
+        for msgs in self.progress().values():
+            for msg in msgs:
+                request = msg.decode(errors="replace")
+                p = self._pending.pop(request, None)
+                if p is None:
+                    events.refused.append(request)  # nobody asked for it: never marked ready
+                    continue
+                self.ready[request] = p
+                events.ready.append(request)
+        now = time.monotonic()
+        for request in [r for r, p in self._pending.items() if now > p.deadline]:
+            self._free(self._pending.pop(request), request)
+            events.failed.append(
+                (request, "timed out waiting for the transfer; its blocks and slots were freed")
+            )
+        self.failed.extend(events.failed)
+        self.refused.extend(events.refused)
+        return events
+
+    def wait(self, request: str, timeout_s: float) -> _Pending:
+        """Poll until ``request`` is ready; raise :class:`TransferTimeout` otherwise."""
+        deadline = time.monotonic() + timeout_s
+        while request not in self.ready:
+            self.poll()
+            for failed, reason in self.failed:
+                if failed == request:
+                    raise TransferTimeout(f"request {request!r}: {reason}")
+            if time.monotonic() > deadline:
+                raise TransferTimeout(f"request {request!r} not ready after {timeout_s}s")
+            time.sleep(0.0002)
+        return self.ready[request]
+
+    def finish(self, request: str) -> None:
+        """The engine is done with a ready request: free its blocks and slots."""
+        self._free(self.ready.pop(request), request)
+
+    @property
+    def pending(self) -> list[str]:
+        return sorted(self._pending)

@@ -1,0 +1,150 @@
+"""Two real processes on loopback, NIXL's UCX backend, byte-exact on both sides."""
+
+import math
+import multiprocessing as mp
+import random
+import time
+
+import pytest
+import torch
+
+from kvarena import EntryField
+from kvarena.transfer import nixl_available
+from kvarena.transfer.loopback import SideProcess, SideSpec, connect_pair, ship_request
+
+pytestmark = pytest.mark.skipif(
+    not nixl_available(), reason="NIXL (kvarena[transfer]) not installed"
+)
+
+
+def random_spec(seed: int, total: int = 6 << 20) -> SideSpec:
+    rng = random.Random(seed)
+    dtypes = [torch.bfloat16, torch.float32, torch.float16, torch.uint8]
+    page = tuple(
+        EntryField(
+            f"p{i}",
+            rng.randint(1, 3),
+            (rng.choice([8, 16]), rng.randint(1, 4), rng.choice([32, 64, 100])),
+            rng.choice(dtypes),
+        )
+        for i in range(rng.randint(1, 3))
+    )
+    state = tuple(
+        EntryField(f"s{i}", rng.randint(1, 4), (rng.randint(1, 8), rng.randint(1, 300)), rng.choice(dtypes),
+                   align=rng.choice([0, 0, 512]), in_checkpoint=rng.random() < 0.8)
+        for i in range(rng.randint(1, 3))
+    )  # fmt: skip
+    score = EntryField("score", 1, (16,), torch.float32, fill=-math.inf)
+    return SideSpec(page, (*state, score), total, state_slots=6)
+
+
+@pytest.fixture
+def pair(request):
+    """A prefill and a decode process; always stopped, exit codes checked."""
+    env = getattr(request, "param", {})
+    spec = random_spec(7)
+    procs = [SideProcess("prefill", spec, env), SideProcess("decode", spec, env)]
+    yield (*procs, spec)
+    codes = [p.stop() for p in procs if p.process.exitcode is None or p.process.is_alive()]
+    assert all(code in (0, None) or code < 0 for code in codes)
+    assert not [p for p in mp.active_children() if p.name.startswith("kvarena-")]
+
+
+@pytest.mark.parametrize(
+    "pair", [{"UCX_TLS": "cma,tcp"}, {"UCX_TLS": "tcp"}], indirect=True, ids=["cma,tcp", "tcp"]
+)
+def test_requests_arrive_byte_exact_and_nothing_else_is_written(pair):
+    prefill, decode, _ = pair
+    peer, _ = connect_pair(prefill, decode)
+    rng = random.Random(3)
+    for i in range(4):
+        result = ship_request(prefill, decode, peer, f"req-{i}", rng.randint(1, 9), seed=100 * i)
+        assert result["byte_exact"], i
+        assert result["descriptors"] <= len(result["src"]["blocks"]) + 1
+    assert decode.call("untouched")
+    for i in range(4):
+        decode.call("finish", f"req-{i}")
+    stats = decode.call("stats")
+    assert stats["live_blocks"] == 0 and stats["live_slots"] == 0 and not stats["pending"]
+    assert prefill.stop() == 0 and decode.stop() == 0
+
+
+def test_random_layouts_on_both_sides():
+    for seed in (11, 12):
+        spec = random_spec(seed)
+        prefill, decode = SideProcess("prefill", spec), SideProcess("decode", spec)
+        try:
+            peer, _ = connect_pair(prefill, decode)
+            assert ship_request(prefill, decode, peer, "r", 5, seed)["byte_exact"]
+            assert decode.call("untouched")
+        finally:
+            assert prefill.stop() == 0 and decode.stop() == 0
+
+
+def test_fingerprint_mismatch_is_refused_before_any_byte_moves():
+    spec = random_spec(7)
+    other = SideSpec(spec.page_fields, spec.state_fields[:-1], spec.total_bytes, spec.state_slots)
+    prefill, decode = SideProcess("prefill", spec), SideProcess("decode", other)
+    try:
+        with pytest.raises(RuntimeError, match=r"LayoutMismatchError.*state_fingerprint"):
+            prefill.call("connect", decode.call("hello"))
+        assert decode.call("untouched")
+    finally:
+        assert prefill.stop() == 0 and decode.stop() == 0
+
+
+def test_unexpected_request_is_refused_and_others_are_unaffected(pair):
+    prefill, decode, _ = pair
+    peer, _ = connect_pair(prefill, decode)
+    assert ship_request(prefill, decode, peer, "good", 3, 1)["byte_exact"]
+    # "ghost" was never expected: the sender borrows another request's ids.
+    src = prefill.call("fill", "ghost", 2, 5)
+    dst = decode.call("expect", "victim", 2, 1.0)
+    prefill.call("ship", peer, "ghost", dst, 10.0)
+    # The notification may trail the sender's DONE; poll until it shows.
+    deadline = time.monotonic() + 10
+    while "ghost" not in (seen := decode.call("poll"))["refused"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (
+        "ghost" in seen["refused"]
+        and "ghost" not in seen["ready"]
+        and "victim" not in seen["ready"]
+    )
+    assert src["blocks"]
+    # The victim was never notified: it times out and its blocks and slots are freed.
+    with pytest.raises(RuntimeError, match="TransferTimeout"):
+        decode.call("wait", "victim", 5.0)
+    stats = decode.call("stats")
+    assert (
+        stats["pending"] == [] and stats["live_blocks"] == 3 and stats["live_slots"] == 1
+    )  # only "good"
+
+
+def test_killed_decode_fails_cleanly_and_releases_pins(pair):
+    prefill, decode, _ = pair
+    peer, _ = connect_pair(prefill, decode)
+    assert ship_request(prefill, decode, peer, "before", 2, 9)["byte_exact"]
+    prefill.call("fill", "doomed", 4, 3)
+    dst = decode.call("expect", "doomed", 4, 30.0)
+    decode.kill()
+    with pytest.raises(RuntimeError, match=r"TransferError|TransferTimeout"):
+        prefill.call("ship", peer, "doomed", dst, 5.0)
+    assert prefill.call("refcounts", "doomed") == [1, 1, 1, 1]  # the transfer's pins are gone
+
+
+def test_killed_prefill_frees_the_waiting_request(pair):
+    prefill, decode, _ = pair
+    peer, _ = connect_pair(prefill, decode)
+    assert ship_request(prefill, decode, peer, "kept", 2, 4)["byte_exact"]
+    prefill.call("fill", "orphan", 3, 8)
+    decode.call("expect", "orphan", 3, 1.0)
+    prefill.kill()
+    with pytest.raises(RuntimeError, match="TransferTimeout"):
+        decode.call("wait", "orphan", 5.0)
+    stats = decode.call("stats")
+    assert (
+        stats["pending"] == [] and stats["live_blocks"] == 2 and stats["live_slots"] == 1
+    )  # "kept" only
+    decode.call("finish", "kept")
+    stats = decode.call("stats")
+    assert stats["live_blocks"] == 0 and stats["live_slots"] == 0

@@ -1,0 +1,87 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from kvarena import EntryField, UnifiedCache
+from kvarena.transfer import (
+    CacheGeometry,
+    DescriptorBoundsError,
+    per_layer_descriptor_count,
+    plan_request,
+)
+
+PAGE = (
+    EntryField("k", 2, (16, 2, 64), torch.bfloat16),
+    EntryField("v", 2, (16, 2, 64), torch.bfloat16),
+)
+STATE = (
+    EntryField("ssm", 3, (4, 32, 32), torch.float32),
+    EntryField("score", 1, (64,), torch.float32, fill=-math.inf, in_checkpoint=False),
+)
+
+
+def geometry(**kw):
+    cache = UnifiedCache(
+        PAGE, STATE, kw.pop("total", 4 << 20), "cpu", state_slots=kw.pop("slots", 4), **kw
+    )
+    return cache, CacheGeometry.of(cache)
+
+
+def test_one_descriptor_per_run_and_per_slot():
+    _, src = geometry()
+    _, dst = geometry(total=6 << 20)
+    plan = plan_request(
+        src, dst, [3, 4, 5, 9], [10, 11, 12, 20], [src.total_slots - 1], [dst.total_slots - 1]
+    )
+    # Blocks 3,4,5 -> 10,11,12 are one run on both sides; 9 -> 20 another; one slot.
+    assert plan.count == 3
+    rows_l, rows_r = plan.local, plan.remote
+    assert rows_l[0].tolist() == [src.base + 3 * src.block_stride, 3 * src.block_bytes]
+    assert rows_r[0].tolist() == [dst.base + 10 * dst.block_stride, 3 * dst.block_bytes]
+    assert rows_r[2].tolist() == [
+        dst.base + dst.slot_base + (dst.total_slots - 1) * dst.slot_stride,
+        dst.slot_bytes,
+    ]
+    assert plan.nbytes == 4 * src.block_bytes + src.slot_bytes
+    assert plan.nixl_rows("remote").shape == (3, 3)
+    # Non-adjacent on the destination side: no merge.
+    assert plan_request(src, dst, [3, 4], [10, 12], [], []).count == 2
+
+
+def test_refusals_name_what_is_wrong():
+    _, src = geometry()
+    _, dst = geometry()
+    top = dst.total_slots - 1
+    with pytest.raises(DescriptorBoundsError, match="outside its PAGE pool"):
+        plan_request(src, dst, [0], [dst.num_blocks], [], [])
+    with pytest.raises(DescriptorBoundsError, match="slot 0 is outside its STATE pool"):
+        plan_request(src, dst, [], [], [top], [0])
+    with pytest.raises(DescriptorBoundsError, match="same counts"):
+        plan_request(src, dst, [0, 1], [0], [], [])
+    with pytest.raises(DescriptorBoundsError, match="names an id twice"):
+        plan_request(src, dst, [0, 0], [1, 2], [], [])
+    other_state = (EntryField("ssm", 3, (4, 32, 32), torch.bfloat16),)
+    cache = UnifiedCache(PAGE, other_state, 4 << 20, "cpu", state_slots=4)
+    with pytest.raises(DescriptorBoundsError, match="state_fingerprint"):
+        plan_request(src, CacheGeometry.of(cache), [0], [0], [], [])
+
+
+def test_geometry_mismatch_lists_every_field():
+    _, a = geometry()
+    cache = UnifiedCache(PAGE[:1], STATE[:1], 4 << 20, "cpu", state_slots=4)
+    problems = a.mismatches(CacheGeometry.of(cache))
+    assert {p.split(":")[0] for p in problems} == {
+        "page_fingerprint",
+        "state_fingerprint",
+        "block_bytes",
+        "slot_bytes",
+    }
+    assert CacheGeometry.from_dict(a.to_dict()) == a
+
+
+def test_per_layer_baseline_count():
+    # 2 page fields x 2 layers per block run, 2 state fields over 3 + 1 layers per slot.
+    assert per_layer_descriptor_count(4, 4, block_runs=3, slots=1) == 16
+    assert np.asarray([per_layer_descriptor_count(4, 4, 1, 1)]).item() == 8
