@@ -13,8 +13,10 @@ byte outside a request's allocation was written.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import multiprocessing as mp
 import os
+import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..layout import EntryField
+from ..layout import EntryField, field_extents
 from ..pools import UnifiedCache
 
 SENTINEL = 0xA5
@@ -113,12 +115,88 @@ class _Side:
             "seconds": result.seconds,
         }
 
+    def bench(self, peer: str, request: str, dst: dict, rounds: int) -> dict:
+        """Time three transfers of one request's bytes, interleaved round by round.
+
+        ``kvarena``: the request's descriptors (one per block run, one per slot)
+        over the prepped lists; ``per_layer``: the same ranges cut the way a
+        per-layer-per-tensor registration cuts them (one descriptor per layer per
+        field per block run, one per layer per state field); ``raw``: one
+        descriptor over the same number of bytes.
+        """
+        from .descriptors import plan_request
+        from .geometry import CacheGeometry
+
+        geo_dst = CacheGeometry.from_dict(dst["geometry"])
+        blocks, slots = self.requests[request]
+        plan = plan_request(self.ep.geometry(), geo_dst, blocks, dst["blocks"], slots, dst["slots"])
+        page_pieces = sum(f.layers for f in self.cache.page_fields)
+        local_rows, remote_rows = [], []
+        n_runs = plan.count - len(slots)
+        for i in range(n_runs):
+            (la, length), (ra, _) = plan.local[i].tolist(), plan.remote[i].tolist()
+            cuts = [length * k // page_pieces for k in range(page_pieces + 1)]
+            for lo, hi in itertools.pairwise(cuts):
+                local_rows.append((la + lo, hi - lo, 0))
+                remote_rows.append((ra + lo, hi - lo, 0))
+        for i in range(n_runs, plan.count):
+            la, ra = int(plan.local[i][0]), int(plan.remote[i][0])
+            for ext in field_extents(self.cache.state_fields):
+                per = ext.field.bytes_per_layer
+                for layer in range(ext.field.layers):
+                    at = ext.start + layer * per
+                    local_rows.append((la + at, per, 0))
+                    remote_rows.append((ra + at, per, 0))
+        total = plan.nbytes
+        raw_local = [(self.ep.geometry().base, total, 0)]
+        raw_remote = [(geo_dst.base, total, 0)]
+        agent, mem = self.ep.agent, self.ep.mem_type
+
+        def post(local, remote) -> None:
+            h = agent.initialize_xfer(
+                "WRITE", agent.get_xfer_descs(local, mem), agent.get_xfer_descs(remote, mem), peer
+            )
+            state = agent.transfer(h)
+            while state == "PROC":
+                state = agent.check_xfer_state(h)
+            agent.release_xfer_handle(h)
+            if state != "DONE":
+                raise RuntimeError(f"benchmark transfer ended in {state}")
+
+        methods = {
+            "kvarena": lambda: self.ep.ship(
+                peer, request, blocks, slots, dst["blocks"], dst["slots"], geo_dst
+            ),
+            "per_layer": lambda: post(local_rows, remote_rows),
+            "raw": lambda: post(raw_local, raw_remote),
+        }
+        times: dict[str, list[float]] = {k: [] for k in methods}
+        for fn in methods.values():
+            fn()  # warm-up: connection and registration caches
+        for _ in range(rounds):
+            for name, fn in methods.items():
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+        return {
+            "descriptors": {"kvarena": plan.count, "per_layer": len(local_rows), "raw": 1},
+            "nbytes": {"kvarena": total, "per_layer": sum(r[1] for r in local_rows), "raw": total},
+            "seconds": {k: sorted(v)[len(v) // 2] for k, v in times.items()},
+        }
+
     def refcounts(self, request: str) -> list[int]:
         return [self.cache.blocks.refcount(b) for b in self.requests[request][0]]
 
     # -- decode -----------------------------------------------------------------
     def expect(self, request: str, num_blocks: int, timeout_s: float) -> dict:
         return self.ep.expect(request, num_blocks, timeout_s=timeout_s)
+
+    def fragment(self, n: int) -> None:
+        """Leave every other one of the next ``2n`` blocks taken by someone else,
+        so the next ``n`` blocks allocated are pairwise non-adjacent."""
+        blocks = self.cache.blocks.allocate(2 * n)
+        for b in blocks[::2]:
+            self.cache.blocks.release(b)
 
     def wait(self, request: str, timeout_s: float) -> dict:
         p = self.ep.wait(request, timeout_s)
