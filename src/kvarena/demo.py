@@ -190,6 +190,8 @@ def run_demo(config: DemoConfig, device: torch.device) -> Iterator[Check]:
     )
 
     yield from _unified_checks(config.model, config.tp, device, gen)
+    if device.type == "cpu":
+        yield from _transfer_checks(config.model, config.tp)
 
     # Layer-major regions carved from one buffer, as paged KV kernels want them.
     kv = [
@@ -282,6 +284,35 @@ def _unified_checks(
         blocks_ok and states_ok and bool(grow.block_remap) and bool(shrink.slot_remap),
         f"grow +6 slots: {len(grow.block_remap)} live blocks relocated in {grow.copies} copies; "
         f"shrink: {len(shrink.slot_remap)} live states relocated; every byte followed its remap",
+    )
+
+
+def _transfer_checks(model: str, tp: int) -> Iterator[Check]:
+    """Ship requests from a prefill process to a decode process over NIXL."""
+    from .transfer import nixl_available
+    from .transfer.loopback import SideProcess, SideSpec, connect_pair, ship_request
+
+    preset = model_cache(model, ServingOptions(tp=tp))
+    if not nixl_available() or not preset.page_fields:
+        return
+    slot = align_up(entry_bytes_for(preset.state_fields), strictest_alignment(preset.state_fields))
+    total = align_up(40 * entry_bytes_for(preset.page_fields) + 4 * slot, 1 << 20)
+    spec = SideSpec(preset.page_fields, preset.state_fields, total, state_slots=3)
+    prefill, decode = SideProcess("prefill", spec), SideProcess("decode", spec)
+    try:
+        peer, _ = connect_pair(prefill, decode)
+        shipped = [
+            ship_request(prefill, decode, peer, f"req-{i}", 4 + 3 * i, 1000 * i) for i in range(2)
+        ]
+        exact = all(r["byte_exact"] for r in shipped) and decode.call("untouched")
+        descriptors = [r["descriptors"] for r in shipped]
+    finally:
+        codes = (prefill.stop(), decode.stop())
+    yield Check(
+        "prefill -> decode transfer",
+        exact and codes == (0, 0),
+        f"2 requests over NIXL between two processes, {descriptors} descriptors, byte-exact, "
+        "nothing outside their allocation written",
     )
 
 

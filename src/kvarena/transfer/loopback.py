@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import multiprocessing as mp
 import os
 import time
@@ -230,6 +231,8 @@ class _Side:
 
 def _serve(conn, role: str, spec: SideSpec, env: dict[str, str]) -> None:
     os.environ.update(env)
+    # NIXL logs every agent start at INFO; the parent reports what matters.
+    logging.getLogger("nixl").setLevel(logging.WARNING)
     side = None
     try:
         side = _Side(role, spec)
