@@ -29,6 +29,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_entry_copy.py
 	$(PY) benchmarks/bench_checkpoint.py
 	$(PY) benchmarks/bench_boundary.py
+	$(PY) benchmarks/bench_transfer.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .hypothesis

@@ -231,8 +231,13 @@ class _Side:
 
 def _serve(conn, role: str, spec: SideSpec, env: dict[str, str]) -> None:
     os.environ.update(env)
-    # NIXL logs every agent start at INFO; the parent reports what matters.
-    logging.getLogger("nixl").setLevel(logging.WARNING)
+    # NIXL logs every agent start at INFO (its logger's level is set when the
+    # module loads); the parent reports what matters.
+    from .nixl_agent import nixl_available
+
+    if nixl_available():
+        for name in ("nixl", "nixl.nixl_cu12", "nixl.nixl_cu12._api"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     side = None
     try:
         side = _Side(role, spec)
