@@ -105,7 +105,7 @@ def test_refused_moves_change_nothing():
     with pytest.raises(BoundaryMoveError, match="live blocks sit above") as info:
         c.grow_state(1)
     assert info.value.needed > info.value.available == 0
-    with pytest.raises(BoundaryMoveError, match="only 4 slots"):
+    with pytest.raises(BoundaryMoveError, match="only 4 slots are in the STATE pool"):
         c.shrink_state(5)
     for r in "bcd":
         c.allocate_state(r)

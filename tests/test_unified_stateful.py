@@ -89,25 +89,24 @@ class UnifiedCacheMachine(RuleBasedStateMachine):
             self.cache.blocks.set_cached(self.handles[h]["id"])
             self.handles[h]["cached"] = True
 
+    def _release(self, h):
+        self.cache.blocks.release(self.handles[h]["id"])
+        self.handles[h]["refs"] -= 1
+        if self.handles[h]["refs"] == 0 and not self.handles[h]["cached"]:
+            del self.handles[h]  # free: its bytes are no one's now
+
     @rule(data=st.data())
     def release(self, data):
         live = self._live()
         if live:
-            h = data.draw(st.sampled_from(live))
-            self.cache.blocks.release(self.handles[h]["id"])
-            self.handles[h]["refs"] -= 1
-            if self.handles[h]["refs"] == 0 and not self.handles[h]["cached"]:
-                del self.handles[h]
+            self._release(data.draw(st.sampled_from(live)))
 
     @rule(k=st.integers(1, 12))
     def release_lowest(self, k):
         # Frees the bottom of the PAGE region while the top stays live: the
         # fragmentation that makes a STATE grow relocate blocks.
         for h in sorted(self._live(), key=lambda h: self.handles[h]["id"])[:k]:
-            self.cache.blocks.release(self.handles[h]["id"])
-            self.handles[h]["refs"] -= 1
-            if self.handles[h]["refs"] == 0 and not self.handles[h]["cached"]:
-                del self.handles[h]
+            self._release(h)
 
     @rule()
     def free_topmost_state(self):

@@ -43,6 +43,14 @@ class BoundaryMoveError(RuntimeError):
         super().__init__(message)
 
 
+def _check_move(op: str, n: object, limit: int, what: str) -> None:
+    """Refuse a slot count that is not an int in ``0..limit``."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"{op}: n must be an int >= 0, got {n!r}")
+    if n > limit:
+        raise BoundaryMoveError(f"{op}({n}): only {limit} {what}", needed=n, available=limit)
+
+
 @dataclass(frozen=True)
 class BoundaryMove:
     """What a move did: the new counts and the remaps an engine must apply."""
@@ -237,14 +245,7 @@ class UnifiedCache:
     # -- the movable boundary --------------------------------------------------
     def plan_grow_state(self, n: int) -> tuple[int, list[int], list[int], list[int]]:
         """(new block count, free going, evictable going, live going) for growing by n."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"grow_state: n must be an int >= 0, got {n!r}")
-        if n > self.slots.first:
-            raise BoundaryMoveError(
-                f"grow_state({n}): only {self.slots.first} slots remain below the STATE pool",
-                needed=n,
-                available=self.slots.first,
-            )
+        _check_move("grow_state", n, self.slots.first, "slots remain below the STATE pool")
         new_blocks = min(self.blocks.capacity, self._blocks_below(self.slots.first - n))
         going = range(new_blocks, self.blocks.capacity)
         free = [b for b in going if self.blocks.is_free(b)]
@@ -291,14 +292,7 @@ class UnifiedCache:
     def shrink_state(self, n: int) -> BoundaryMove:
         """Give ``n`` slots back to PAGE: live states in them move to free higher slots."""
         self._fixed()
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"shrink_state: n must be an int >= 0, got {n!r}")
-        if n > self.slots.capacity:
-            raise BoundaryMoveError(
-                f"shrink_state({n}): the STATE pool holds only {self.slots.capacity} slots",
-                needed=n,
-                available=self.slots.capacity,
-            )
+        _check_move("shrink_state", n, self.slots.capacity, "slots are in the STATE pool")
         first = self.slots.first
         released = range(first, first + n)
         live = [s for s in released if self.slots.owner(s) is not None]
