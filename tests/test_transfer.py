@@ -148,3 +148,32 @@ def test_killed_prefill_frees_the_waiting_request(pair):
     decode.call("finish", "kept")
     stats = decode.call("stats")
     assert stats["live_blocks"] == 0 and stats["live_slots"] == 0
+
+
+def test_tcp_control_channel_between_a_prefill_client_and_a_decode_service():
+    spec = random_spec(21)
+    decode = SideProcess("decode-service", spec)
+    prefill = SideProcess("prefill", spec)
+    try:
+        assert decode.endpoint.startswith("tcp://127.0.0.1:")
+        assert prefill.call("tcp_connect", decode.endpoint) == "decode"
+        for i, n in enumerate((3, 1, 6)):
+            src = prefill.call("fill", f"r{i}", n, 50 + i)
+            shipped = prefill.call("tcp_ship", f"r{i}")
+            assert shipped["descriptors"] <= n + 1
+            assert decode.call("ready_digests", f"r{i}") == src["digests"]
+        assert decode.call("untouched")
+    finally:
+        assert prefill.stop() == 0 and decode.stop() == 0
+
+
+def test_tcp_control_channel_refuses_a_mismatched_layout():
+    spec = random_spec(21)
+    other = SideSpec(spec.page_fields, spec.state_fields[:-1], spec.total_bytes, spec.state_slots)
+    decode = SideProcess("decode-service", spec)
+    prefill = SideProcess("prefill", other)
+    try:
+        with pytest.raises(RuntimeError, match="state_fingerprint"):
+            prefill.call("tcp_connect", decode.endpoint)
+    finally:
+        assert prefill.stop() == 0 and decode.stop() == 0

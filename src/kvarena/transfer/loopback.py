@@ -62,7 +62,8 @@ class _Side:
         )  # fmt: skip
         self.cache.buf.fill_(SENTINEL)
         cls = PrefillSender if role == "prefill" else DecodeReceiver
-        self.ep = cls(role, self.cache)
+        self.ep = cls("prefill" if role == "prefill" else "decode", self.cache)
+        self.client = None
         self.requests: dict[str, tuple[list[int], list[int]]] = {}
 
     # -- both sides -------------------------------------------------------------
@@ -185,6 +186,24 @@ class _Side:
             "seconds": {k: sorted(v)[len(v) // 2] for k, v in times.items()},
         }
 
+    def tcp_connect(self, endpoint: str) -> str:
+        """Reach a decode service over its ZeroMQ control channel."""
+        from .service import PrefillClient
+
+        self.client = PrefillClient(self.ep, endpoint)
+        return self.client.connect()
+
+    def tcp_ship(self, request: str) -> dict:
+        """Ship a filled request through the control channel; wait until the decode side has it."""
+        blocks, slots = self.requests[request]
+        result = self.client.ship(request, blocks, slots)
+        self.client.wait_ready(request)
+        return {"descriptors": result.descriptors, "nbytes": result.nbytes}
+
+    def ready_digests(self, request: str) -> list[str]:
+        p = self.ep.ready[request]
+        return self.digests(p.blocks, p.slots[:1])
+
     def refcounts(self, request: str) -> list[int]:
         return [self.cache.blocks.refcount(b) for b in self.requests[request][0]]
 
@@ -229,7 +248,15 @@ class _Side:
         self.ep.finish(request)
 
 
+def _answer(conn, side: _Side, op: str, args: tuple) -> None:
+    try:
+        conn.send(("ok", getattr(side, op)(*args)))
+    except Exception as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
 def _serve(conn, role: str, spec: SideSpec, env: dict[str, str]) -> None:
+    """Serve parent commands; a ``decode-service`` also serves its ZeroMQ channel."""
     os.environ.update(env)
     # NIXL logs every agent start at INFO (its logger's level is set when the
     # module loads); the parent reports what matters.
@@ -238,9 +265,28 @@ def _serve(conn, role: str, spec: SideSpec, env: dict[str, str]) -> None:
     if nixl_available():
         for name in ("nixl", "nixl.nixl_cu12", "nixl.nixl_cu12._api"):
             logging.getLogger(name).setLevel(logging.WARNING)
-    side = None
+    side = service = None
     try:
         side = _Side(role, spec)
+        if role == "decode-service":
+            from .service import DecodeService
+
+            service = DecodeService(side.ep)
+            conn.send(("ok", service.endpoint))
+            stop = False
+
+            def until() -> bool:
+                nonlocal stop
+                while not stop and conn.poll():
+                    op, args = conn.recv()
+                    if op == "quit":
+                        stop = True
+                    else:
+                        _answer(conn, side, op, args)
+                return stop
+
+            service.serve(until)
+            return
         conn.send(("ok", None))
         while True:
             # The decode side must keep its UCX worker moving while it waits.
@@ -250,14 +296,15 @@ def _serve(conn, role: str, spec: SideSpec, env: dict[str, str]) -> None:
             op, args = conn.recv()
             if op == "quit":
                 break
-            try:
-                conn.send(("ok", getattr(side, op)(*args)))
-            except Exception as exc:
-                conn.send(("error", f"{type(exc).__name__}: {exc}"))
+            _answer(conn, side, op, args)
     except Exception:
         conn.send(("error", traceback.format_exc()))
     finally:
+        if service is not None:
+            service.close()
         if side is not None:
+            if side.client is not None:
+                side.client.close()
             side.ep.close()
         conn.close()
 
@@ -280,6 +327,7 @@ class SideProcess:
         if status != "ok":
             self.stop()
             raise RuntimeError(f"{role} side failed to start: {detail}")
+        self.endpoint: str | None = detail  # a decode-service's control channel
 
     def _recv(self) -> tuple[str, Any]:
         if not self.conn.poll(self.timeout_s):

@@ -1,0 +1,131 @@
+"""The control channel between hosts: a decode service and a prefill client on ZeroMQ.
+
+The data path is NIXL's; this channel carries only small JSON messages: the
+hello (NIXL metadata and :class:`CacheGeometry`), "expect this request"
+(answered with destination ids) and status queries. The decode side runs one
+loop that alternates between the channel and NIXL progress, so a single
+thread drives both (NIXL agents are not shared across threads here).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from collections.abc import Callable, Sequence
+
+import zmq
+
+from .geometry import CacheGeometry
+from .nixl_agent import DecodeReceiver, PrefillSender, ShipResult, TransferError
+
+
+def _encode_hello(hello: dict) -> dict:
+    return {**hello, "metadata": base64.b64encode(hello["metadata"]).decode()}
+
+
+def _decode_hello(msg: dict) -> dict:
+    return {**msg, "metadata": base64.b64decode(msg["metadata"])}
+
+
+class DecodeService:
+    """Serves prefill clients: hello, expect, status. Bind with ``tcp://HOST:*`` for any port."""
+
+    def __init__(self, receiver: DecodeReceiver, endpoint: str = "tcp://127.0.0.1:*") -> None:
+        self.receiver = receiver
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(endpoint)
+        self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def _handle(self, msg: dict) -> dict:
+        op = msg.get("op")
+        if op == "hello":
+            name = self.receiver.connect(_decode_hello(msg["hello"]))
+            return {"hello": _encode_hello(self.receiver.hello()), "peer": name}
+        if op == "expect":
+            return self.receiver.expect(
+                msg["request"], int(msg["blocks"]), timeout_s=float(msg["timeout_s"])
+            )
+        if op == "status":
+            request = msg["request"]
+            if request in self.receiver.ready:
+                return {"status": "ready"}
+            if request in self.receiver.pending:
+                return {"status": "pending"}
+            reasons = [r for q, r in self.receiver.failed if q == request]
+            return {"status": "failed", "reason": reasons[-1]} if reasons else {"status": "unknown"}
+        raise ValueError(f"unknown control message {op!r}; known: hello, expect, status")
+
+    def serve(self, until: Callable[[], bool], poll_ms: int = 1) -> None:
+        """Answer clients and progress NIXL until ``until()`` is true."""
+        while not until():
+            if self._sock.poll(poll_ms):
+                ident, _, raw = self._sock.recv_multipart()
+                try:
+                    reply = self._handle(json.loads(raw))
+                except Exception as exc:
+                    reply = {"error": f"{type(exc).__name__}: {exc}"}
+                self._sock.send_multipart([ident, b"", json.dumps(reply).encode()])
+            self.receiver.poll()
+
+    def close(self) -> None:
+        self._sock.close()
+        self._ctx.term()
+
+
+class PrefillClient:
+    """Talks to one :class:`DecodeService`; ships requests with a :class:`PrefillSender`."""
+
+    def __init__(self, sender: PrefillSender, endpoint: str, *, timeout_s: float = 30.0) -> None:
+        self.sender = sender
+        self.timeout_s = timeout_s
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.REQ)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+        self.peer: str | None = None
+
+    def _call(self, msg: dict) -> dict:
+        self._sock.send(json.dumps(msg).encode())
+        if not self._sock.poll(int(self.timeout_s * 1000)):
+            raise TransferError(
+                f"decode service did not answer {msg['op']!r} within {self.timeout_s}s"
+            )
+        reply = json.loads(self._sock.recv())
+        if "error" in reply:
+            raise TransferError(f"decode service refused {msg['op']!r}: {reply['error']}")
+        return reply
+
+    def connect(self) -> str:
+        """Exchange hellos (each side checks the other's layout) and connect NIXL both ways."""
+        reply = self._call({"op": "hello", "hello": _encode_hello(self.sender.hello())})
+        self.peer = self.sender.connect(_decode_hello(reply["hello"]))
+        return self.peer
+
+    def ship(self, request: str, blocks: Sequence[int], slots: Sequence[int]) -> ShipResult:
+        """Ask the decode side to expect ``request``, then write it there."""
+        if self.peer is None:
+            raise TransferError("connect() first")
+        dst = self._call(
+            {"op": "expect", "request": request, "blocks": len(blocks), "timeout_s": self.timeout_s}
+        )
+        return self.sender.ship(
+            self.peer, request, blocks, slots[: len(dst["slots"])], dst["blocks"], dst["slots"],
+            CacheGeometry.from_dict(dst["geometry"]), timeout_s=self.timeout_s,
+        )  # fmt: skip
+
+    def status(self, request: str) -> dict:
+        return self._call({"op": "status", "request": request})
+
+    def wait_ready(self, request: str) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while (status := self.status(request))["status"] != "ready":
+            if status["status"] in ("failed", "unknown") or time.monotonic() > deadline:
+                raise TransferError(f"request {request!r} is {status}")
+            time.sleep(0.001)
+
+    def close(self) -> None:
+        self._sock.close()
+        self._ctx.term()
