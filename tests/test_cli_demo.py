@@ -119,3 +119,19 @@ def test_cli_bad_input_exits_2_with_a_one_line_reason(args):
     assert result.exit_code == 2
     assert not result.stdout.strip()
     assert "error" in result.stderr.lower() or "invalid value" in result.stderr.lower()
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("40GiB", 40 << 30),
+        ("40G", 40 << 30),
+        ("80GB", 80 * 10**9),
+        ("1.5MiB", 3 << 19),
+        ("4096", 4096),
+    ],
+)
+def test_parse_bytes(text, value):
+    from kvarena.cli import parse_bytes
+
+    assert parse_bytes(text) == value

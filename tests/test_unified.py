@@ -187,3 +187,16 @@ def test_state_allocator_groups_topmost_first():
 
     with pytest.raises(StateAllocationError, match="needs 2 state slots but only 0"):
         s.allocate("e")
+
+
+def test_touch_refreshes_lru_order():
+    evicted = []
+    a = BlockAllocator(3, on_evict=evicted.append)
+    blocks = a.allocate(3)
+    for b in blocks:
+        a.set_cached(b)
+        a.release(b)
+    assert a.evictable_blocks() == [0, 1, 2]
+    a.touch(0)  # a prefix lookup hit block 0 without taking it
+    assert a.evictable_blocks() == [1, 2, 0]
+    assert a.allocate(2) == [1, 2] and evicted == [1, 2]

@@ -105,14 +105,6 @@ class BlockAllocator:
             self._refs[b] = 1
         return blocks
 
-    def take(self, block: int) -> None:
-        """Allocate one specific free block (refcount 1)."""
-        self._check_id(block)
-        if block not in self._free_set:
-            raise ValueError(f"block {block} is not free")
-        self._free_set.remove(block)
-        self._refs[block] = 1
-
     def retain(self, block: int) -> None:
         """One more reference (a prefix hit); revives an evictable block."""
         self._check_id(block)
