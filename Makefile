@@ -25,6 +25,11 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(PY) -m pytest -q
 
+# Type-check the package (not part of `make test`, which must stay fast on 2 cores).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/mypy src/kvarena --ignore-missing-imports
+
 bench: $(STAMP)
 	$(PY) benchmarks/bench_entry_copy.py
 	$(PY) benchmarks/bench_checkpoint.py

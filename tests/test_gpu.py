@@ -75,3 +75,22 @@ def test_cuda_checkpoint_round_trip():
             ), f.name
         else:  # never stored, never overwritten: still the fill
             assert bool((back.view(f.name) == f.fill).all()), f.name
+
+
+def test_cuda_unified_cache_moves_keep_bytes():
+    from kvarena import UnifiedCache
+    from kvarena.models import ServingOptions
+
+    m = model_cache("qwen3-next-80b-a3b", ServingOptions(tp=8))
+    cache = UnifiedCache(
+        m.page_fields, m.state_fields, 256 << 20, "cuda", state_slots=4, tokens_per_block=16
+    )
+    assert cache.buf.is_cuda and cache.page_view("k").is_cuda
+    blocks = cache.blocks.allocate(cache.num_blocks)
+    for b in blocks[::2]:
+        cache.blocks.release(b)
+    for b in blocks[1::2]:
+        cache.block_bytes_of(b).fill_(b % 251)
+    move = cache.grow_state(8)
+    for old, new in move.block_remap.items():
+        assert bool((cache.block_bytes_of(new) == old % 251).all())

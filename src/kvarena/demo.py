@@ -216,7 +216,7 @@ def run_demo(config: DemoConfig, device: torch.device) -> Iterator[Check]:
     blocks = 8
     total = sum(align_up(entry_bytes_for(g) * blocks) for g in kv)
     pool = torch.zeros(total, dtype=torch.uint8, device=device)
-    kv_arenas = carve_layer_major(kv, blocks, device, buf=pool)
+    kv_arenas = [a for a in carve_layer_major(kv, blocks, device, buf=pool) if a is not None]
     for a in kv_arenas:
         for f in a.fields:
             _pattern_(a.view(f.name), gen)

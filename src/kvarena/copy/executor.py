@@ -134,7 +134,9 @@ _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 def _short_spans_torch(
     src: torch.Tensor, dst: torch.Tensor, s: np.ndarray, d: np.ndarray, length: int
 ) -> int:
-    w = _word_bytes(s, d, np.array([length]), offsets=(src.storage_offset(), dst.storage_offset()))
+    w = _word_bytes(
+        s, d, np.array([length]), offsets=(int(src.storage_offset()), int(dst.storage_offset()))
+    )
     dtype = _WORD_DTYPES[w]
     sw = src[: src.numel() - src.numel() % w].view(dtype)
     dw = dst[: dst.numel() - dst.numel() % w].view(dtype)

@@ -60,7 +60,7 @@ def triton_copy(
     from .executor import _word_bytes
 
     word = _word_bytes(
-        src, dst, length, offsets=(src_buf.storage_offset(), dst_buf.storage_offset())
+        src, dst, length, offsets=(int(src_buf.storage_offset()), int(dst_buf.storage_offset()))
     )
     dtype = _WORDS[word]
     sw = src_buf[: src_buf.numel() - src_buf.numel() % word].view(dtype)

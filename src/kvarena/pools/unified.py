@@ -179,7 +179,7 @@ class UnifiedCache:
         return self.state.view(name)
 
     def block_bytes_of(self, block: int) -> torch.Tensor:
-        if self.page_layout != "entry_major":
+        if not isinstance(self.pages, EntryMajorArena):
             raise ValueError("a layer-major PAGE region has no contiguous block; use page_view")
         return self.pages.entry(block)
 

@@ -27,6 +27,8 @@ import torch
 
 from ..layout import EntryField, field_extents
 from ..pools import UnifiedCache
+from .nixl_agent import DecodeReceiver, PrefillSender
+from .service import PrefillClient
 
 SENTINEL = 0xA5
 
@@ -54,16 +56,29 @@ def _digest(t: torch.Tensor) -> str:
 
 class _Side:
     def __init__(self, role: str, spec: SideSpec) -> None:
-        from .nixl_agent import DecodeReceiver, PrefillSender
-
         self.cache = UnifiedCache(
             spec.page_fields, spec.state_fields, spec.total_bytes, "cpu",
             state_slots=spec.state_slots, entries_per_req=spec.entries_per_req,
         )  # fmt: skip
         self.cache.buf.fill_(SENTINEL)
-        cls = PrefillSender if role == "prefill" else DecodeReceiver
-        self.ep = cls("prefill" if role == "prefill" else "decode", self.cache)
-        self.client = None
+        self.ep: PrefillSender | DecodeReceiver = (
+            PrefillSender("prefill", self.cache)
+            if role == "prefill"
+            else DecodeReceiver("decode", self.cache)
+        )
+        self.client: PrefillClient | None = None
+
+    @property
+    def sender(self) -> PrefillSender:
+        if not isinstance(self.ep, PrefillSender):
+            raise TypeError("this command is for the prefill side")
+        return self.ep
+
+    @property
+    def receiver(self) -> DecodeReceiver:
+        if not isinstance(self.ep, DecodeReceiver):
+            raise TypeError("this command is for the decode side")
+        return self.ep
         self.requests: dict[str, tuple[list[int], list[int]]] = {}
 
     # -- both sides -------------------------------------------------------------
@@ -106,7 +121,7 @@ class _Side:
 
         blocks, slots = self.requests[request]
         before = [self.cache.blocks.refcount(b) for b in blocks]
-        result = self.ep.ship(
+        result = self.sender.ship(
             peer, request, blocks, slots, dst["blocks"], dst["slots"],
             CacheGeometry.from_dict(dst["geometry"]), timeout_s=timeout_s,
         )  # fmt: skip
@@ -166,7 +181,7 @@ class _Side:
                 raise RuntimeError(f"benchmark transfer ended in {state}")
 
         methods = {
-            "kvarena": lambda: self.ep.ship(
+            "kvarena": lambda: self.sender.ship(
                 peer, request, blocks, slots, dst["blocks"], dst["slots"], geo_dst
             ),
             "per_layer": lambda: post(local_rows, remote_rows),
@@ -188,20 +203,20 @@ class _Side:
 
     def tcp_connect(self, endpoint: str) -> str:
         """Reach a decode service over its ZeroMQ control channel."""
-        from .service import PrefillClient
-
-        self.client = PrefillClient(self.ep, endpoint)
+        self.client = PrefillClient(self.sender, endpoint)
         return self.client.connect()
 
     def tcp_ship(self, request: str) -> dict:
         """Ship a filled request through the control channel; wait until the decode side has it."""
+        if self.client is None:
+            raise RuntimeError("tcp_connect first")
         blocks, slots = self.requests[request]
         result = self.client.ship(request, blocks, slots)
         self.client.wait_ready(request)
         return {"descriptors": result.descriptors, "nbytes": result.nbytes}
 
     def ready_digests(self, request: str) -> list[str]:
-        p = self.ep.ready[request]
+        p = self.receiver.ready[request]
         return self.digests(p.blocks, p.slots[:1])
 
     def refcounts(self, request: str) -> list[int]:
@@ -209,7 +224,7 @@ class _Side:
 
     # -- decode -----------------------------------------------------------------
     def expect(self, request: str, num_blocks: int, timeout_s: float) -> dict:
-        return self.ep.expect(request, num_blocks, timeout_s=timeout_s)
+        return self.receiver.expect(request, num_blocks, timeout_s=timeout_s)
 
     def fragment(self, n: int) -> None:
         """Leave every other one of the next ``2n`` blocks taken by someone else,
@@ -219,13 +234,13 @@ class _Side:
             self.cache.blocks.release(b)
 
     def wait(self, request: str, timeout_s: float) -> dict:
-        p = self.ep.wait(request, timeout_s)
+        p = self.receiver.wait(request, timeout_s)
         return {"digests": self.digests(p.blocks, p.slots[:1])}
 
     def untouched(self) -> bool:
         """Every byte outside the pending and ready requests' entries still holds the sentinel."""
         mask = torch.ones(self.cache.buf.numel(), dtype=torch.bool)
-        held = list(self.ep.ready.values()) + list(self.ep._pending.values())
+        held = list(self.receiver.ready.values()) + list(self.receiver.held_pending())
         for p in held:
             for b in p.blocks:
                 o = b * self.cache.block_stride
@@ -237,15 +252,12 @@ class _Side:
 
     def poll(self) -> dict:
         """Everything the receiver has seen so far: ready, failed and refused requests."""
-        self.ep.poll()
-        return {
-            "ready": sorted(self.ep.ready),
-            "failed": list(self.ep.failed),
-            "refused": list(self.ep.refused),
-        }
+        r = self.receiver
+        r.poll()
+        return {"ready": sorted(r.ready), "failed": list(r.failed), "refused": list(r.refused)}
 
     def finish(self, request: str) -> None:
-        self.ep.finish(request)
+        self.receiver.finish(request)
 
 
 def _answer(conn, side: _Side, op: str, args: tuple) -> None:
@@ -271,7 +283,7 @@ def _serve(conn, role: str, spec: SideSpec, env: dict[str, str]) -> None:
         if role == "decode-service":
             from .service import DecodeService
 
-            service = DecodeService(side.ep)
+            service = DecodeService(side.receiver)
             conn.send(("ok", service.endpoint))
             stop = False
 
@@ -292,7 +304,7 @@ def _serve(conn, role: str, spec: SideSpec, env: dict[str, str]) -> None:
             # The decode side must keep its UCX worker moving while it waits.
             while not conn.poll(0.001):
                 if role == "decode":
-                    side.ep.poll()
+                    side.receiver.poll()
             op, args = conn.recv()
             if op == "quit":
                 break

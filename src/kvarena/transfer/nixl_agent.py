@@ -316,6 +316,10 @@ class DecodeReceiver(NixlEndpoint):
         """The engine is done with a ready request: free its blocks and slots."""
         self._free(self.ready.pop(request), request)
 
+    def held_pending(self) -> list[_Pending]:
+        """Allocations of requests still awaiting their transfer."""
+        return list(self._pending.values())
+
     @property
     def pending(self) -> list[str]:
         return sorted(self._pending)
