@@ -67,6 +67,7 @@ class _Side:
             else DecodeReceiver("decode", self.cache)
         )
         self.client: PrefillClient | None = None
+        self.requests: dict[str, tuple[list[int], list[int]]] = {}  # prefill: filled requests
 
     @property
     def sender(self) -> PrefillSender:
@@ -79,7 +80,6 @@ class _Side:
         if not isinstance(self.ep, DecodeReceiver):
             raise TypeError("this command is for the decode side")
         return self.ep
-        self.requests: dict[str, tuple[list[int], list[int]]] = {}
 
     # -- both sides -------------------------------------------------------------
     def hello(self) -> dict:
