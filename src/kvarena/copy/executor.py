@@ -4,12 +4,13 @@ The strategy is chosen by span size, from measurements on a 2-core CPU with
 torch 2.13 (``benchmarks/bench_checkpoint.py``): a contiguous ``copy_`` per
 span runs near memcpy speed for long spans but costs microseconds of host time
 per call, so thousands of short spans drown in call overhead (0.06 GB/s for
-256-byte spans); torch's index gathers over byte rows ran far below memcpy
-too. Short spans are therefore grouped by length and moved as numpy elements
-of a ``void`` dtype as wide as the span, over an overlapping strided view of
-each buffer: one C-level ``memcpy`` per span, gathered and scattered through a
-cache-sized staging chunk, with no Python loop per span (3-7 GB/s for
-256 B-64 KiB spans, 50x the loop at 256 B).
+256-byte spans). Short spans are therefore grouped by length and moved without
+a Python loop per span: runs of spans adjacent at the source scatter from that
+contiguous block (numpy elements of a ``void`` dtype as wide as the span, one
+memcpy each), runs adjacent at the destination gather into it with
+``index_select(out=)`` over an overlapping row view, and the rest goes through
+a cache-sized staging chunk. Spans continuing each other on both sides are
+coalesced first.
 
 On CUDA a batch runs as ONE Triton kernel launch when Triton is importable
 (:mod:`kvarena.copy.triton_copy`), else as torch gathers and scatters over
