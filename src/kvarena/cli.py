@@ -1,7 +1,7 @@
-"""The ``kvarena`` command: ``plan`` a model's cache, run the ``demo``.
+"""The kvarena command: plan a model's cache, run the demo.
 
-Exit codes: 0 success, 1 a verification failed, 2 bad arguments or an
-unknown model (with a one-line reason).
+Exit codes: 0 success, 1 a demo verification failed, 2 bad arguments or an
+unknown model (with a one-line reason on stderr).
 """
 
 from __future__ import annotations
