@@ -177,3 +177,32 @@ def test_tcp_control_channel_refuses_a_mismatched_layout():
             prefill.call("tcp_connect", decode.endpoint)
     finally:
         assert prefill.stop() == 0 and decode.stop() == 0
+
+
+def test_pull_mode_reads_byte_exact_and_releases_the_offer(pair):
+    prefill, decode, _ = pair
+    _, prefill_at_decode = connect_pair(prefill, decode)
+    src = prefill.call("fill", "pulled", 5, 77)
+    dst = decode.call("expect", "pulled", 5, 30.0)
+    offer = prefill.call("offer", "pulled", 30.0)
+    assert prefill.call("refcounts", "pulled") == [2] * 5  # pinned while offered
+    got = decode.call("pull", prefill_at_decode, "pulled", offer, 30.0)
+    assert got["digests"] == src["digests"] and got["descriptors"] <= 6
+    assert dst["blocks"] and decode.call("untouched")
+    deadline = time.monotonic() + 10
+    while (
+        "pulled" not in (offers := prefill.call("offers"))["released"]
+        and time.monotonic() < deadline
+    ):
+        time.sleep(0.01)
+    assert offers["offered"] == [] and prefill.call("refcounts", "pulled") == [1] * 5
+
+
+def test_an_offer_nobody_pulls_expires_and_unpins(pair):
+    prefill, decode, _ = pair
+    connect_pair(prefill, decode)
+    prefill.call("fill", "stale", 3, 1)
+    prefill.call("offer", "stale", 0.5)
+    time.sleep(0.7)
+    assert prefill.call("offers")["released"] == ["stale"]
+    assert prefill.call("refcounts", "stale") == [1, 1, 1]

@@ -219,6 +219,22 @@ class _Side:
         p = self.receiver.ready[request]
         return self.digests(p.blocks, p.slots[:1])
 
+    def offer(self, request: str, timeout_s: float) -> dict:
+        """Pull mode, prefill side: pin a filled request for the peer to READ."""
+        blocks, slots = self.requests[request]
+        return self.sender.offer(request, blocks, slots, timeout_s=timeout_s)
+
+    def offers(self) -> dict:
+        """Pull mode, prefill side: offers still pinned and offers released so far."""
+        self.sender.poll()
+        return {"offered": self.sender.offered, "released": list(self.sender.released)}
+
+    def pull(self, peer: str, request: str, src: dict, timeout_s: float) -> dict:
+        """Pull mode, decode side: READ an offered request into its allocation."""
+        result = self.receiver.pull(peer, request, src, timeout_s=timeout_s)
+        p = self.receiver.ready[request]
+        return {"descriptors": result.descriptors, "digests": self.digests(p.blocks, p.slots[:1])}
+
     def refcounts(self, request: str) -> list[int]:
         return [self.cache.blocks.refcount(b) for b in self.requests[request][0]]
 
@@ -305,6 +321,8 @@ def _serve(conn, role: str, spec: SideSpec, env: dict[str, str]) -> None:
             while not conn.poll(0.001):
                 if role == "decode":
                     side.receiver.poll()
+                else:
+                    side.sender.poll()  # releases the pins of pulled offers
             op, args = conn.recv()
             if op == "quit":
                 break

@@ -130,6 +130,61 @@ class NixlEndpoint:
         """Drive this agent's worker and collect notifications (the passive side must poll)."""
         return self.agent.get_new_notifs()
 
+    def _post(
+        self,
+        op: str,
+        peer: str,
+        request: str,
+        local: tuple[Sequence[int], Sequence[int]],
+        remote: tuple[Sequence[int], Sequence[int]],
+        notif: bytes,
+        timeout_s: float,
+    ) -> float:
+        """One prepped transfer of (blocks, slots) index lists; seconds it took.
+
+        Raises :class:`TransferError` (or :class:`TransferTimeout`) on any
+        failure, NIXL's own errors included; the handle is always released.
+        """
+        p = self._peers.get(peer)
+        if p is None:
+            raise TransferError(f"no connected peer {peer!r}; connected: {sorted(self._peers)}")
+
+        def indices(g: CacheGeometry, ids: tuple[Sequence[int], Sequence[int]]) -> np.ndarray:
+            blocks, slots = (np.asarray(list(x), np.int64) for x in ids)
+            return np.concatenate([blocks, g.size // g.block_stride + slots]).astype(np.int32)
+
+        start = time.perf_counter()
+        handle = None
+        try:
+            handle = self.agent.make_prepped_xfer(
+                op, p.local_prep, indices(self.geometry(), local), p.remote_prep, indices(p.geometry, remote),
+                notif_msg=notif,
+            )  # fmt: skip
+            state = self.agent.transfer(handle)
+            while state == "PROC":
+                if time.perf_counter() > start + timeout_s:
+                    raise TransferTimeout(
+                        f"request {request!r}: {op} with {peer!r} not done after {timeout_s}s"
+                    )
+                state = self.agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise TransferError(
+                    f"request {request!r}: {op} with {peer!r} ended in state {state!r}"
+                )
+        except TransferError:
+            raise
+        except Exception as exc:  # NIXL's own errors, e.g. a peer that disconnected
+            raise TransferError(
+                f"request {request!r}: {op} with {peer!r} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        finally:
+            if handle is not None:
+                try:
+                    self.agent.release_xfer_handle(handle)
+                except Exception:
+                    pass
+        return time.perf_counter() - start
+
     def close(self) -> None:
         for peer in self._peers.values():
             for handle in (peer.local_prep, peer.remote_prep):
@@ -154,7 +209,20 @@ class ShipResult:
 
 
 class PrefillSender(NixlEndpoint):
-    """The side that holds a request's blocks and state and WRITEs them to a peer."""
+    """The side that holds a request's blocks and state.
+
+    Push mode: :meth:`ship` WRITEs them into the peer. Pull mode: :meth:`offer`
+    pins them and hands out their ids; the decode side READs them and its
+    completion notification (``pulled:<request>``) releases the pins on the
+    next :meth:`poll`.
+    """
+
+    def __init__(self, name: str, cache: UnifiedCache) -> None:
+        super().__init__(name, cache)
+        self._offers: dict[
+            str, tuple[list[int], float]
+        ] = {}  # request -> (pinned blocks, deadline)
+        self.released: list[str] = []  # offers whose pins are gone: pulled or expired
 
     def ship(
         self,
@@ -174,56 +242,58 @@ class PrefillSender(NixlEndpoint):
         ends, successfully or not. On failure or timeout the transfer handle
         is released and :class:`TransferError` raised.
         """
-        p = self._peers.get(peer)
-        if p is None:
-            raise TransferError(f"no connected peer {peer!r}; connected: {sorted(self._peers)}")
-        here = self.geometry()
-        plan = plan_request(here, dst_geometry, src_blocks, dst_blocks, src_slots, dst_slots)
-        max_local = here.size // here.block_stride
-        max_remote = p.geometry.size // p.geometry.block_stride
-        local_idx = np.concatenate(
-            [np.asarray(src_blocks, np.int64), max_local + np.asarray(src_slots, np.int64)]
-        )
-        remote_idx = np.concatenate(
-            [np.asarray(dst_blocks, np.int64), max_remote + np.asarray(dst_slots, np.int64)]
+        plan = plan_request(
+            self.geometry(), dst_geometry, src_blocks, dst_blocks, src_slots, dst_slots
         )
         pins = list(src_blocks)
         for b in pins:
             self.cache.blocks.retain(b)
-        start = time.perf_counter()
-        handle = None
         try:
-            handle = self.agent.make_prepped_xfer(
-                "WRITE", p.local_prep, local_idx.astype(np.int32), p.remote_prep, remote_idx.astype(np.int32),
-                notif_msg=request.encode(),
-            )  # fmt: skip
-            state = self.agent.transfer(handle)
-            deadline = start + timeout_s
-            while state == "PROC":
-                if time.perf_counter() > deadline:
-                    raise TransferTimeout(
-                        f"request {request!r}: transfer to {peer!r} not done after {timeout_s}s"
-                    )
-                state = self.agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise TransferError(
-                    f"request {request!r}: transfer to {peer!r} ended in state {state!r}"
-                )
-        except TransferError:
-            raise
-        except Exception as exc:  # NIXL's own errors, e.g. a peer that disconnected
-            raise TransferError(
-                f"request {request!r}: transfer to {peer!r} failed: {type(exc).__name__}: {exc}"
-            ) from exc
+            seconds = self._post(
+                "WRITE",
+                peer,
+                request,
+                (src_blocks, src_slots),
+                (dst_blocks, dst_slots),
+                request.encode(),
+                timeout_s,
+            )
         finally:
-            if handle is not None:
-                try:
-                    self.agent.release_xfer_handle(handle)
-                except Exception:
-                    pass
             for b in pins:
                 self.cache.blocks.release(b)
-        return ShipResult(request, plan.count, plan.nbytes, time.perf_counter() - start)
+        return ShipResult(request, plan.count, plan.nbytes, seconds)
+
+    def offer(
+        self, request: str, blocks: Sequence[int], slots: Sequence[int], *, timeout_s: float = 30.0
+    ) -> dict:
+        """Pin a request's blocks for a peer to READ; returns the ids and this geometry."""
+        if request in self._offers:
+            raise ValueError(f"request {request!r} is already offered")
+        pins = list(blocks)
+        for b in pins:
+            self.cache.blocks.retain(b)
+        self._offers[request] = (pins, time.monotonic() + timeout_s)
+        return {"blocks": pins, "slots": list(slots), "geometry": self.geometry().to_dict()}
+
+    def poll(self) -> list[str]:
+        """Release the pins of offers the peer has read, or that expired; return them."""
+        done = []
+        for msgs in self.progress().values():
+            for msg in msgs:
+                text = msg.decode(errors="replace")
+                if text.startswith("pulled:") and text[7:] in self._offers:
+                    done.append(text[7:])
+        now = time.monotonic()
+        done += [r for r, (_, deadline) in self._offers.items() if now > deadline and r not in done]
+        for request in done:
+            for b in self._offers.pop(request)[0]:
+                self.cache.blocks.release(b)
+        self.released.extend(done)
+        return done
+
+    @property
+    def offered(self) -> list[str]:
+        return sorted(self._offers)
 
 
 @dataclass
@@ -270,6 +340,31 @@ class DecodeReceiver(NixlEndpoint):
         self._pending[request] = _Pending(blocks, tuple(slots), time.monotonic() + timeout_s)
         # The request's first slot receives the shipped state; rollback copies stay local.
         return {"blocks": blocks, "slots": list(slots[:1]), "geometry": self.geometry().to_dict()}
+
+    def pull(self, peer: str, request: str, src: dict, *, timeout_s: float = 30.0) -> ShipResult:
+        """READ an offered request (``src`` from the peer's :meth:`PrefillSender.offer`)
+        into this request's allocation; it is ready when this returns.
+
+        The completion notification tells the peer to release its pins. On
+        failure the allocation is freed and :class:`TransferError` raised.
+        """
+        p = self._pending.get(request)
+        if p is None:
+            raise ValueError(f"request {request!r} is not expected; call expect() first")
+        dst_slots = list(p.slots[: len(src["slots"])])
+        plan = plan_request(CacheGeometry.from_dict(src["geometry"]), self.geometry(),
+                            src["blocks"], p.blocks, src["slots"], dst_slots)  # fmt: skip
+        try:
+            seconds = self._post(
+                "READ", peer, request, (p.blocks, dst_slots), (src["blocks"], src["slots"]),
+                f"pulled:{request}".encode(), timeout_s,
+            )  # fmt: skip
+        except TransferError as exc:
+            self._free(self._pending.pop(request), request)
+            self.failed.append((request, str(exc)))
+            raise
+        self.ready[request] = self._pending.pop(request)
+        return ShipResult(request, plan.count, plan.nbytes, seconds)
 
     def _free(self, p: _Pending, request: Hashable) -> None:
         for b in p.blocks:
