@@ -206,3 +206,17 @@ def test_an_offer_nobody_pulls_expires_and_unpins(pair):
     time.sleep(0.7)
     assert prefill.call("offers")["released"] == ["stale"]
     assert prefill.call("refcounts", "stale") == [1, 1, 1]
+
+
+def test_expect_beyond_the_pools_is_refused_and_allocates_nothing(pair):
+    prefill, decode, _ = pair
+    connect_pair(prefill, decode)
+    before = decode.call("stats")
+    with pytest.raises(RuntimeError, match="BlockAllocationError"):
+        decode.call("expect", "huge", before["free_blocks"] + 1, 5.0)
+    for i in range(before["free_slots"]):
+        decode.call("expect", f"s{i}", 1, 30.0)
+    with pytest.raises(RuntimeError, match="StateAllocationError"):
+        decode.call("expect", "one-too-many", 1, 5.0)
+    after = decode.call("stats")
+    assert after["live_blocks"] == before["free_slots"] and after["free_slots"] == 0
