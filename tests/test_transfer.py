@@ -220,3 +220,16 @@ def test_expect_beyond_the_pools_is_refused_and_allocates_nothing(pair):
         decode.call("expect", "one-too-many", 1, 5.0)
     after = decode.call("stats")
     assert after["live_blocks"] == before["free_slots"] and after["free_slots"] == 0
+
+
+def test_disaggregated_example_runs():
+    import pathlib
+    import subprocess
+    import sys
+
+    example = pathlib.Path(__file__).parent.parent / "examples" / "disaggregated.py"
+    done = subprocess.run(
+        [sys.executable, str(example)], capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "byte-exact on the decode side: True" in done.stdout
