@@ -6,7 +6,9 @@ unified cache's whole buffer ONCE. At connect time each side prepares one
 descriptor list per peer covering every block id and slot id the buffer can
 hold; shipping a request is then one ``make_prepped_xfer`` over index lists:
 one entry per block and per state slot, which NIXL merges where consecutive
-on both sides. Completion is a NIXL notification carrying the request id.
+on both sides. Push mode WRITEs from the prefill side and notifies the decode
+side with the request id; pull mode READs from the decode side and notifies
+the prefill side, which then releases the request's pinned blocks.
 
 Before any byte moves the two sides compare :class:`CacheGeometry` (layout
 fingerprints, entry sizes) and refuse on a mismatch, naming the field; every
