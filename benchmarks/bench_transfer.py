@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from kvarena.layout import align_up, entry_bytes_for, strictest_alignment
+from kvarena.layout import align_up, entry_bytes_for, min_slot_stride
 from kvarena.models import ServingOptions, model_cache
 from kvarena.transfer.loopback import SideProcess, SideSpec, connect_pair
 
@@ -24,7 +24,7 @@ def bench(preset: str, tokens: int, rounds: int, tp: int, fragmented: bool) -> d
     m = model_cache(preset, ServingOptions(tp=tp))
     blocks = -(-tokens // m.block_size)
     block_bytes = entry_bytes_for(m.page_fields)
-    slot = align_up(entry_bytes_for(m.state_fields), strictest_alignment(m.state_fields))
+    slot = min_slot_stride(m.state_fields)
     total = align_up((3 * blocks + 4) * block_bytes + 3 * slot, 1 << 20)
     spec = SideSpec(m.page_fields, m.state_fields, total, state_slots=2)
     prefill, decode = SideProcess("prefill", spec), SideProcess("decode", spec)

@@ -271,3 +271,24 @@ def test_carve_layer_major_places_groups_by_plan_regions():
     assert owned[0].buf.data_ptr() != owned[1].buf.data_ptr()
     with pytest.raises(ValueError, match="need"):
         carve_layer_major([g1, g2], entries, CPU, buf=torch.zeros(16, dtype=torch.uint8))
+
+
+@given(field_lists(max_size=5), st.integers(1, 3))
+def test_min_slot_stride_is_the_smallest_legal_stride(fields, entries):
+    from kvarena import layout_fingerprint, min_slot_stride
+
+    stride = min_slot_stride(fields)
+    eb, align = entry_bytes_for(fields), strictest_alignment(fields)
+    assert stride == align_up(eb, align) and stride % align == 0 and stride >= eb
+    arena = EntryMajorArena(fields, entries, CPU, slot_stride=stride)
+    assert arena.fingerprint == layout_fingerprint(fields)
+    for ext in field_extents(fields):
+        # Every field start stays on its alignment in every slot.
+        assert all(
+            (i * stride + ext.start) % ext.field.start_alignment == 0 for i in range(entries)
+        )
+    smaller = stride - align  # the next multiple of the alignment down is too short
+    assert smaller < eb or eb == 0
+    if eb:
+        with pytest.raises(ValueError, match="below the entry size"):
+            EntryMajorArena(fields, entries, CPU, slot_stride=smaller)

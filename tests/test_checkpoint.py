@@ -9,10 +9,8 @@ from hypothesis import strategies as st
 from kvarena import (
     EntryField,
     EntryMajorArena,
-    align_up,
-    entry_bytes_for,
     field_extents,
-    strictest_alignment,
+    min_slot_stride,
 )
 from kvarena.checkpoint import CheckpointMismatchError, CheckpointSpec, PageUnits, restore, store
 
@@ -20,8 +18,7 @@ CPU = torch.device("cpu")
 
 
 def _arena(fields, entries, seed=None):
-    stride = align_up(entry_bytes_for(fields), strictest_alignment(fields))
-    arena = EntryMajorArena(fields, entries, CPU, slot_stride=stride)
+    arena = EntryMajorArena(fields, entries, CPU, slot_stride=min_slot_stride(fields))
     if seed is not None:
         gen = torch.Generator().manual_seed(seed)
         for f in fields:

@@ -207,6 +207,7 @@ class UnifiedCacheMachine(RuleBasedStateMachine):
             assert not blocks.is_free(v["id"])
             assert blocks.refcount(v["id"]) == v["refs"]
             assert blocks.is_evictable(v["id"]) == (v["refs"] == 0)
+            assert blocks.is_cached(v["id"]) == v["cached"]
         held = [s for r in self.requests.values() for s in r]
         assert len(held) == len(set(held)) == slots.num_live
         assert all(slots.first <= s < slots.total and not slots.is_free(s) for s in held)

@@ -79,7 +79,7 @@ def _check_batch(
     pages: PageUnits,
     unit_lists: Sequence[Sequence[int]],
 ) -> tuple[np.ndarray, np.ndarray]:
-    got = layout_fingerprint(state.fields)
+    got = state.fingerprint
     if got != spec.fingerprint:
         raise CheckpointMismatchError(
             f"layout fingerprint of the state {got[:16]}... differs from the image's "

@@ -21,6 +21,7 @@ from .layout import (
     entry_bytes_for,
     field_extents,
     layout_fingerprint,
+    min_slot_stride,
     plan_field_planes,
     strictest_alignment,
 )
@@ -185,12 +186,7 @@ def run_demo(config: DemoConfig, device: torch.device) -> Iterator[Check]:
     # The same state split over two planes of different row widths.
     widths = [4096, 65536]
     per_plane, rows = plan_field_planes(fields, widths)
-    planes = [
-        EntryMajorArena(
-            g, 2, device, slot_stride=align_up(entry_bytes_for(g), strictest_alignment(g))
-        )
-        for g in per_plane
-    ]
+    planes = [EntryMajorArena(g, 2, device, slot_stride=min_slot_stride(g)) for g in per_plane]
     split = SplitEntryMajorArena(planes)
     for f in fields:
         split.view(f.name).copy_(arena.view(f.name)[:, :2])
@@ -245,14 +241,12 @@ def _unified_checks(
         return
     page, fields = list(preset.page_fields), list(preset.state_fields)
     # Room for the PAGE blocks and ~16 state slots, so STATE can grow by 6.
-    budget = max(96 << 20, 16 * align_up(entry_bytes_for(fields), strictest_alignment(fields)))
+    budget = max(96 << 20, 16 * min_slot_stride(fields))
     classes = [
         EntryClass(
             PoolKind.PAGE, "attention", align_up(entry_bytes_for(page)), tokens_per_entry=16
         ),
-        EntryClass(
-            PoolKind.STATE, "gdn", align_up(entry_bytes_for(fields), strictest_alignment(fields))
-        ),
+        EntryClass(PoolKind.STATE, "gdn", min_slot_stride(fields)),
     ]
     plan = plan_pools(classes, budget, 4)
     cache = UnifiedCache(
@@ -307,7 +301,7 @@ def _transfer_checks(model: str, tp: int) -> Iterator[Check]:
     preset = model_cache(model, ServingOptions(tp=tp))
     if not nixl_available() or not preset.page_fields:
         return
-    slot = align_up(entry_bytes_for(preset.state_fields), strictest_alignment(preset.state_fields))
+    slot = min_slot_stride(preset.state_fields)
     total = align_up(40 * entry_bytes_for(preset.page_fields) + 4 * slot, 1 << 20)
     spec = SideSpec(preset.page_fields, preset.state_fields, total, state_slots=3)
     prefill, decode = SideProcess("prefill", spec), SideProcess("decode", spec)

@@ -12,10 +12,11 @@ import math
 from typing import Any
 
 from .checkpoint import CheckpointSpec
-from .layout import entry_bytes_for, layout_fingerprint, layout_rows, strictest_alignment
+from .layout import entry_bytes_for, layout_fingerprint, layout_rows, min_slot_stride
 from .layout.regions import align_up
 from .models import ModelCache
 from .pools import EntryClass, PoolKind, plan_pools
+from .transfer.descriptors import per_layer_descriptor_count
 
 SCHEMA_VERSION = "kvarena-plan/1"
 
@@ -95,11 +96,7 @@ def plan_report(
 ) -> dict[str, Any]:
     """The whole ``kvarena plan`` answer for one model and budget."""
     page_bytes = entry_bytes_for(m.page_fields)
-    state_stride = (
-        align_up(entry_bytes_for(m.state_fields), strictest_alignment(m.state_fields))
-        if m.state_fields
-        else 0
-    )
+    state_stride = min_slot_stride(m.state_fields) if m.state_fields else 0
     classes = []
     if m.page_fields:
         classes.append(EntryClass(PoolKind.PAGE, "page", page_bytes, tokens_per_entry=m.block_size))
@@ -139,12 +136,17 @@ def plan_report(
     blocks = math.ceil(context_tokens / m.block_size) if m.page_fields else 0
     page_tensors = sum(f.layers for f in m.page_fields)
     state_tensors = sum(f.layers for f in m.state_fields)
+    slots = m.entries_per_req * bool(m.state_fields)
     transfer = {
         "context_tokens": context_tokens,
-        "kvarena_best": m.entries_per_req * bool(m.state_fields) + min(blocks, 1),
-        "kvarena_worst": m.entries_per_req * bool(m.state_fields) + blocks,
-        "per_layer_best": page_tensors * min(blocks, 1) + state_tensors * m.entries_per_req,
-        "per_layer_worst": page_tensors * blocks + state_tensors * m.entries_per_req,
+        "kvarena_best": slots + min(blocks, 1),
+        "kvarena_worst": slots + blocks,
+        "per_layer_best": per_layer_descriptor_count(
+            page_tensors, state_tensors, min(blocks, 1), m.entries_per_req
+        ),
+        "per_layer_worst": per_layer_descriptor_count(
+            page_tensors, state_tensors, blocks, m.entries_per_req
+        ),
     }
     return {
         "schema": SCHEMA_VERSION,

@@ -181,15 +181,23 @@ _PATHS = ("auto", "cpu", "torch", "triton")
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
+def as_words(buf: torch.Tensor, word: int) -> torch.Tensor:
+    """A 1-D byte buffer re-viewed as ``word``-byte integers (a trailing partial word dropped)."""
+    return buf[: buf.numel() - buf.numel() % word].view(_WORD_DTYPES[word])
+
+
+def word_bytes_for(src_buf: torch.Tensor, dst_buf: torch.Tensor, *arrays: np.ndarray) -> int:
+    """The widest word dividing every offset, length and both buffers' starts."""
+    return _word_bytes(
+        *arrays, offsets=(int(src_buf.storage_offset()), int(dst_buf.storage_offset()))
+    )
+
+
 def _short_spans_torch(
     src: torch.Tensor, dst: torch.Tensor, s: np.ndarray, d: np.ndarray, length: int
 ) -> int:
-    w = _word_bytes(
-        s, d, np.array([length]), offsets=(int(src.storage_offset()), int(dst.storage_offset()))
-    )
-    dtype = _WORD_DTYPES[w]
-    sw = src[: src.numel() - src.numel() % w].view(dtype)
-    dw = dst[: dst.numel() - dst.numel() % w].view(dtype)
+    w = word_bytes_for(src, dst, s, d, np.array([length]))
+    sw, dw = as_words(src, w), as_words(dst, w)
     k = length // w
     src_rows = sw.as_strided((sw.numel() - k + 1, k), (1, 1))
     dst_rows = dw.as_strided((dw.numel() - k + 1, k), (1, 1))

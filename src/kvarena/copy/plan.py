@@ -125,17 +125,6 @@ class CopyBatch:
     def nbytes(self) -> int:
         return int(self.length.sum())
 
-    @staticmethod
-    def concat(batches: Sequence[CopyBatch]) -> CopyBatch:
-        if not batches:
-            empty = np.zeros(0, dtype=np.int64)
-            return CopyBatch(empty, empty, empty)
-        return CopyBatch(
-            np.concatenate([b.src for b in batches]),
-            np.concatenate([b.dst for b in batches]),
-            np.concatenate([b.length for b in batches]),
-        )
-
 
 def _bases(bases: object, segments: int, what: str) -> np.ndarray:
     arr = np.asarray(bases, dtype=np.int64)

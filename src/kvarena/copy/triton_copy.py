@@ -29,9 +29,6 @@ def _copy_blocks(src_ptr, dst_ptr, table_ptr, num_blocks, BLOCK: tl.constexpr):
     tl.store(dst_ptr + d + offs, values, mask=mask)
 
 
-_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-
-
 def block_table(src: np.ndarray, dst: np.ndarray, length: np.ndarray, word: int) -> np.ndarray:
     """``[3, blocks]`` int64: word offsets and word counts of each block."""
     words = length // word
@@ -57,14 +54,10 @@ def triton_copy(
     length: np.ndarray,
 ) -> int:
     """Copy the (validated, non-empty) spans in one kernel launch; returns 1."""
-    from .executor import _word_bytes
+    from .executor import as_words, word_bytes_for
 
-    word = _word_bytes(
-        src, dst, length, offsets=(int(src_buf.storage_offset()), int(dst_buf.storage_offset()))
-    )
-    dtype = _WORDS[word]
-    sw = src_buf[: src_buf.numel() - src_buf.numel() % word].view(dtype)
-    dw = dst_buf[: dst_buf.numel() - dst_buf.numel() % word].view(dtype)
+    word = word_bytes_for(src_buf, dst_buf, src, dst, length)
+    sw, dw = as_words(src_buf, word), as_words(dst_buf, word)
     table = block_table(src, dst, length, word)
     blocks = table.shape[1]
     device_table = torch.from_numpy(table.reshape(-1)).to(src_buf.device, non_blocking=True)

@@ -16,6 +16,7 @@ from .fields import (
     field_extents,
     layout_encoding,
     layout_fingerprint,
+    min_slot_stride,
     strictest_alignment,
 )
 from .planes import PlanePlanningError, plan_field_planes, plane_rows
@@ -41,6 +42,7 @@ __all__ = [
     "layout_encoding",
     "layout_fingerprint",
     "layout_rows",
+    "min_slot_stride",
     "plan_field_planes",
     "plan_regions",
     "plane_rows",

@@ -12,6 +12,7 @@ Every byte position here comes from :func:`~kvarena.layout.fields.field_extents`
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -22,9 +23,11 @@ from .fields import (
     check_unique_names,
     entry_bytes_for,
     field_extents,
+    layout_fingerprint,
+    min_slot_stride,
     strictest_alignment,
 )
-from .regions import _check_count, align_up, carve, check_byte_buffer
+from .regions import _check_count, carve, check_byte_buffer
 
 
 def _device_matches(buf: torch.Tensor, device: torch.device) -> bool:
@@ -132,7 +135,7 @@ class EntryMajorArena:
             raise ValueError(
                 f"EntryMajorArena: slot_stride {stride} is not a multiple of the strictest "
                 f"alignment {self._alignment} (the smallest legal stride here is "
-                f"{align_up(self._entry_bytes, self._alignment)})"
+                f"{min_slot_stride(fields)})"
             )
         self._stride = stride
         live = entries if live_entries is None else live_entries
@@ -189,6 +192,11 @@ class EntryMajorArena:
     @property
     def device(self) -> torch.device:
         return self._device
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """:func:`layout_fingerprint` of the fields, computed once (checked on every copy)."""
+        return layout_fingerprint(self._fields)
 
     def _field(self, name: str) -> tuple[EntryField, int]:
         try:

@@ -262,6 +262,12 @@ def strictest_alignment(fields: Sequence[EntryField]) -> int:
     return max([ALIGNMENT, *(f.align for f in _check_fields(fields, "strictest_alignment"))])
 
 
+def min_slot_stride(fields: Sequence[EntryField]) -> int:
+    """The smallest legal slot stride: the entry size rounded up to the strictest
+    alignment, so every field stays aligned in every slot (not only slot 0)."""
+    return align_up(entry_bytes_for(fields), strictest_alignment(fields))
+
+
 def checkpoint_ranges_for(fields: Sequence[EntryField]) -> list[tuple[int, int]]:
     """The ``(offset, nbytes)`` byte ranges of an entry that a checkpoint carries.
 

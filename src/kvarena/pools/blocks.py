@@ -208,5 +208,6 @@ class BlockAllocator:
             self._push_free(b)
         self._capacity = capacity
 
-    def free_below(self, limit: int) -> int:
-        return sum(1 for b in self._free_set if b < limit)
+    def free_blocks_below(self, limit: int) -> list[int]:
+        """Free block ids under ``limit``, lowest first."""
+        return sorted(b for b in self._free_set if b < limit)

@@ -27,9 +27,9 @@ from ..layout import (
     LayerMajorArena,
     entry_bytes_for,
     layout_fingerprint,
+    min_slot_stride,
     strictest_alignment,
 )
-from ..layout.regions import align_up
 from ..spans import coalesce
 from .blocks import BlockAllocator
 from .states import StateAllocator
@@ -104,9 +104,9 @@ class UnifiedCache:
         self.tokens_per_block = tokens_per_block
         self.page_layout = page_layout
         self.block_bytes = entry_bytes_for(page_fields)
-        self.block_stride = align_up(self.block_bytes, strictest_alignment(page_fields))
+        self.block_stride = min_slot_stride(page_fields)
         self.slot_bytes = entry_bytes_for(state_fields)
-        self.slot_stride = align_up(self.slot_bytes, strictest_alignment(state_fields))
+        self.slot_stride = min_slot_stride(state_fields)
         state_align = strictest_alignment(state_fields)
         top = total_bytes // state_align * state_align
         self.total_slots = top // self.slot_stride
@@ -258,21 +258,21 @@ class UnifiedCache:
         evicted if evictable, relocated below the new boundary if live."""
         self._fixed()
         new_blocks, free, evictable, live = self.plan_grow_state(n)
-        room_free = self.blocks.free_below(new_blocks)
+        room_free = self.blocks.free_blocks_below(new_blocks)  # evictions above do not add to it
         room_evict = [b for b in self.blocks.evictable_blocks() if b < new_blocks]  # LRU first
-        if len(live) > room_free + len(room_evict):
+        if len(live) > len(room_free) + len(room_evict):
             raise BoundaryMoveError(
                 f"grow_state({n}): {len(live)} live blocks sit above the new boundary (block "
-                f"{new_blocks}) but only {room_free} free and {len(room_evict)} evictable blocks "
+                f"{new_blocks}) but only {len(room_free)} free and {len(room_evict)} evictable blocks "
                 "lie below it",
                 needed=len(live),
-                available=room_free + len(room_evict),
+                available=len(room_free) + len(room_evict),
             )
         before = (self.blocks.capacity, self.slots.capacity)
         evicted = list(evictable)
         for b in evictable:
             self.blocks.evict(b)
-        targets = sorted(b for b in range(new_blocks) if self.blocks.is_free(b))[: len(live)]
+        targets = room_free[: len(live)]
         for b in room_evict[: len(live) - len(targets)]:
             self.blocks.evict(b)
             evicted.append(b)

@@ -98,15 +98,14 @@ def plan_request(
         )
     _check_pool(src, sb, ss, "source")
     _check_pool(dst, db, ds, "destination")
-    b_src, b_dst = sb * src.block_stride, db * dst.block_stride
+    b_src, b_dst = src.block_offset(sb), dst.block_offset(db)
     # Blocks consecutive on both sides merge into one run (strides equal the
     # block size once padded, so a run is one contiguous range on each side).
     same_stride = src.block_stride == dst.block_stride == src.block_bytes
     lengths = np.full(sb.size, src.block_bytes, dtype=np.int64)
     if same_stride:
         b_src, b_dst, lengths = coalesce(b_src, b_dst, lengths)
-    s_src = src.slot_base + ss * src.slot_stride
-    s_dst = dst.slot_base + ds * dst.slot_stride
+    s_src, s_dst = src.slot_offset(ss), dst.slot_offset(ds)
     s_len = np.full(ss.size, src.slot_bytes, dtype=np.int64)
     off_src = np.concatenate([b_src, s_src])
     off_dst = np.concatenate([b_dst, s_dst])

@@ -66,8 +66,15 @@ class CacheGeometry:
             if getattr(self, name) != getattr(peer, name)
         ]
 
-    def block_offset(self, block: int) -> int:
+    def block_offset(self, block):  # int or integer array
+        """Byte offset of block ``block`` from ``base``."""
         return block * self.block_stride
 
-    def slot_offset(self, slot: int) -> int:
+    def slot_offset(self, slot):  # int or integer array
+        """Byte offset of slot ``slot`` from ``base``."""
         return self.slot_base + slot * self.slot_stride
+
+    @property
+    def max_blocks(self) -> int:
+        """Block ids the registered buffer can ever hold (the boundary only moves within it)."""
+        return self.size // self.block_stride

@@ -101,14 +101,13 @@ class NixlEndpoint:
 
     def _all_rows(self, g: CacheGeometry) -> np.ndarray:
         """One row per block id the buffer can hold, then one per slot id."""
-        max_blocks = g.size // g.block_stride
-        rows = np.zeros((max_blocks + g.total_slots, 3), dtype=np.uint64)
-        rows[:max_blocks, 0] = g.base + np.arange(max_blocks, dtype=np.uint64) * g.block_stride
-        rows[:max_blocks, 1] = g.block_bytes
-        rows[max_blocks:, 0] = (
-            g.base + g.slot_base + np.arange(g.total_slots, dtype=np.uint64) * g.slot_stride
-        )
-        rows[max_blocks:, 1] = g.slot_bytes
+        blocks = np.arange(g.max_blocks, dtype=np.uint64)
+        slots = np.arange(g.total_slots, dtype=np.uint64)
+        rows = np.zeros((g.max_blocks + g.total_slots, 3), dtype=np.uint64)
+        rows[: g.max_blocks, 0] = g.base + g.block_offset(blocks)
+        rows[: g.max_blocks, 1] = g.block_bytes
+        rows[g.max_blocks :, 0] = g.base + g.slot_offset(slots)
+        rows[g.max_blocks :, 1] = g.slot_bytes
         return rows
 
     def connect(self, hello: dict) -> str:
@@ -153,7 +152,7 @@ class NixlEndpoint:
 
         def indices(g: CacheGeometry, ids: tuple[Sequence[int], Sequence[int]]) -> np.ndarray:
             blocks, slots = (np.asarray(list(x), np.int64) for x in ids)
-            return np.concatenate([blocks, g.size // g.block_stride + slots]).astype(np.int32)
+            return np.concatenate([blocks, g.max_blocks + slots]).astype(np.int32)
 
         start = time.perf_counter()
         handle = None
