@@ -15,9 +15,10 @@ from __future__ import annotations
 import argparse
 import os
 
+from kvarena.transfer.loopback import SideProcess, SideSpec, connect_pair
+
 from kvarena.layout import align_up, entry_bytes_for, min_slot_stride
 from kvarena.models import ServingOptions, model_cache
-from kvarena.transfer.loopback import SideProcess, SideSpec, connect_pair
 
 
 def bench(preset: str, tokens: int, rounds: int, tp: int, fragmented: bool) -> dict:

@@ -19,46 +19,27 @@ page_fields = [
     kv.EntryField("v", 12, (16, 1, 256), torch.bfloat16),
 ]
 
-# Size the pools from a budget: the STATE floor first, PAGE takes the rest.
-plan = kv.plan_pools(
-    [
-        kv.EntryClass(
-            kv.PoolKind.PAGE, "attention", kv.entry_bytes_for(page_fields), tokens_per_entry=16
-        ),
-        kv.EntryClass(
-            kv.PoolKind.STATE, "gdn", kv.entry_bytes_for(state_fields), entries_per_req=2
-        ),
-    ],
-    budget_bytes=256 << 20,
-    max_num_seqs=8,
-)
-print(
-    plan.of("attention").entries,
-    "blocks,",
-    plan.token_capacity,
-    "tokens,",
-    plan.of("gdn").entries,
-    "slots",
-)
+# One road: declarations -> plan (sizes only) -> cache (memory). Each request
+# holds its state and one speculative rollback copy.
+model = kv.ModelCache.from_fields(page_fields, state_fields, block_size=16, entries_per_req=2)
+plan = kv.plan_cache(model, budget_bytes=256 << 20, max_seqs=8)
+print(plan.blocks, "blocks,", plan.token_capacity, "tokens,", plan.state_slots, "slots")
 
-# One buffer: blocks from the bottom, state slots from the top.
-cache = kv.UnifiedCache(
-    page_fields, state_fields, 256 << 20, "cpu", state_slots=plan.of("gdn").entries,
-    entries_per_req=2, tokens_per_block=16,
-)  # fmt: skip
+# One buffer: blocks from the bottom, state slots from the top, exactly as planned.
+cache = kv.UnifiedCache.from_plan(plan, "cpu")
+assert (cache.num_blocks, cache.num_slots) == (plan.blocks, plan.state_slots)
 k_cache = cache.page_view("k")  # [12, max_blocks, 16, 1, 256], valid across moves
 blocks = cache.blocks.allocate(4)
 slots = cache.allocate_state("req-0")  # the state and one rollback copy, top-most
 move = cache.grow_state(4)  # more requests in flight: STATE takes PAGE's top
 assert not move.block_remap  # the top blocks were free, nothing had to move
 
-# Checkpoint the request's state into PAGE-sized units, restore it elsewhere.
-spec = kv.CheckpointSpec.build(state_fields, unit_bytes=cache.block_stride)
+# Checkpoint the request's state into PAGE blocks, restore it into another request.
+spec = cache.checkpoint_spec()  # units of one block stride each
 units = cache.blocks.allocate(spec.units_per_image)
-pages = kv.PageUnits(cache.buf, cache.block_stride, cache.block_stride, cache.num_blocks)
-kv.store(spec, cache.state, [slots[0]], pages, [units])
+cache.store(spec, [slots[0]], [units])
 other = cache.allocate_state("req-1")
-kv.restore(spec, pages, [units], cache.state, [other[0]])
+cache.restore(spec, [units], [other[0]])
 assert torch.equal(
     cache.state_view("recurrent_state")[:, other[0]],
     cache.state_view("recurrent_state")[:, slots[0]],

@@ -12,10 +12,11 @@ import multiprocessing as mp
 import torch
 
 import kvarena as kv
-from kvarena.models import ServingOptions
 
-MODEL = kv.model_cache("qwen3-next-80b-a3b", ServingOptions(tp=8))
-BUDGET = 64 << 20
+MODEL = kv.model_cache("qwen3-next-80b-a3b", kv.ServingOptions(tp=8))
+# Both sides plan the same way (each could size its own budget: counts may
+# differ between them, layouts may not).
+PLAN = kv.plan_cache(MODEL, budget_bytes=64 << 20, max_seqs=4, clamp=False)
 
 
 def pattern(seed: int, nbytes: int) -> torch.Tensor:
@@ -27,7 +28,7 @@ def pattern(seed: int, nbytes: int) -> torch.Tensor:
 def decode_main(endpoint_out, done) -> None:
     from kvarena.transfer.service import DecodeService
 
-    cache = kv.UnifiedCache(MODEL.page_fields, MODEL.state_fields, BUDGET, "cpu", state_slots=4)
+    cache = kv.UnifiedCache.from_plan(PLAN, "cpu")
     receiver = kv.DecodeReceiver("decode", cache)
     service = DecodeService(receiver)  # tcp://127.0.0.1:<any free port>
     endpoint_out.send(service.endpoint)
@@ -46,7 +47,7 @@ def decode_main(endpoint_out, done) -> None:
 def prefill_main(endpoint: str, result) -> None:
     from kvarena.transfer.service import PrefillClient
 
-    cache = kv.UnifiedCache(MODEL.page_fields, MODEL.state_fields, BUDGET, "cpu", state_slots=4)
+    cache = kv.UnifiedCache.from_plan(PLAN, "cpu")
     blocks = cache.blocks.allocate(8)  # a 128-token prompt's KV
     slot = cache.allocate_state("req-0")[0]
     for i, b in enumerate(blocks):

@@ -72,3 +72,18 @@ def random_fill_(t: torch.Tensor, gen: torch.Generator) -> None:
         return
     noise = torch.randint(0, 256, (t.numel() * t.element_size(),), dtype=torch.uint8, generator=gen)
     t.copy_(noise.view(t.dtype).view(t.shape))
+
+
+def plan_for(
+    page, state, budget: int, max_seqs: int, *, block_size: int = 16, entries_per_req: int = 1
+):
+    """The one road for hand-written layouts: ModelCache.from_fields -> plan_cache.
+
+    ``clamp=False``: a test that asks for a concurrency gets exactly it, or fails.
+    """
+    from kvarena import ModelCache, plan_cache
+
+    model = ModelCache.from_fields(
+        page, state, block_size=block_size, entries_per_req=entries_per_req
+    )
+    return plan_cache(model, budget_bytes=budget, max_seqs=max_seqs, clamp=False)

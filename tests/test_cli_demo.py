@@ -4,7 +4,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvarena import entry_bytes_for, layout_fingerprint
+from kvarena import entry_bytes_for, layout_fingerprint, model_cache, plan_cache
 from kvarena.cli import app
 from kvarena.demo import DemoConfig, run_demo, state_fields
 from kvarena.models import PRESETS
@@ -18,7 +18,7 @@ def test_demo_checks_all_hold_for_every_model():
     for model, tp, steps in (
         ("qwen3-next-80b-a3b", 8, 10 + transfer),
         ("nemotron-h-8b", 8, 10 + transfer),
-        ("mamba2-2.7b", 8, 8),  # no paged layers: no pool plan, boundary or blocks to ship
+        ("mamba2-2.7b", 8, 8),  # no paged layers: a plan, but no images, boundary or blocks to ship
         ("deepseek-v4-flash", 1, 10 + transfer),
     ):
         checks = list(run_demo(DemoConfig(model=model, tp=tp, requests=2), torch.device("cpu")))
@@ -39,7 +39,7 @@ def test_cli_plan_json_matches_the_presets():
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     fields = state_fields("qwen3-next-80b-a3b", 4)
-    assert doc["schema"] == "kvarena-plan/1"
+    assert doc["schema"] == "kvarena-plan/2"
     assert doc["state_entry"]["entry_bytes"] == entry_bytes_for(fields)
     assert doc["state_entry"]["fingerprint"] == layout_fingerprint(fields)
     assert [f["name"] for f in doc["state_entry"]["fields"]] == ["conv_state", "recurrent_state"]
@@ -72,7 +72,11 @@ def test_cli_plan_tables_for_every_preset():
     for preset in PRESETS:
         result = runner.invoke(app, ["plan", preset, "--memory", "80GB", "--max-seqs", "32"])
         assert result.exit_code == 0, (preset, result.output)
-        assert "Pool plan" in result.stdout and "token capacity" in result.stdout
+        # The pool row shows the plan's own numbers, the ones a cache would hold.
+        plan = plan_cache(model_cache(preset), budget_bytes=80 * 10**9, max_seqs=32)
+        row = next(line for line in result.stdout.splitlines() if "80,000,000,000" in line)
+        cells = [c.strip() for c in row.strip("│┃ ").split("│")]
+        assert cells[1:4] == [f"{plan.blocks:,}", f"{plan.token_capacity:,}", f"{plan.state_slots:,}"]
 
 
 def test_plan_clamps_concurrency_and_says_so():
@@ -99,7 +103,11 @@ def test_checkpoint_and_pools_example_runs():
 
     example = pathlib.Path(__file__).parent.parent / "examples" / "checkpoint_and_pools.py"
     scope = runpy.run_path(str(example))
-    assert scope["plan"].of("gdn").entries == 16 and scope["cache"].num_slots == 20
+    plan, cache = scope["plan"], scope["cache"]
+    # 8 requests x (state + rollback copy), then grown by 4; the blocks are the plan's, less
+    # those the grow took.
+    assert plan.state_slots == 16 and cache.num_slots == 20
+    assert cache.num_blocks == cache.geometry.blocks_below(cache.slots.first) < plan.blocks
 
 
 @pytest.mark.parametrize(

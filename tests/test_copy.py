@@ -41,7 +41,7 @@ def test_plan_by_hand():
 @pytest.mark.parametrize(
     ("args", "match"),
     [
-        (([5], [5], -1), "total_bytes must be >= 0"),
+        (([5], [5], -1), "total_bytes must be an int in 0..[0-9]+, got -1"),
         (([5, 0], [5], 5), r"src_sizes\[1\]"),
         (([5], [2, -1], 1), r"dst_sizes\[1\]"),
         (([5], [9], 6), "source stream holds 5 bytes but 6"),

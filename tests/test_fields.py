@@ -115,7 +115,7 @@ def test_checkpoint_ranges_cover_carried_bytes_only(fields):
         ({"dtype": torch.bool, "fill": 2}, "0/1"),
         ({"fill": "x"}, "real number"),
         ({"align": 100}, "multiple of 256"),
-        ({"align": -256}, "multiple of 256"),
+        ({"align": -256}, "align must be an int in 0..[0-9]+, got -256"),
         ({"in_checkpoint": 1}, "bool"),
     ],
 )

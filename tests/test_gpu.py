@@ -59,10 +59,10 @@ def test_cuda_checkpoint_round_trip():
     spec = CheckpointSpec.build(fields, 256 * 1024)
     n = 8 * spec.units_per_image
     pages = PageUnits(
-        torch.zeros(n * spec.unit_bytes, dtype=torch.uint8, device=dev),
-        spec.unit_bytes,
-        spec.unit_bytes,
-        n,
+        buf=torch.zeros(n * spec.unit_bytes, dtype=torch.uint8, device=dev),
+        unit_bytes=spec.unit_bytes,
+        unit_stride=spec.unit_bytes,
+        num_units=n,
     )
     units = [list(range(c, n, 8)) for c in range(8)]
     store(spec, state, list(range(8)), pages, units)
@@ -78,13 +78,11 @@ def test_cuda_checkpoint_round_trip():
 
 
 def test_cuda_unified_cache_moves_keep_bytes():
-    from kvarena import UnifiedCache
+    from kvarena import UnifiedCache, plan_cache
     from kvarena.models import ServingOptions
 
     m = model_cache("qwen3-next-80b-a3b", ServingOptions(tp=8))
-    cache = UnifiedCache(
-        m.page_fields, m.state_fields, 256 << 20, "cuda", state_slots=4, tokens_per_block=16
-    )
+    cache = UnifiedCache.from_plan(plan_cache(m, budget_bytes=256 << 20, max_seqs=4), "cuda")
     assert cache.buf.is_cuda and cache.page_view("k").is_cuda
     blocks = cache.blocks.allocate(cache.num_blocks)
     for b in blocks[::2]:

@@ -16,8 +16,10 @@ PAGE, STATE = PoolKind.PAGE, PoolKind.STATE
 
 def test_plan_by_hand():
     classes = [
-        EntryClass(PAGE, "kv", 65536, tokens_per_entry=16),
-        EntryClass(STATE, "gdn", 1_000_000, entries_per_req=2, extra_entries=1),
+        EntryClass(pool=PAGE, name="kv", entry_bytes=65536, block_size=16),
+        EntryClass(
+            pool=STATE, name="gdn", entry_bytes=1_000_000, entries_per_req=2, extra_entries=1
+        ),
     ]
     plan = plan_pools(classes, 100_000_000, 10)
     assert plan.of("gdn").entries == 21 and plan.of("gdn").nbytes == 21_000_000
@@ -28,21 +30,28 @@ def test_plan_by_hand():
 
 
 def test_merge_adds_bytes_and_refuses_disagreement():
-    a = EntryClass(STATE, "s", 100, entries_per_req=2)
-    b = EntryClass(STATE, "s", 50, entries_per_req=2)
-    assert merge_classes([a, b]) == [EntryClass(STATE, "s", 150, entries_per_req=2)]
+    a = EntryClass(pool=STATE, name="s", entry_bytes=100, entries_per_req=2)
+    b = EntryClass(pool=STATE, name="s", entry_bytes=50, entries_per_req=2)
+    assert merge_classes([a, b]) == [
+        EntryClass(pool=STATE, name="s", entry_bytes=150, entries_per_req=2)
+    ]
     with pytest.raises(ValueError, match="different entries_per_req: 2 vs 1"):
-        merge_classes([a, EntryClass(STATE, "s", 50)])
+        merge_classes([a, EntryClass(pool=STATE, name="s", entry_bytes=50)])
     with pytest.raises(ValueError, match="different pool"):
-        merge_classes([EntryClass(PAGE, "s", 50), EntryClass(STATE, "s", 50)])
+        merge_classes(
+            [
+                EntryClass(pool=PAGE, name="s", entry_bytes=50),
+                EntryClass(pool=STATE, name="s", entry_bytes=50),
+            ]
+        )
     # Different names stay separate counts even in one pool.
-    assert len(merge_classes([a, EntryClass(STATE, "t", 50)])) == 2
+    assert len(merge_classes([a, EntryClass(pool=STATE, name="t", entry_bytes=50)])) == 2
 
 
 def test_over_budget_carries_numbers_and_clamp_plans_at_the_fit():
     classes = [
-        EntryClass(PAGE, "kv", 1000, tokens_per_entry=16),
-        EntryClass(STATE, "m", 10_000, extra_entries=2),
+        EntryClass(pool=PAGE, name="kv", entry_bytes=1000, block_size=16),
+        EntryClass(pool=STATE, name="m", entry_bytes=10_000, extra_entries=2),
     ]
     with pytest.raises(PoolBudgetError) as info:
         plan_pools(classes, 95_000, 12)
@@ -79,11 +88,18 @@ def test_entry_class_refusals(kwargs, match):
 
 def test_plan_refusals():
     with pytest.raises(ValueError, match="one PAGE class"):
-        plan_pools([EntryClass(PAGE, "a", 1), EntryClass(PAGE, "b", 1)], 100, 1)
+        plan_pools(
+            [
+                EntryClass(pool=PAGE, name="a", entry_bytes=1),
+                EntryClass(pool=PAGE, name="b", entry_bytes=1),
+            ],
+            100,
+            1,
+        )
     with pytest.raises(ValueError, match="max_num_seqs"):
-        plan_pools([EntryClass(PAGE, "a", 1)], 100, 0)
+        plan_pools([EntryClass(pool=PAGE, name="a", entry_bytes=1)], 100, 0)
     with pytest.raises(ValueError, match="STATE settings"):
-        EntryClass(PAGE, "a", 1, entries_per_req=2)
+        EntryClass(pool=PAGE, name="a", entry_bytes=1, entries_per_req=2)
 
 
 @given(
@@ -97,8 +113,8 @@ def test_plan_refusals():
     st.integers(1, 300),
 )
 def test_plan_properties(page_bytes, states, budget, seqs):
-    classes = [EntryClass(PAGE, "kv", page_bytes, tokens_per_entry=16)] + [
-        EntryClass(STATE, f"s{i}", b, entries_per_req=e, extra_entries=x)
+    classes = [EntryClass(pool=PAGE, name="kv", entry_bytes=page_bytes, block_size=16)] + [
+        EntryClass(pool=STATE, name=f"s{i}", entry_bytes=b, entries_per_req=e, extra_entries=x)
         for i, (b, e, x) in enumerate(states)
     ]
     fit = max_fitting_seqs(classes, budget)

@@ -7,17 +7,18 @@ import time
 
 import pytest
 import torch
+from conftest import plan_for
 
 from kvarena import EntryField
+from kvarena.testing.loopback import SideProcess, connect_pair, ship_request
 from kvarena.transfer import nixl_available
-from kvarena.transfer.loopback import SideProcess, SideSpec, connect_pair, ship_request
 
 pytestmark = pytest.mark.skipif(
     not nixl_available(), reason="NIXL (kvarena[transfer]) not installed"
 )
 
 
-def random_spec(seed: int, total: int = 6 << 20) -> SideSpec:
+def random_spec(seed: int, total: int = 6 << 20):
     rng = random.Random(seed)
     dtypes = [torch.bfloat16, torch.float32, torch.float16, torch.uint8]
     page = tuple(
@@ -35,7 +36,7 @@ def random_spec(seed: int, total: int = 6 << 20) -> SideSpec:
         for i in range(rng.randint(1, 3))
     )  # fmt: skip
     score = EntryField("score", 1, (16,), torch.float32, fill=-math.inf)
-    return SideSpec(page, (*state, score), total, state_slots=6)
+    return plan_for(page, (*state, score), total, max_seqs=6)
 
 
 @pytest.fixture
@@ -83,7 +84,7 @@ def test_random_layouts_on_both_sides():
 
 def test_fingerprint_mismatch_is_refused_before_any_byte_moves():
     spec = random_spec(7)
-    other = SideSpec(spec.page_fields, spec.state_fields[:-1], spec.total_bytes, spec.state_slots)
+    other = plan_for(spec.page_fields, spec.state_fields[:-1], spec.budget_bytes, spec.max_seqs)
     prefill, decode = SideProcess("prefill", spec), SideProcess("decode", other)
     try:
         with pytest.raises(RuntimeError, match=r"LayoutMismatchError.*state_fingerprint"):
@@ -169,7 +170,7 @@ def test_tcp_control_channel_between_a_prefill_client_and_a_decode_service():
 
 def test_tcp_control_channel_refuses_a_mismatched_layout():
     spec = random_spec(21)
-    other = SideSpec(spec.page_fields, spec.state_fields[:-1], spec.total_bytes, spec.state_slots)
+    other = plan_for(spec.page_fields, spec.state_fields[:-1], spec.budget_bytes, spec.max_seqs)
     decode = SideProcess("decode-service", spec)
     prefill = SideProcess("prefill", other)
     try:

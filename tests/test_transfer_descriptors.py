@@ -3,8 +3,9 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import plan_for
 
-from kvarena import EntryField, UnifiedCache
+from kvarena import EntryField, LayoutMismatchError, UnifiedCache
 from kvarena.transfer import (
     CacheGeometry,
     DescriptorBoundsError,
@@ -22,10 +23,12 @@ STATE = (
 )
 
 
-def geometry(**kw):
-    cache = UnifiedCache(
-        PAGE, STATE, kw.pop("total", 4 << 20), "cpu", state_slots=kw.pop("slots", 4), **kw
-    )
+def cache_of(page, state, total: int = 4 << 20, slots: int = 4) -> UnifiedCache:
+    return UnifiedCache.from_plan(plan_for(page, state, total, slots), "cpu")
+
+
+def geometry(total: int = 4 << 20):
+    cache = cache_of(PAGE, STATE, total)
     return cache, CacheGeometry.of(cache)
 
 
@@ -63,14 +66,14 @@ def test_refusals_name_what_is_wrong():
     with pytest.raises(DescriptorBoundsError, match="names an id twice"):
         plan_request(src, dst, [0, 0], [1, 2], [], [])
     other_state = (EntryField("ssm", 3, (4, 32, 32), torch.bfloat16),)
-    cache = UnifiedCache(PAGE, other_state, 4 << 20, "cpu", state_slots=4)
-    with pytest.raises(DescriptorBoundsError, match="state_fingerprint"):
+    cache = cache_of(PAGE, other_state)
+    with pytest.raises(LayoutMismatchError, match="state_fingerprint"):
         plan_request(src, CacheGeometry.of(cache), [0], [0], [], [])
 
 
 def test_geometry_mismatch_lists_every_field():
     _, a = geometry()
-    cache = UnifiedCache(PAGE[:1], STATE[:1], 4 << 20, "cpu", state_slots=4)
+    cache = cache_of(PAGE[:1], STATE[:1])
     problems = a.mismatches(CacheGeometry.of(cache))
     assert {p.split(":")[0] for p in problems} == {
         "page_fingerprint",

@@ -2,6 +2,7 @@ import math
 
 import pytest
 import torch
+from conftest import plan_for
 
 from kvarena import EntryField
 from kvarena.pools import (
@@ -19,9 +20,11 @@ STATE = [
 ]
 
 
-def make(**kw):
-    args = {"state_slots": 4, "entries_per_req": 1, "tokens_per_block": 16} | kw
-    return UnifiedCache(PAGE, STATE, 64 * 1024, "cpu", **args)
+def make(state_slots: int = 4, entries_per_req: int = 1, **kw):
+    plan = plan_for(
+        PAGE, STATE, 64 * 1024, state_slots // entries_per_req, entries_per_req=entries_per_req
+    )
+    return UnifiedCache.from_plan(plan, "cpu", **kw)
 
 
 def test_geometry_and_views():
@@ -166,7 +169,7 @@ def test_block_allocator_rules():
         BlockAllocationError, match="wanted 1 blocks but only 0 are free and 0 evictable"
     ):
         a.allocate(1)
-    with pytest.raises(ValueError, match=r"out of range; legal: 0\.\.3"):
+    with pytest.raises(ValueError, match=r"block id must be an int in 0\.\.3, got 7"):
         a.release(7)
     a.release(3)
     with pytest.raises(ValueError, match="not live"):
@@ -189,7 +192,7 @@ def test_state_allocator_groups_topmost_first():
         s.allocate("e")
 
 
-def test_touch_refreshes_lru_order():
+def test_refresh_reorders_lru_without_a_reference():
     evicted = []
     a = BlockAllocator(3, on_evict=evicted.append)
     blocks = a.allocate(3)
@@ -197,6 +200,6 @@ def test_touch_refreshes_lru_order():
         a.set_cached(b)
         a.release(b)
     assert a.evictable_blocks() == [0, 1, 2]
-    a.touch(0)  # a prefix lookup hit block 0 without taking it
-    assert a.evictable_blocks() == [1, 2, 0]
+    a.refresh(0)  # a prefix lookup hit block 0 without taking it
+    assert a.evictable_blocks() == [1, 2, 0] and a.refcount(0) == 0
     assert a.allocate(2) == [1, 2] and evicted == [1, 2]

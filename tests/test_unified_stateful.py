@@ -9,6 +9,7 @@ import math
 import os
 
 import torch
+from conftest import plan_for
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -39,10 +40,8 @@ def pattern(seed: int, n: int) -> torch.Tensor:
 class UnifiedCacheMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.cache = UnifiedCache(
-            PAGE_FIELDS, STATE_FIELDS, 48 * 1024, "cpu", state_slots=4, entries_per_req=2,
-            tokens_per_block=4, on_evict=self._evicted,
-        )  # fmt: skip
+        plan = plan_for(PAGE_FIELDS, STATE_FIELDS, 48 * 1024, 2, block_size=4, entries_per_req=2)
+        self.cache = UnifiedCache.from_plan(plan, "cpu", on_evict=self._evicted)
         self.handles: dict[int, dict] = {}  # handle -> {"id", "refs", "cached", "seed"}
         self.requests: dict[int, dict[int, int]] = {}  # request -> {slot: seed}
         self.next = 0

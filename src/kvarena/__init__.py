@@ -2,141 +2,81 @@
 
 One request's state is ONE contiguous byte range, while kernels keep the
 per-layer ``[layers, entries, ...]`` views they take today.
+
+The front door is the road an engine builder walks::
+
+    model = kvarena.model_cache("qwen3-next-80b-a3b", kvarena.ServingOptions(tp=8))
+    plan = kvarena.plan_cache(model, budget_bytes=40 << 30, max_seqs=64)
+    cache = kvarena.UnifiedCache.from_plan(plan, "cuda")
+
+Everything else lives in its subpackage: ``kvarena.layout`` (declarations,
+the walk, arenas), ``kvarena.copy`` (segmented copy plans and their
+execution), ``kvarena.pools`` (sizing, allocators), ``kvarena.transfer``
+(prefill -> decode on NIXL). The layout core of the design brief is also
+reachable here by name (``kvarena.EntryMajorArena``...), resolved lazily.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from .checkpoint import CheckpointMismatchError, CheckpointSpec, PageUnits, restore, store
-from .copy import (
-    CopyBatch,
-    CopyBoundsError,
-    CopyStats,
-    SegmentedCopyPlan,
-    describe_batch,
-    execute_batch,
-    plan_segmented_copy,
-)
-from .layout import (
-    ALIGNMENT,
-    EntryField,
-    EntryMajorArena,
-    FieldExtent,
-    LayerMajorArena,
-    LayoutRow,
-    PlanePlanningError,
-    SplitEntryMajorArena,
-    align_up,
-    carve,
-    carve_layer_major,
-    checkpoint_ranges_for,
-    describe,
-    dtype_name,
-    entry_bytes_for,
-    field_extents,
-    layout_encoding,
-    layout_fingerprint,
-    layout_rows,
-    min_slot_stride,
-    plan_field_planes,
-    plan_regions,
-    plane_rows,
-    strictest_alignment,
-)
+from .errors import Error, InvalidValueError, LayoutMismatchError
+from .layout import EntryField, describe, layout_fingerprint
 from .models import PRESETS, ModelCache, ServingOptions, UnknownModelError, model_cache
 from .pools import (
     BlockAllocationError,
-    BlockAllocator,
     BoundaryMove,
     BoundaryMoveError,
-    ClassPlan,
-    EntryClass,
+    CachePlan,
     PoolBudgetError,
-    PoolKind,
-    PoolPlan,
     StateAllocationError,
-    StateAllocator,
     UnifiedCache,
-    max_fitting_seqs,
-    merge_classes,
-    plan_pools,
+    plan_cache,
 )
-from .report import plan_report
-from .transfer import (
-    CacheGeometry,
-    DecodeReceiver,
-    DescriptorBoundsError,
-    LayoutMismatchError,
-    PrefillSender,
-    TransferError,
-    TransferTimeout,
-    plan_request,
-)
+from .transfer import CacheGeometry, DecodeReceiver, PrefillSender, TransferError, TransferTimeout
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ALIGNMENT",
     "PRESETS",
     "BlockAllocationError",
-    "BlockAllocator",
     "BoundaryMove",
     "BoundaryMoveError",
     "CacheGeometry",
+    "CachePlan",
     "CheckpointMismatchError",
     "CheckpointSpec",
-    "ClassPlan",
-    "CopyBatch",
-    "CopyBoundsError",
-    "CopyStats",
     "DecodeReceiver",
-    "DescriptorBoundsError",
-    "EntryClass",
     "EntryField",
-    "EntryMajorArena",
-    "FieldExtent",
-    "LayerMajorArena",
+    "Error",
+    "InvalidValueError",
     "LayoutMismatchError",
-    "LayoutRow",
     "ModelCache",
     "PageUnits",
-    "PlanePlanningError",
     "PoolBudgetError",
-    "PoolKind",
-    "PoolPlan",
     "PrefillSender",
-    "SegmentedCopyPlan",
     "ServingOptions",
-    "SplitEntryMajorArena",
     "StateAllocationError",
-    "StateAllocator",
     "TransferError",
     "TransferTimeout",
     "UnifiedCache",
     "UnknownModelError",
     "__version__",
-    "align_up",
-    "carve",
-    "carve_layer_major",
-    "checkpoint_ranges_for",
     "describe",
-    "describe_batch",
-    "dtype_name",
-    "entry_bytes_for",
-    "execute_batch",
-    "field_extents",
-    "layout_encoding",
     "layout_fingerprint",
-    "layout_rows",
-    "max_fitting_seqs",
-    "merge_classes",
-    "min_slot_stride",
     "model_cache",
-    "plan_field_planes",
-    "plan_pools",
-    "plan_regions",
-    "plan_report",
-    "plan_request",
-    "plan_segmented_copy",
-    "plane_rows",
+    "plan_cache",
     "restore",
     "store",
-    "strictest_alignment",
 ]
+
+
+# The design brief's layout core keeps its kvarena.<name> spelling without
+# crowding the front door: any name of kvarena.layout resolves on first use.
+def __getattr__(name: str) -> Any:
+    layout = importlib.import_module(".layout", __name__)
+    if name in layout.__all__:
+        return getattr(layout, name)
+    raise AttributeError(f"module 'kvarena' has no attribute {name!r}")

@@ -11,14 +11,15 @@ import re
 import sys
 from typing import Annotated
 
-import torch
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from .checks import check_device
 from .demo import DemoConfig, run_demo, state_fields
 from .models import KV_DTYPES, PRESETS, STATE_DTYPES, ServingOptions, model_cache
-from .report import plan_report
+from .pools import plan_cache
+from .report import SCHEMA_VERSION, plan_report
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 # Piped output (CI logs, files) gets wide tables instead of 80 folded columns.
@@ -82,7 +83,8 @@ def _render_plan(r: dict) -> None:
     console.print(
         f"[bold]{r['model']}[/bold] ({r['family']}): TP {o['tp']}, KV {o['kv_dtype']}, state {o['state_dtype']}, "
         f"block {o['block_size']} tokens, {o['spec_tokens']} speculative tokens; "
-        f"{r['layers']['attention']} paged layers, {r['layers']['state']} state layers"
+        f"{r['layers']['attention']} paged layers, {r['layers']['state']} layers holding "
+        f"per-request state ({r['layers']['recurrent']} recurrent)"
     )
     console.print(
         f"KV {r['kv_bytes_per_token']:,} B per token; state {r['state_bytes_per_request']:,} B per request"
@@ -159,7 +161,7 @@ def plan(
         int, typer.Option(min=0, help="speculative tokens (rollback copies)")
     ] = 0,
     as_json: Annotated[
-        bool, typer.Option("--json", help="machine-readable output (schema kvarena-plan/1)")
+        bool, typer.Option("--json", help=f"machine-readable output (schema {SCHEMA_VERSION})")
     ] = False,
 ) -> None:
     """What a model's cache looks like and how much of it fits a budget."""
@@ -172,7 +174,8 @@ def plan(
             block_size=block_size,
             spec_tokens=spec_tokens,
         )
-        report = plan_report(model_cache(model, options), budget, max_seqs)
+        plan_ = plan_cache(model_cache(model, options), budget_bytes=budget, max_seqs=max_seqs)
+        report = plan_report(plan_)
     except (ValueError, typer.BadParameter) as exc:
         raise _fail(str(exc)) from None
     if as_json:
@@ -192,7 +195,7 @@ def demo(
     """Materialize request states, write through kernel views, verify every byte."""
     try:
         state_fields(model, tp)
-        dev = torch.device(device)
+        dev = check_device(device)
     except (ValueError, RuntimeError) as exc:
         raise _fail(str(exc)) from None
     config = DemoConfig(model=model, tp=tp, requests=requests, seed=seed)

@@ -7,12 +7,12 @@ results. Every check compares bytes, never only shapes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
-from .checkpoint import CheckpointSpec, PageUnits, restore, store
+from .errors import InvalidValueError
 from .layout import (
     EntryField,
     EntryMajorArena,
@@ -27,7 +27,7 @@ from .layout import (
 )
 from .layout.regions import align_up
 from .models import ServingOptions, model_cache
-from .pools import EntryClass, PoolKind, UnifiedCache, plan_pools
+from .pools import UnifiedCache, plan_cache
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class Check:
     detail: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DemoConfig:
     model: str = "qwen3-next-80b-a3b"
     tp: int = 8
@@ -51,7 +51,7 @@ def state_fields(model: str, tp: int) -> list[EntryField]:
     """The per-request state declaration of a model (preset name or config path)."""
     cache = model_cache(model, ServingOptions(tp=tp))
     if not cache.state_fields:
-        raise ValueError(
+        raise InvalidValueError(
             f"{model} keeps no per-request state (only paged KV); the demo needs a model with "
             "states, e.g. qwen3-next-80b-a3b, mamba2-2.7b, nemotron-h-8b, deepseek-v4-flash"
         )
@@ -152,37 +152,6 @@ def run_demo(config: DemoConfig, device: torch.device) -> Iterator[Check]:
         f"{int(gaps.sum()):,} foreign bytes keep their sentinel",
     )
 
-    # Checkpoint every live state into scattered PAGE units, restore the images
-    # into a fresh pool, and compare: carried fields byte for byte, dropped
-    # fields still at their fill (restore never writes them).
-    unit_bytes = 256 * 1024
-    spec = CheckpointSpec.build(fields, unit_bytes)
-    n_units = 2 * n * spec.units_per_image
-    pages = PageUnits(
-        torch.zeros(n_units * unit_bytes, dtype=torch.uint8, device=device),
-        unit_bytes,
-        unit_bytes,
-        n_units,
-    )
-    order = torch.randperm(n_units, generator=gen).tolist()
-    units = [order[c * spec.units_per_image : (c + 1) * spec.units_per_image] for c in range(n)]
-    stored = store(spec, arena, list(live), pages, units)
-    resumed = EntryMajorArena(fields, n, device, slot_stride=stride)
-    restore(spec, pages, units, resumed, list(range(n)))
-    ckpt_ok = all(
-        _same_bytes(arena.view(f.name)[:, src], resumed.view(f.name)[:, dst])
-        if f.in_checkpoint
-        else bool((resumed.view(f.name)[:, dst] == f.fill).all())
-        for f in fields
-        if arena.view(f.name).numel()
-        for src, dst in zip(live, range(n), strict=True)
-    )
-    yield Check(
-        "checkpoint store/restore",
-        ckpt_ok,
-        f"{n} images of {spec.image_bytes:,} B, {spec.units_per_image} units each; "
-        f"{stored.ops} copy ops for {stored.spans} spans",
-    )
     # The same state split over two planes of different row widths.
     widths = [4096, 65536]
     per_plane, rows = plan_field_planes(fields, widths)
@@ -231,80 +200,108 @@ def run_demo(config: DemoConfig, device: torch.device) -> Iterator[Check]:
 def _unified_checks(
     model: str, tp: int, device: torch.device, gen: torch.Generator
 ) -> Iterator[Check]:
-    """Plan a budget, carve one buffer, move the boundary both ways under load.
+    """Plan a budget, build the cache from the plan, checkpoint states into
+    PAGE units, and move the boundary both ways under load.
 
-    Models without paged layers (pure Mamba2) have no boundary to move; the
-    step is then skipped rather than reported as a check that cannot fail.
+    Models without paged layers (pure Mamba2) have no blocks to hold images or
+    to move; after the plan check the step ends there rather than report
+    checks that cannot fail.
     """
     preset = model_cache(model, ServingOptions(tp=tp))
+    # Room for 4 states and ~20 states' worth of blocks: two checkpoint images
+    # and a half-live fragmented pool still leave room to grow STATE by 6.
+    budget = max(96 << 20, 24 * min_slot_stride(preset.state_fields))
+    plan = plan_cache(preset, budget_bytes=budget, max_seqs=4, clamp=False)
+    cache = UnifiedCache.from_plan(plan, device)
+    yield Check(
+        "cache holds what the plan promised",
+        cache.num_blocks == plan.blocks and cache.num_slots == plan.state_slots,
+        f"{budget >> 20} MiB: {cache.num_blocks} blocks of {plan.block_size} tokens "
+        f"({cache.token_capacity:,} tokens), {cache.num_slots} state slots, "
+        f"{plan.unused_bytes:,} B unused",
+    )
     if not preset.page_fields:
         return
-    page, fields = list(preset.page_fields), list(preset.state_fields)
-    # Room for the PAGE blocks and ~16 state slots, so STATE can grow by 6.
-    budget = max(96 << 20, 16 * min_slot_stride(fields))
-    classes = [
-        EntryClass(
-            PoolKind.PAGE, "attention", align_up(entry_bytes_for(page)), tokens_per_entry=16
-        ),
-        EntryClass(PoolKind.STATE, "gdn", min_slot_stride(fields)),
-    ]
-    plan = plan_pools(classes, budget, 4)
-    cache = UnifiedCache(
-        page, fields, budget, device, state_slots=plan.of("gdn").entries, tokens_per_block=16
+
+    # Checkpoint two live states into PAGE units, wipe one, restore it.
+    spec = cache.checkpoint_spec()
+    owners = ["ckpt-a", "ckpt-b"]
+    slots = [cache.allocate_state(r)[0] for r in owners]
+    for s in slots:
+        _pattern_(cache.slot_bytes_of(s), gen)
+    before = [cache.slot_bytes_of(s).clone() for s in slots]
+    units = [cache.blocks.allocate(spec.units_per_image) for _ in slots]
+    stored = cache.store(spec, slots, units)
+    cache.slot_bytes_of(slots[0]).fill_(0x5A)
+    cache.restore(spec, units[:1], slots[:1])
+    ranges = spec.ranges
+    ckpt_ok = all(
+        torch.equal(cache.slot_bytes_of(s)[o : o + n], b[o : o + n])
+        for s, b in zip(slots, before, strict=True)
+        for o, n in ranges
     )
     yield Check(
-        "pool plan",
-        cache.num_blocks >= plan.of("attention").entries - 1
-        and cache.num_slots == plan.of("gdn").entries,
-        f"{budget >> 20} MiB: {cache.num_blocks} blocks ({cache.token_capacity:,} tokens), "
-        f"{cache.num_slots} state slots, {plan.unused_bytes:,} B unused",
+        "checkpoint store/restore",
+        ckpt_ok,
+        f"2 images of {spec.image_bytes:,} B in {spec.units_per_image} blocks each; "
+        f"{stored.ops} copy ops for {stored.spans} spans; the restored ranges equal the saved ones",
     )
-    blocks = cache.blocks.allocate(cache.num_blocks)
+
+    blocks = cache.blocks.allocate(cache.blocks.num_free)
     seeds = {}
     for b in blocks[::2]:
         cache.blocks.release(b)  # fragment: every other block free
     for b in blocks[1::2]:
         seeds[b] = int(torch.randint(0, 256, (1,), generator=gen))
         cache.block_bytes_of(b).fill_(seeds[b])
-    reqs = {r: cache.allocate_state(r)[0] for r in range(cache.num_slots)}
+    reqs = {r: cache.allocate_state(r)[0] for r in range(cache.slots.num_free)}
     for r, slot in reqs.items():
         cache.slot_bytes_of(slot).fill_(r + 1)
     grow = cache.grow_state(6)
     seeds = {grow.block_remap.get(b, b): v for b, v in seeds.items()}
+    units = [[grow.block_remap.get(u, u) for u in us] for us in units]
     blocks_ok = all(bool((cache.block_bytes_of(b) == v).all()) for b, v in seeds.items())
+    # The images moved with their blocks: restoring the second one after the
+    # move still gives back the bytes saved before it.
+    cache.slot_bytes_of(slots[1]).fill_(0xA5)
+    cache.restore(spec, units[1:], slots[1:])
+    image_ok = all(
+        torch.equal(cache.slot_bytes_of(slots[1])[o : o + n], before[1][o : o + n])
+        for o, n in ranges
+    )
     # Fill the slots won from PAGE, then finish the original (topmost) requests:
     # the live states now sit at the bottom, where a shrink releases slots.
     extra = {r: cache.allocate_state(r)[0] for r in range(100, 100 + cache.slots.num_free)}
-    for r in reqs:
+    for r in [*reqs, *owners]:
         cache.free_state(r)
-    survivors = extra
-    for r, slot in survivors.items():
+    for r, slot in extra.items():
         cache.slot_bytes_of(slot).fill_(r % 251)
-    shrink = cache.shrink_state(len(reqs))
+    shrink = cache.shrink_state(len(reqs) + len(owners))
     states_ok = all(
         bool((cache.slot_bytes_of(shrink.slot_remap.get(s, s)) == r % 251).all())
-        for r, s in survivors.items()
+        for r, s in extra.items()
     )
     yield Check(
         "boundary moves",
-        blocks_ok and states_ok and bool(grow.block_remap) and bool(shrink.slot_remap),
-        f"grow +6 slots: {len(grow.block_remap)} live blocks relocated in {grow.copies} copies; "
-        f"shrink: {len(shrink.slot_remap)} live states relocated; every byte followed its remap",
+        blocks_ok and image_ok and states_ok and bool(grow.block_remap) and bool(shrink.slot_remap),
+        f"grow +6 slots: {len(grow.block_remap)} live blocks relocated in {grow.copies} copies, "
+        f"checkpoint images among them; shrink: {len(shrink.slot_remap)} live states relocated; "
+        "every byte followed its remap",
     )
 
 
 def _transfer_checks(model: str, tp: int) -> Iterator[Check]:
     """Ship requests from a prefill process to a decode process over NIXL."""
+    from .testing.loopback import SideProcess, connect_pair, ship_request
     from .transfer import nixl_available
-    from .transfer.loopback import SideProcess, SideSpec, connect_pair, ship_request
 
     preset = model_cache(model, ServingOptions(tp=tp))
     if not nixl_available() or not preset.page_fields:
         return
     slot = min_slot_stride(preset.state_fields)
-    total = align_up(40 * entry_bytes_for(preset.page_fields) + 4 * slot, 1 << 20)
-    spec = SideSpec(preset.page_fields, preset.state_fields, total, state_slots=3)
-    prefill, decode = SideProcess("prefill", spec), SideProcess("decode", spec)
+    total = align_up(40 * min_slot_stride(preset.page_fields) + 4 * slot, 1 << 20)
+    plan = plan_cache(preset, budget_bytes=total, max_seqs=3, clamp=False)
+    prefill, decode = SideProcess("prefill", plan), SideProcess("decode", plan)
     try:
         peer, _ = connect_pair(prefill, decode)
         shipped = [
@@ -320,15 +317,3 @@ def _transfer_checks(model: str, tp: int) -> Iterator[Check]:
         f"2 requests over NIXL between two processes, {descriptors} descriptors, byte-exact, "
         "nothing outside their allocation written",
     )
-
-
-def run_all(
-    config: DemoConfig, device: torch.device, on_step: Callable[[Check], None] | None = None
-) -> list[Check]:
-    """Run every step, calling ``on_step`` after each; return all checks."""
-    results = []
-    for check in run_demo(config, device):
-        results.append(check)
-        if on_step is not None:
-            on_step(check)
-    return results

@@ -1,9 +1,11 @@
 """``kvarena plan``'s answer, as plain data: what a model's cache looks like and
 how much of it fits a budget, next to what vLLM's page unification would give.
 
-Everything here is computed from sizes; :func:`plan_report` returns a dict
-whose schema (``SCHEMA_VERSION``) is documented in the README, and the CLI
-renders the same dict as tables or JSON.
+Everything here is computed from sizes, and the pool numbers are the
+:class:`~kvarena.pools.CachePlan`'s own (the record a cache is built from),
+so the report cannot promise what a cache would not hold. :func:`plan_report`
+returns a dict whose schema (``SCHEMA_VERSION``) is documented in the README;
+the CLI renders the same dict as tables or JSON.
 """
 
 from __future__ import annotations
@@ -12,13 +14,18 @@ import math
 from typing import Any
 
 from .checkpoint import CheckpointSpec
-from .layout import entry_bytes_for, layout_fingerprint, layout_rows, min_slot_stride
+from .checks import check_count
+from .layout import layout_fingerprint, layout_rows
 from .layout.regions import align_up
 from .models import ModelCache
-from .pools import EntryClass, PoolKind, plan_pools
+from .pools import CachePlan
 from .transfer.descriptors import per_layer_descriptor_count
 
-SCHEMA_VERSION = "kvarena-plan/1"
+SCHEMA_VERSION = "kvarena-plan/2"
+"""/2 over /1: ``pools`` carries the whole :class:`CachePlan` (strides, fingerprints,
+used bytes, block size, entries per request) and the block count is the
+stride-based one a cache holds; ``layers.state`` counts every layer holding
+per-request state, ``layers.recurrent`` the recurrent ones."""
 
 
 def _fields(fields) -> dict[str, Any]:
@@ -64,16 +71,16 @@ def vllm_unification(m: ModelCache, budget: int, max_seqs: int) -> dict[str, Any
     state_page = m.state_bytes_per_layer
     block = align_up(-(-state_page // per_token), m.kernel_block_align)
     page = block * per_token
-    g = min(m.attention_layers, m.state_layers)
+    g = min(m.attention_layers, m.recurrent_layers)
     attn_groups = -(-m.attention_layers // g)
-    state_groups = -(-m.state_layers // g)
+    state_groups = -(-m.recurrent_layers // g)
     num_blocks = budget // (g * page)
     state_ids = max_seqs * state_groups * m.entries_per_req
     tokens = max(0, num_blocks - state_ids) // attn_groups * block
     # Padding: each state page's slack, plus whole pages of layer slots that a
     # last, partly filled group leaves empty.
     padding_per_request = m.entries_per_req * (
-        m.state_layers * (page - state_page) + (state_groups * g - m.state_layers) * page
+        m.recurrent_layers * (page - state_page) + (state_groups * g - m.recurrent_layers) * page
     )
     return {
         "attention_block_tokens": block,
@@ -91,62 +98,32 @@ def vllm_unification(m: ModelCache, budget: int, max_seqs: int) -> dict[str, Any
     }
 
 
-def plan_report(
-    m: ModelCache, memory_bytes: int, max_seqs: int, *, context_tokens: int = 32768
-) -> dict[str, Any]:
-    """The whole ``kvarena plan`` answer for one model and budget."""
-    page_bytes = entry_bytes_for(m.page_fields)
-    state_stride = min_slot_stride(m.state_fields) if m.state_fields else 0
-    classes = []
-    if m.page_fields:
-        classes.append(EntryClass(PoolKind.PAGE, "page", page_bytes, tokens_per_entry=m.block_size))
-    if m.state_fields:
-        classes.append(
-            EntryClass(PoolKind.STATE, "state", state_stride, entries_per_req=m.entries_per_req)
-        )
-    plan = plan_pools(classes, memory_bytes, max_seqs, clamp=True)
-    pools = {
-        "budget_bytes": memory_bytes,
-        "requested_max_seqs": max_seqs,
-        "effective_max_seqs": plan.max_num_seqs,
-        "clamped": plan.clamped,
-        "blocks": plan.of("page").entries if m.page_fields else 0,
-        "token_capacity": plan.token_capacity,
-        "state_slots": plan.of("state").entries if m.state_fields else 0,
-        "unused_bytes": plan.unused_bytes,
-        "classes": [
-            {
-                "name": c.entry_class.name,
-                "pool": c.entry_class.pool.value,
-                "entries": c.entries,
-                "bytes": c.nbytes,
-            }
-            for c in plan.classes
-        ],
-    }
+def plan_report(plan: CachePlan, *, context_tokens: int = 32768) -> dict[str, Any]:
+    """The whole ``kvarena plan`` answer for one plan."""
+    m = plan.model
+    context_tokens = check_count(context_tokens, "context_tokens", lo=1, hi=1 << 40)
     checkpoint = None
-    if m.state_fields and page_bytes:
-        spec = CheckpointSpec.build(m.state_fields, page_bytes)
+    if plan.state_fields and plan.page_fields:
+        spec = CheckpointSpec.build(plan.state_fields, plan.block_stride)
         checkpoint = {
             "image_bytes": spec.image_bytes,
-            "unit_bytes": page_bytes,
+            "unit_bytes": spec.unit_bytes,
             "units_per_image": spec.units_per_image,
             "ranges": [list(r) for r in spec.ranges],
         }
-    blocks = math.ceil(context_tokens / m.block_size) if m.page_fields else 0
-    page_tensors = sum(f.layers for f in m.page_fields)
-    state_tensors = sum(f.layers for f in m.state_fields)
-    slots = m.entries_per_req * bool(m.state_fields)
+    blocks = math.ceil(context_tokens / plan.block_size) if plan.page_fields else 0
+    page_tensors = sum(f.layers for f in plan.page_fields)
+    state_tensors = sum(f.layers for f in plan.state_fields)
+    epr = plan.entries_per_req
+    slots = epr * bool(plan.state_fields)
     transfer = {
         "context_tokens": context_tokens,
         "kvarena_best": slots + min(blocks, 1),
         "kvarena_worst": slots + blocks,
         "per_layer_best": per_layer_descriptor_count(
-            page_tensors, state_tensors, min(blocks, 1), m.entries_per_req
+            page_tensors, state_tensors, min(blocks, 1), epr
         ),
-        "per_layer_worst": per_layer_descriptor_count(
-            page_tensors, state_tensors, blocks, m.entries_per_req
-        ),
+        "per_layer_worst": per_layer_descriptor_count(page_tensors, state_tensors, blocks, epr),
     }
     return {
         "schema": SCHEMA_VERSION,
@@ -156,18 +133,22 @@ def plan_report(
             "tp": m.options.tp,
             "kv_dtype": m.options.kv_dtype,
             "state_dtype": m.options.state_dtype,
-            "block_size": m.block_size,
+            "block_size": plan.block_size,
             "spec_tokens": m.options.spec_tokens,
         },
-        "layers": {"attention": m.attention_layers, "state": m.state_layers},
+        "layers": {
+            "attention": m.attention_layers,
+            "state": m.state_layers,
+            "recurrent": m.recurrent_layers,
+        },
         "kv_bytes_per_token": m.kv_bytes_per_token,
-        "state_bytes_per_request": m.state_bytes * m.entries_per_req,
-        "page_entry": _fields(m.page_fields),
-        "state_entry": _fields(m.state_fields),
-        "state_slot_stride": state_stride,
-        "pools": pools,
+        "state_bytes_per_request": m.state_bytes * epr,
+        "page_entry": _fields(plan.page_fields),
+        "state_entry": _fields(plan.state_fields),
+        "state_slot_stride": plan.slot_stride,
+        "pools": plan.to_dict(),
         "checkpoint": checkpoint,
         "transfer_descriptors": transfer,
-        "vllm_unified": vllm_unification(m, memory_bytes, plan.max_num_seqs),
+        "vllm_unified": vllm_unification(m, plan.budget_bytes, plan.max_seqs),
         "notes": list(m.notes),
     }

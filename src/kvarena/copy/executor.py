@@ -29,9 +29,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..errors import InvalidValueError
 from ..layout.regions import check_byte_buffer
 from ..spans import coalesce
 from .plan import CopyBatch
+from .words import as_words, word_bytes_for
 
 LARGE_SPAN_BYTES = 128 * 1024
 """Spans at least this long are copied by one contiguous ``copy_`` each."""
@@ -43,11 +45,11 @@ MIN_RUN = 4
 """Short spans adjacent on one side move in one pass once this many form a run."""
 
 
-class CopyBoundsError(ValueError):
+class CopyBoundsError(InvalidValueError):
     """A batch addresses bytes outside its buffers, or overlaps itself."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CopyStats:
     """What an execution issued: spans, bytes, copy calls and the path taken."""
 
@@ -77,10 +79,12 @@ def validate_batch(batch: CopyBatch, src_buf: torch.Tensor, dst_buf: torch.Tenso
     check_byte_buffer(src_buf, "copy source buffer")
     check_byte_buffer(dst_buf, "copy destination buffer")
     if src_buf.device != dst_buf.device:
-        raise ValueError(f"copy buffers live on {src_buf.device} and {dst_buf.device}; one device")
+        raise InvalidValueError(
+            f"copy buffers live on {src_buf.device} and {dst_buf.device}; one device"
+        )
     n = batch.num_spans
     if not (batch.src.shape == batch.dst.shape == batch.length.shape == (n,)):
-        raise ValueError("copy batch arrays must be 1-D of one length")
+        raise InvalidValueError("copy batch arrays must be 1-D of one length")
     if n == 0:
         return
     if batch.length.min() < 0:
@@ -166,31 +170,7 @@ def _short_spans_cpu(
     return ops
 
 
-def _word_bytes(*arrays: np.ndarray, offsets: tuple[int, ...] = ()) -> int:
-    """The widest of 8/4/2/1 bytes that divides every offset and length given."""
-    for w in (8, 4, 2):
-        if all(int(np.bitwise_or.reduce(a, initial=0)) % w == 0 for a in arrays) and all(
-            o % w == 0 for o in offsets
-        ):
-            return w
-    return 1
-
-
 _PATHS = ("auto", "cpu", "torch", "triton")
-
-_WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-
-
-def as_words(buf: torch.Tensor, word: int) -> torch.Tensor:
-    """A 1-D byte buffer re-viewed as ``word``-byte integers (a trailing partial word dropped)."""
-    return buf[: buf.numel() - buf.numel() % word].view(_WORD_DTYPES[word])
-
-
-def word_bytes_for(src_buf: torch.Tensor, dst_buf: torch.Tensor, *arrays: np.ndarray) -> int:
-    """The widest word dividing every offset, length and both buffers' starts."""
-    return _word_bytes(
-        *arrays, offsets=(int(src_buf.storage_offset()), int(dst_buf.storage_offset()))
-    )
 
 
 def _short_spans_torch(
@@ -223,24 +203,27 @@ def execute_batch(
     ``"torch"``, ``"cpu"`` to force a path (tests run every path on CPU).
     """
     if path not in _PATHS:
-        raise ValueError(f"execute_batch: path must be one of {_PATHS}, got {path!r}")
+        raise InvalidValueError(f"execute_batch: path must be one of {_PATHS}, got {path!r}")
     validate_batch(batch, src_buf, dst_buf)
     keep = batch.length > 0
     spans, nbytes = int(keep.sum()), int(batch.length[keep].sum())
     src, dst, length = coalesce(batch.src[keep], batch.dst[keep], batch.length[keep])
     if spans == 0:
-        return CopyStats(0, 0, 0, "empty")
+        return CopyStats(spans=0, nbytes=0, ops=0, path="empty")
     if path == "auto":
         if src_buf.device.type == "cpu":
             path = "cpu"
         else:
             path = "triton" if src_buf.device.type == "cuda" and triton_available() else "torch"
     if path == "cpu" and src_buf.device.type != "cpu":
-        raise ValueError(f"execute_batch: the cpu path needs CPU buffers, got {src_buf.device}")
+        raise InvalidValueError(
+            f"execute_batch: the cpu path needs CPU buffers, got {src_buf.device}"
+        )
     if path == "triton":
         from .triton_copy import triton_copy
 
-        return CopyStats(spans, nbytes, triton_copy(src_buf, dst_buf, src, dst, length), "triton")
+        ops = triton_copy(src_buf, dst_buf, src, dst, length)
+        return CopyStats(spans=spans, nbytes=nbytes, ops=ops, path="triton")
 
     ops = 0
     large = length >= large_span_bytes
@@ -254,7 +237,7 @@ def execute_batch(
     for value in np.unique(length[short]).tolist():
         group = short & (length == value)
         ops += mover(src_buf, dst_buf, src[group], dst[group], value)
-    return CopyStats(spans, nbytes, ops, path)
+    return CopyStats(spans=spans, nbytes=nbytes, ops=ops, path=path)
 
 
 def triton_available() -> bool:

@@ -16,16 +16,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..checks import check_bytes
+from ..errors import InvalidValueError
+
 
 def _sizes_array(sizes: Sequence[int], what: str) -> np.ndarray:
-    values = list(sizes)
-    for i, s in enumerate(values):
-        if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s <= 0:
-            raise ValueError(f"plan_segmented_copy: {what}[{i}] must be a positive int, got {s!r}")
+    values = [
+        check_bytes(s, f"plan_segmented_copy: {what}[{i}]", lo=1) for i, s in enumerate(sizes)
+    ]
     return np.asarray(values, dtype=np.int64)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, kw_only=True, eq=False)
 class SegmentedCopyPlan:
     """Spans ``(src segment, src offset, dst segment, dst offset, length)`` in order.
 
@@ -49,14 +51,14 @@ class SegmentedCopyPlan:
     def reversed(self) -> SegmentedCopyPlan:
         """The same spans with source and destination swapped (restore <-> store)."""
         return SegmentedCopyPlan(
-            self.dst_sizes,
-            self.src_sizes,
-            self.total_bytes,
-            self.dst_segment,
-            self.dst_offset,
-            self.src_segment,
-            self.src_offset,
-            self.length,
+            src_sizes=self.dst_sizes,
+            dst_sizes=self.src_sizes,
+            total_bytes=self.total_bytes,
+            src_segment=self.dst_segment,
+            src_offset=self.dst_offset,
+            dst_segment=self.src_segment,
+            dst_offset=self.src_offset,
+            length=self.length,
         )
 
 
@@ -75,15 +77,12 @@ def plan_segmented_copy(
     Refuses a negative total, an empty (zero-byte) segment, and a stream
     shorter than the total; a total of 0 is an empty plan.
     """
-    if isinstance(total_bytes, bool) or not isinstance(total_bytes, (int, np.integer)):
-        raise ValueError(f"plan_segmented_copy: total_bytes must be an int, got {total_bytes!r}")
-    if total_bytes < 0:
-        raise ValueError(f"plan_segmented_copy: total_bytes must be >= 0, got {total_bytes}")
+    total_bytes = check_bytes(total_bytes, "plan_segmented_copy: total_bytes")
     src = _sizes_array(src_sizes, "src_sizes")
     dst = _sizes_array(dst_sizes, "dst_sizes")
     for name, sizes in (("source", src), ("destination", dst)):
         if int(sizes.sum()) < total_bytes:
-            raise ValueError(
+            raise InvalidValueError(
                 f"plan_segmented_copy: the {name} stream holds {int(sizes.sum())} bytes "
                 f"but {total_bytes} are to be copied"
             )
@@ -98,14 +97,14 @@ def plan_segmented_copy(
     src_seg, src_off = _locate(src_cum, src, starts)
     dst_seg, dst_off = _locate(dst_cum, dst, starts)
     return SegmentedCopyPlan(
-        tuple(int(s) for s in src),
-        tuple(int(s) for s in dst),
-        int(total_bytes),
-        src_seg.astype(np.int64),
-        src_off.astype(np.int64),
-        dst_seg.astype(np.int64),
-        dst_off.astype(np.int64),
-        (ends - starts).astype(np.int64),
+        src_sizes=tuple(int(s) for s in src),
+        dst_sizes=tuple(int(s) for s in dst),
+        total_bytes=int(total_bytes),
+        src_segment=src_seg.astype(np.int64),
+        src_offset=src_off.astype(np.int64),
+        dst_segment=dst_seg.astype(np.int64),
+        dst_offset=dst_off.astype(np.int64),
+        length=(ends - starts).astype(np.int64),
     )
 
 
@@ -129,12 +128,12 @@ class CopyBatch:
 def _bases(bases: object, segments: int, what: str) -> np.ndarray:
     arr = np.asarray(bases, dtype=np.int64)
     if arr.ndim != 2 or arr.shape[1] != segments:
-        raise ValueError(
+        raise InvalidValueError(
             f"describe_batch: {what} must have shape [copies, {segments}] (one base per "
             f"segment of the plan), got {list(arr.shape)}"
         )
     if arr.size and arr.min() < 0:
-        raise ValueError(f"describe_batch: {what} holds a negative offset {int(arr.min())}")
+        raise InvalidValueError(f"describe_batch: {what} holds a negative offset {int(arr.min())}")
     return arr
 
 
@@ -149,7 +148,7 @@ def describe_batch(plan: SegmentedCopyPlan, src_bases: object, dst_bases: object
     src = _bases(src_bases, len(plan.src_sizes), "src_bases")
     dst = _bases(dst_bases, len(plan.dst_sizes), "dst_bases")
     if src.shape[0] != dst.shape[0]:
-        raise ValueError(
+        raise InvalidValueError(
             f"describe_batch: {src.shape[0]} source copies but {dst.shape[0]} destination "
             "copies; each copy needs both sides"
         )

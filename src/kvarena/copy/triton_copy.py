@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .words import as_words, word_bytes_for
+
 BLOCK = 1024
 
 
@@ -54,8 +56,6 @@ def triton_copy(
     length: np.ndarray,
 ) -> int:
     """Copy the (validated, non-empty) spans in one kernel launch; returns 1."""
-    from .executor import as_words, word_bytes_for
-
     word = word_bytes_for(src_buf, dst_buf, src, dst, length)
     sw, dw = as_words(src_buf, word), as_words(dst_buf, word)
     table = block_table(src, dst, length, word)

@@ -20,7 +20,7 @@ from .fields import (
     strictest_alignment,
 )
 from .planes import PlanePlanningError, plan_field_planes, plane_rows
-from .regions import ALIGNMENT, align_up, carve, plan_regions
+from .regions import ALIGNMENT, align_up, aligned_zeros, carve, plan_regions
 
 __all__ = [
     "ALIGNMENT",
@@ -32,6 +32,7 @@ __all__ = [
     "PlanePlanningError",
     "SplitEntryMajorArena",
     "align_up",
+    "aligned_zeros",
     "carve",
     "carve_layer_major",
     "checkpoint_ranges_for",

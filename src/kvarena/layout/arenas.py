@@ -11,23 +11,26 @@ Every byte position here comes from :func:`~kvarena.layout.fields.field_extents`
 
 from __future__ import annotations
 
+import numbers
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from functools import cached_property
 from typing import Any
 
 import torch
 
+from ..checks import check_bytes, check_count
+from ..errors import IndexOutOfRangeError, InvalidValueError, UnknownNameError
 from .fields import (
     EntryField,
-    _check_fields,
-    check_unique_names,
+    check_fields,
     entry_bytes_for,
     field_extents,
     layout_fingerprint,
     min_slot_stride,
     strictest_alignment,
 )
-from .regions import _check_count, carve, check_byte_buffer
+from .regions import carve, check_byte_buffer
 
 
 def _device_matches(buf: torch.Tensor, device: torch.device) -> bool:
@@ -42,11 +45,16 @@ def _check_caller_buffer(
     """A caller's buffer: uint8, 1-D, contiguous, on ``device``, long enough, aligned."""
     check_byte_buffer(buf, what)
     if not _device_matches(buf, device):
-        raise ValueError(f"{what} lives on {buf.device} but the arena's device is {device}")
+        raise InvalidValueError(f"{what} lives on {buf.device} but the arena's device is {device}")
     if buf.numel() < need:
-        raise ValueError(f"{what} holds {buf.numel()} bytes; this arena needs at least {need}")
+        raise InvalidValueError(
+            f"{what} holds {buf.numel()} bytes; this arena needs at least {need}"
+        )
+    # Relative to the allocation, as the design brief states: a buffer kvarena
+    # allocates (aligned_zeros) also starts on an aligned address, so there
+    # the offset and the address agree.
     if buf.storage_offset() % alignment:
-        raise ValueError(
+        raise InvalidValueError(
             f"{what} starts at storage offset {buf.storage_offset()}, which is not a "
             f"multiple of the strictest alignment {alignment}"
         )
@@ -86,79 +94,39 @@ def _typed_view(
     )
 
 
-def _name_index(fields: Sequence[EntryField]) -> dict[str, int]:
-    return {f.name: i for i, f in enumerate(fields)}
-
-
 def _unknown(name: str, fields: Sequence[EntryField]) -> KeyError:
-    return KeyError(f"no field {name!r}; fields are {[f.name for f in fields]}")
+    return UnknownNameError(f"no field {name!r}; fields are {[f.name for f in fields]}")
 
 
-class EntryMajorArena:
-    """A field list over one buffer, entry ``i`` one contiguous slice.
+class _Arena(ABC):
+    """What every arena shares: a field list over one buffer on one device.
 
-    Entries are ``slot_stride`` bytes apart; when the arena sits at the front
-    of larger slots in a shared buffer, the bytes between belong to someone
-    else and are never written. ``live_entries`` counts from the END of the
-    index range (a pool that grows takes the next index down): indices
-    ``[entries - live_entries, entries)`` are this arena's to fill.
+    Subclasses set the attributes in their constructor and define ``view``;
+    the accessors, the name lookup and the fills live here once.
     """
 
-    def __init__(
+    _fields: tuple[EntryField, ...]
+    _index: dict[str, int]
+    _offsets: tuple[int, ...]
+    _entries: int
+    _entry_bytes: int
+    _total: int
+    _buf: torch.Tensor
+    _device: torch.device
+
+    def _declare(
         self,
         fields: Sequence[EntryField],
         entries: int,
         device: torch.device | str,
-        buf: torch.Tensor | None = None,
-        slot_stride: int | None = None,
-        live_entries: int | None = None,
+        offsets: Sequence[int],
     ) -> None:
-        fields = _check_fields(fields, "EntryMajorArena")
-        check_unique_names(fields, "EntryMajorArena")
-        _check_count(entries, "EntryMajorArena: entries")
         self._device = torch.device(device)
         self._fields = tuple(fields)
-        self._index = _name_index(fields)
-        self._offsets = tuple(e.start for e in field_extents(fields))
+        self._index = {f.name: i for i, f in enumerate(self._fields)}
+        self._offsets = tuple(offsets)
         self._entries = entries
-        self._entry_bytes = entry_bytes_for(fields)
-        self._alignment = strictest_alignment(fields)
-        stride = self._entry_bytes if slot_stride is None else slot_stride
-        if isinstance(stride, bool) or not isinstance(stride, int):
-            raise ValueError(f"EntryMajorArena: slot_stride must be an int, got {stride!r}")
-        if stride < self._entry_bytes:
-            raise ValueError(
-                f"EntryMajorArena: slot_stride {stride} is below the entry size "
-                f"{self._entry_bytes}; it must be >= {self._entry_bytes}"
-            )
-        if stride % self._alignment:
-            raise ValueError(
-                f"EntryMajorArena: slot_stride {stride} is not a multiple of the strictest "
-                f"alignment {self._alignment} (the smallest legal stride here is "
-                f"{min_slot_stride(fields)})"
-            )
-        self._stride = stride
-        live = entries if live_entries is None else live_entries
-        _check_count(live, "EntryMajorArena: live_entries")
-        if live > entries:
-            raise ValueError(
-                f"EntryMajorArena: live_entries {live} exceeds entries {entries}; "
-                f"legal: 0..{entries}"
-            )
-        self._live = live
-        self._total = (entries - 1) * stride + self._entry_bytes if entries else 0
-        if buf is None:
-            # Zeroed, so that padding copied along with a whole entry never
-            # carries stale bytes from a previous tenant.
-            self._buf = torch.zeros(self._total, dtype=torch.uint8, device=self._device)
-        else:
-            self._buf = _check_caller_buffer(
-                buf, self._total, self._alignment, self._device, "EntryMajorArena: buf"
-            )
-        first_live = entries - live
-        for field in self._fields:
-            if not field.fill_is_zero_bits:
-                self.view(field.name)[:, first_live:].fill_(field.fill)
+        self._entry_bytes = entry_bytes_for(self._fields)
 
     @property
     def fields(self) -> tuple[EntryField, ...]:
@@ -173,16 +141,8 @@ class EntryMajorArena:
         return self._entry_bytes
 
     @property
-    def slot_stride(self) -> int:
-        return self._stride
-
-    @property
-    def live_entries(self) -> int:
-        return self._live
-
-    @property
     def total_bytes(self) -> int:
-        """Span from the first entry's start to the last entry's end."""
+        """Bytes the arena spans in its buffer."""
         return self._total
 
     @property
@@ -206,8 +166,79 @@ class EntryMajorArena:
         return self._fields[i], self._offsets[i]
 
     def field_offset(self, name: str) -> int:
-        """Byte offset of field ``name`` inside every entry."""
+        """Byte offset of field ``name`` (inside an entry, or in the buffer for layer-major)."""
         return self._field(name)[1]
+
+    @abstractmethod
+    def view(self, name: str) -> torch.Tensor:
+        """``[layers, entries, *shape]`` of the field's dtype; each layout sets the strides."""
+
+    def fill_entries(self, index: int | slice) -> None:
+        """Write each field's fill into entries ``index``, for the fields whose fill
+        is not the zero bits a zeroed buffer already holds."""
+        for field in self._fields:
+            if not field.fill_is_zero_bits:
+                self.view(field.name)[:, index].fill_(field.fill)
+
+
+class EntryMajorArena(_Arena):
+    """A field list over one buffer, entry ``i`` one contiguous slice.
+
+    Entries are ``slot_stride`` bytes apart; when the arena sits at the front
+    of larger slots in a shared buffer, the bytes between belong to someone
+    else and are never written. ``live_entries`` counts from the END of the
+    index range (a pool that grows takes the next index down): indices
+    ``[entries - live_entries, entries)`` are this arena's to fill.
+    """
+
+    def __init__(
+        self,
+        fields: Sequence[EntryField],
+        entries: int,
+        device: torch.device | str,
+        buf: torch.Tensor | None = None,
+        slot_stride: int | None = None,
+        live_entries: int | None = None,
+    ) -> None:
+        fields = check_fields(fields, "EntryMajorArena")
+        entries = check_count(entries, "EntryMajorArena: entries")
+        self._declare(fields, entries, device, [e.start for e in field_extents(fields)])
+        self._alignment = strictest_alignment(fields)
+        stride = self._entry_bytes if slot_stride is None else slot_stride
+        stride = check_bytes(stride, "EntryMajorArena: slot_stride")
+        if stride < self._entry_bytes:
+            raise InvalidValueError(
+                f"EntryMajorArena: slot_stride {stride} is below the entry size "
+                f"{self._entry_bytes}; it must be >= {self._entry_bytes}"
+            )
+        if stride % self._alignment:
+            raise InvalidValueError(
+                f"EntryMajorArena: slot_stride {stride} is not a multiple of the strictest "
+                f"alignment {self._alignment} (the smallest legal stride here is "
+                f"{min_slot_stride(fields)})"
+            )
+        self._stride = stride
+        live = entries if live_entries is None else live_entries
+        live = check_count(live, "EntryMajorArena: live_entries", hi=entries)
+        self._live = live
+        self._total = (entries - 1) * stride + self._entry_bytes if entries else 0
+        if buf is None:
+            # Zeroed, so that padding copied along with a whole entry never
+            # carries stale bytes from a previous tenant.
+            self._buf = torch.zeros(self._total, dtype=torch.uint8, device=self._device)
+        else:
+            self._buf = _check_caller_buffer(
+                buf, self._total, self._alignment, self._device, "EntryMajorArena: buf"
+            )
+        self.fill_entries(slice(entries - live, entries))
+
+    @property
+    def slot_stride(self) -> int:
+        return self._stride
+
+    @property
+    def live_entries(self) -> int:
+        return self._live
 
     def view(self, name: str) -> torch.Tensor:
         """``[layers, entries, *shape]``: layer stride ``per_layer_numel``,
@@ -219,10 +250,13 @@ class EntryMajorArena:
 
     def entry(self, i: int) -> torch.Tensor:
         """Entry ``i``'s bytes as one 1-D uint8 slice of ``entry_bytes``."""
-        if isinstance(i, bool) or not isinstance(i, int):
-            raise IndexError(f"entry index must be an int, got {i!r}")
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+            raise IndexOutOfRangeError(f"entry index must be an int, got {i!r}")
+        i = int(i)
         if not 0 <= i < self._entries:
-            raise IndexError(f"entry index {i} out of range; legal: 0..{self._entries - 1}")
+            raise IndexOutOfRangeError(
+                f"entry index {i} out of range; legal: 0..{self._entries - 1}"
+            )
         start = i * self._stride
         return self._buf[start : start + self._entry_bytes]
 
@@ -245,22 +279,24 @@ class SplitEntryMajorArena:
     def __init__(self, arenas: Sequence[EntryMajorArena]) -> None:
         arenas = tuple(arenas)
         if not arenas:
-            raise ValueError("SplitEntryMajorArena: no planes given; pass at least one arena")
+            raise InvalidValueError(
+                "SplitEntryMajorArena: no planes given; pass at least one arena"
+            )
         owner: dict[str, int] = {}
         for p, arena in enumerate(arenas):
             if not isinstance(arena, EntryMajorArena):
-                raise ValueError(
+                raise InvalidValueError(
                     f"SplitEntryMajorArena: arenas[{p}] must be an EntryMajorArena, "
                     f"got {type(arena).__name__}"
                 )
             if arena.entries != arenas[0].entries:
-                raise ValueError(
+                raise InvalidValueError(
                     f"SplitEntryMajorArena: plane {p} has {arena.entries} entries but plane 0 "
                     f"has {arenas[0].entries}; every plane must index the same entries"
                 )
             for field in arena.fields:
                 if field.name in owner:
-                    raise ValueError(
+                    raise InvalidValueError(
                         f"SplitEntryMajorArena: field {field.name!r} is in plane "
                         f"{owner[field.name]} and plane {p}; a field lives in exactly one plane"
                     )
@@ -298,7 +334,7 @@ class SplitEntryMajorArena:
         return self._arenas[self.plane_of(name)].field_offset(name)
 
 
-class LayerMajorArena:
+class LayerMajorArena(_Arena):
     """A field list laid out ``[layers, entries, *shape]`` per field, each
     layer contiguous: the shape paged attention kernels assume.
 
@@ -315,27 +351,21 @@ class LayerMajorArena:
         device: torch.device | str,
         buf: torch.Tensor | None = None,
     ) -> None:
-        fields = _check_fields(fields, "LayerMajorArena")
+        fields = check_fields(fields, "LayerMajorArena")
         if not fields:
-            raise ValueError("LayerMajorArena: no fields given; pass at least one EntryField")
-        check_unique_names(fields, "LayerMajorArena")
-        _check_count(entries, "LayerMajorArena: entries")
-        self._device = torch.device(device)
-        self._fields = tuple(fields)
-        self._index = _name_index(fields)
-        self._offsets = tuple(e.start * entries for e in field_extents(fields))
-        self._entries = entries
-        self._entry_bytes = entry_bytes_for(fields)
+            raise InvalidValueError(
+                "LayerMajorArena: no fields given; pass at least one EntryField"
+            )
+        entries = check_count(entries, "LayerMajorArena: entries")
+        self._declare(fields, entries, device, [e.start * entries for e in field_extents(fields)])
         self._total = self._entry_bytes * entries
         if buf is None:
             self._buf = torch.zeros(self._total, dtype=torch.uint8, device=self._device)
-            for field in self._fields:
-                if not field.fill_is_zero_bits:
-                    self.view(field.name).fill_(field.fill)
+            self.fill_entries(slice(None))
         else:
             filled = [f.name for f in self._fields if not f.fill_is_zero_bits]
             if filled:
-                raise ValueError(
+                raise InvalidValueError(
                     f"LayerMajorArena: fields {filled} declare a non-zero fill, which a "
                     "caller's buffer is never written with; allocate the arena (buf=None) "
                     "or declare fill=0.0"
@@ -343,41 +373,6 @@ class LayerMajorArena:
             self._buf = _check_caller_buffer(
                 buf, self._total, strictest_alignment(fields), self._device, "LayerMajorArena: buf"
             )
-
-    @property
-    def fields(self) -> tuple[EntryField, ...]:
-        return self._fields
-
-    @property
-    def entries(self) -> int:
-        return self._entries
-
-    @property
-    def entry_bytes(self) -> int:
-        return self._entry_bytes
-
-    @property
-    def total_bytes(self) -> int:
-        return self._total
-
-    @property
-    def buf(self) -> torch.Tensor:
-        return self._buf
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    def _field(self, name: str) -> tuple[EntryField, int]:
-        try:
-            i = self._index[name]
-        except KeyError:
-            raise _unknown(name, self._fields) from None
-        return self._fields[i], self._offsets[i]
-
-    def field_offset(self, name: str) -> int:
-        """Byte offset of field ``name``'s region in the buffer."""
-        return self._field(name)[1]
 
     def view(self, name: str) -> torch.Tensor:
         """``[layers, entries, *shape]``: layer stride ``entries * per_layer_numel``,
@@ -409,7 +404,7 @@ def carve_layer_major(
 
     An empty group gets ``None``. With ``buf=None`` each arena owns its memory.
     """
-    _check_count(entries, "carve_layer_major: entries")
+    entries = check_count(entries, "carve_layer_major: entries")
     groups = [list(g) for g in groups]
     sizes = [entry_bytes_for(g) * entries for g in groups]
     slices = carve(buf, sizes)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from .fields import EntryField, dtype_name, entry_bytes_for, field_extents
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LayoutRow:
     """One field as placed: its ``[start, end)`` and the padding before it."""
 

@@ -21,6 +21,8 @@ from functools import cache
 
 import torch
 
+from ..checks import check_bytes, check_count
+from ..errors import InvalidValueError
 from .regions import ALIGNMENT, align_up
 
 _PLAIN_INT_DTYPES = frozenset(
@@ -127,50 +129,48 @@ class EntryField:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"EntryField name must be a non-empty str, got {self.name!r}")
+            raise InvalidValueError(f"EntryField name must be a non-empty str, got {self.name!r}")
         where = f"EntryField {self.name!r}"
-        if isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers < 0:
-            raise ValueError(f"{where}: layers must be an int >= 0, got {self.layers!r}")
+        object.__setattr__(self, "layers", check_count(self.layers, f"{where}: layers"))
         try:
             shape = tuple(self.shape)
         except TypeError:
-            raise ValueError(
+            raise InvalidValueError(
                 f"{where}: shape must be a sequence of ints >= 0, got {self.shape!r}"
             ) from None
-        for dim in shape:
-            if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
-                raise ValueError(
-                    f"{where}: every dim of shape must be an int >= 0, got {dim!r} in {shape}"
-                )
+        shape = tuple(
+            check_count(dim, f"{where}: shape {shape} dim {d}") for d, dim in enumerate(shape)
+        )
         object.__setattr__(self, "shape", shape)
         if not isinstance(self.dtype, torch.dtype):
-            raise ValueError(
+            raise InvalidValueError(
                 f"{where}: dtype must be a torch.dtype (e.g. torch.bfloat16), got {self.dtype!r}"
             )
         if not _dtype_is_storable(self.dtype):
-            raise ValueError(
+            raise InvalidValueError(
                 f"{where}: dtype {self.dtype} has no whole-byte elements; legal: floating, "
                 "complex, bool and the 8/16/32/64-bit integer dtypes"
             )
         if isinstance(self.fill, complex) or not isinstance(self.fill, numbers.Real):
-            raise ValueError(f"{where}: fill must be a real number, got {self.fill!r}")
+            raise InvalidValueError(f"{where}: fill must be a real number, got {self.fill!r}")
         problem = _fill_problem(self.fill, self.dtype)
         if problem is not None:
-            raise ValueError(f"{where}: fill {self.fill!r} is not representable: {problem}")
+            raise InvalidValueError(f"{where}: fill {self.fill!r} is not representable: {problem}")
         # Normalise so that equal declarations compare (and fingerprint) equal.
         is_integral = self.dtype == torch.bool or self.dtype in _PLAIN_INT_DTYPES
         object.__setattr__(self, "fill", int(self.fill) if is_integral else float(self.fill))
-        if (
-            isinstance(self.align, bool)
-            or not isinstance(self.align, int)
-            or self.align < 0
-            or self.align % ALIGNMENT
-        ):
-            raise ValueError(
-                f"{where}: align must be 0 or a positive multiple of {ALIGNMENT}, got {self.align!r}"
+        align = check_bytes(self.align, f"{where}: align")
+        if align % ALIGNMENT:
+            raise InvalidValueError(
+                f"{where}: align must be 0 or a positive multiple of {ALIGNMENT}, got {align}"
             )
+        object.__setattr__(self, "align", align)
         if not isinstance(self.in_checkpoint, bool):
-            raise ValueError(f"{where}: in_checkpoint must be a bool, got {self.in_checkpoint!r}")
+            raise InvalidValueError(
+                f"{where}: in_checkpoint must be a bool, got {self.in_checkpoint!r}"
+            )
+        # Absurd sizes are refused here, before any walk adds them up.
+        check_bytes(self.bytes_per_entry, f"{where}: bytes per entry (layers x shape x itemsize)")
 
     @property
     def itemsize(self) -> int:
@@ -215,24 +215,27 @@ class FieldExtent:
         return self.end - self.start
 
 
-def _check_fields(fields: Sequence[EntryField], what: str) -> list[EntryField]:
+def check_fields(fields: Sequence[EntryField], what: str) -> list[EntryField]:
+    """A field list: every item an :class:`EntryField`, no name twice.
+
+    Names are unique everywhere a list is used (views, offsets, checkpoints and
+    fingerprints look fields up by name, and two fields of one name would
+    make a lookup ambiguous).
+    """
+    if isinstance(fields, (str, bytes, EntryField)) or not isinstance(fields, Sequence):
+        raise InvalidValueError(f"{what}: fields must be a list of EntryField, got {fields!r}")
     fields = list(fields)
+    seen: set[str] = set()
     for i, field in enumerate(fields):
         if not isinstance(field, EntryField):
-            raise ValueError(
+            raise InvalidValueError(
                 f"{what}: fields[{i}] must be an EntryField, got {type(field).__name__}"
             )
-    return fields
-
-
-def check_unique_names(fields: Sequence[EntryField], what: str) -> None:
-    """Refuse two fields of one name: views and offsets are looked up by name."""
-    seen: set[str] = set()
-    for field in fields:
         if field.name in seen:
             names = [f.name for f in fields]
-            raise ValueError(f"{what}: duplicate field name {field.name!r} in {names}")
+            raise InvalidValueError(f"{what}: duplicate field name {field.name!r} in {names}")
         seen.add(field.name)
+    return fields
 
 
 def field_extents(fields: Sequence[EntryField]) -> list[FieldExtent]:
@@ -244,7 +247,7 @@ def field_extents(fields: Sequence[EntryField]) -> list[FieldExtent]:
     """
     extents: list[FieldExtent] = []
     offset = 0
-    for field in _check_fields(fields, "field_extents"):
+    for field in check_fields(fields, "field_extents"):
         start = align_up(offset, field.start_alignment)
         offset = start + field.bytes_per_entry
         extents.append(FieldExtent(field, start, offset))
@@ -259,7 +262,7 @@ def entry_bytes_for(fields: Sequence[EntryField]) -> int:
 
 def strictest_alignment(fields: Sequence[EntryField]) -> int:
     """max(256, every field's align): what a slot stride and buffer start must honour."""
-    return max([ALIGNMENT, *(f.align for f in _check_fields(fields, "strictest_alignment"))])
+    return max([ALIGNMENT, *(f.align for f in check_fields(fields, "strictest_alignment"))])
 
 
 def min_slot_stride(fields: Sequence[EntryField]) -> int:

@@ -15,7 +15,9 @@ import math
 from bisect import bisect_right
 from collections.abc import Sequence
 
-from .fields import EntryField, _check_fields, entry_bytes_for
+from ..checks import check_bytes
+from ..errors import InvalidValueError
+from .fields import EntryField, check_fields, entry_bytes_for
 from .regions import ALIGNMENT, align_up
 
 DEFAULT_MAX_NODES = 2_000_000
@@ -25,7 +27,7 @@ _MAX_BITSET_BITS = 1 << 24
 """Subset-sum bitsets wider than this are skipped (the bound stays exact, only weaker)."""
 
 
-class PlanePlanningError(ValueError):
+class PlanePlanningError(InvalidValueError):
     """The exact plane search could not finish within its node bound."""
 
     def __init__(self, message: str, *, fields: int, planes: int, nodes: int) -> None:
@@ -38,13 +40,13 @@ class PlanePlanningError(ValueError):
 def _check_widths(plane_row_bytes: Sequence[int]) -> list[int]:
     widths = list(plane_row_bytes)
     if not widths:
-        raise ValueError("plan_field_planes: no planes given; pass at least one plane row width")
-    for p, w in enumerate(widths):
-        if isinstance(w, bool) or not isinstance(w, int) or w <= 0:
-            raise ValueError(
-                f"plan_field_planes: plane_row_bytes[{p}] must be a positive int, got {w!r}"
-            )
-    return widths
+        raise InvalidValueError(
+            "plan_field_planes: no planes given; pass at least one plane row width"
+        )
+    return [
+        check_bytes(w, f"plan_field_planes: plane_row_bytes[{p}]", lo=1)
+        for p, w in enumerate(widths)
+    ]
 
 
 def _walk_bytes(items: list[tuple[int, int]]) -> int:
@@ -84,7 +86,7 @@ def plan_field_planes(
     fields to a plane never lowers its entry size, and a plane's entry size is
     at least the sum of its fields' sizes each rounded up to 256.
     """
-    fields = _check_fields(fields, "plan_field_planes")
+    fields = check_fields(fields, "plan_field_planes")
     widths = _check_widths(plane_row_bytes)
     n, planes = len(fields), len(widths)
     if n == 0:

@@ -7,22 +7,17 @@ size, so any region can be re-viewed as any dtype without a misaligned start.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from ..checks import check_bytes
+from ..errors import InvalidValueError
+
 ALIGNMENT: int = 256
 """The alignment, in bytes, of every region and field start kvarena plans."""
-
-
-def _check_count(value: Any, what: str) -> int:
-    """Return ``value`` as an int if it is a non-negative integer, else refuse."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{what} must be a non-negative int, got {value!r}")
-    if value < 0:
-        raise ValueError(f"{what} must be >= 0, got {value}")
-    return value
 
 
 def align_up(n: int, to: int = ALIGNMENT) -> int:
@@ -30,9 +25,8 @@ def align_up(n: int, to: int = ALIGNMENT) -> int:
 
     ``n`` must be a non-negative int and ``to`` a positive int.
     """
-    _check_count(n, "align_up: n")
-    if isinstance(to, bool) or not isinstance(to, int) or to <= 0:
-        raise ValueError(f"align_up: 'to' must be a positive int, got {to!r}")
+    check_bytes(n, "align_up: n")
+    check_bytes(to, "align_up: 'to'", lo=1)
     return -(-n // to) * to
 
 
@@ -47,7 +41,7 @@ def plan_regions(sizes: Sequence[int]) -> tuple[list[int], int]:
     offsets: list[int] = []
     end = 0
     for i, size in enumerate(sizes):
-        _check_count(size, f"plan_regions: sizes[{i}]")
+        check_bytes(size, f"plan_regions: sizes[{i}]")
         start = align_up(end)
         offsets.append(start)
         end = start + size
@@ -66,7 +60,7 @@ def carve(buf: torch.Tensor | None, sizes: Sequence[int]) -> list[torch.Tensor |
         return [None] * len(offsets)
     check_byte_buffer(buf, "carve: buf")
     if buf.numel() < total:
-        raise ValueError(
+        raise InvalidValueError(
             f"carve: buffer holds {buf.numel()} bytes but the regions {list(sizes)} "
             f"need {total} bytes (offsets {offsets}); pass a buffer of at least {total} bytes"
         )
@@ -76,11 +70,43 @@ def carve(buf: torch.Tensor | None, sizes: Sequence[int]) -> list[torch.Tensor |
 def check_byte_buffer(buf: Any, what: str) -> torch.Tensor:
     """Refuse anything but a 1-D contiguous uint8 tensor."""
     if not isinstance(buf, torch.Tensor):
-        raise ValueError(f"{what} must be a torch.Tensor of dtype uint8, got {type(buf).__name__}")
+        raise InvalidValueError(
+            f"{what} must be a torch.Tensor of dtype uint8, got {type(buf).__name__}"
+        )
     if buf.dtype != torch.uint8:
-        raise ValueError(f"{what} must have dtype torch.uint8, got {buf.dtype}")
+        raise InvalidValueError(f"{what} must have dtype torch.uint8, got {buf.dtype}")
     if buf.dim() != 1:
-        raise ValueError(f"{what} must be 1-D, got shape {tuple(buf.shape)}")
+        raise InvalidValueError(f"{what} must be 1-D, got shape {tuple(buf.shape)}")
     if not buf.is_contiguous():
-        raise ValueError(f"{what} must be contiguous, got stride {buf.stride()}")
+        raise InvalidValueError(f"{what} must be contiguous, got stride {buf.stride()}")
     return buf
+
+
+def aligned_zeros(nbytes: int, alignment: int, device: torch.device) -> torch.Tensor:
+    """A zeroed 1-D uint8 buffer of ``nbytes`` whose storage starts on an ADDRESS
+    that is a multiple of ``alignment`` (storage offset 0).
+
+    Kernels and DMA engines see absolute addresses, so a field declared
+    ``align=1024`` must start on a 1024-byte address, not merely at an offset
+    that is a multiple of 1024 in memory the allocator placed anywhere. On
+    CPU the bytes come from an anonymous mapping (page-aligned, zeroed by the
+    kernel) entered at the first aligned byte; CUDA's caching allocator
+    already aligns its blocks to 512 bytes, and a stricter alignment it did
+    not give is refused rather than faked.
+    """
+    check_bytes(nbytes, "aligned_zeros: nbytes")
+    check_bytes(alignment, "aligned_zeros: alignment", lo=1)
+    if device.type != "cpu":
+        buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        if buf.data_ptr() % alignment:
+            raise InvalidValueError(
+                f"aligned_zeros: {device} gave an address aligned to less than {alignment} bytes; "
+                "fields aligned beyond the allocator's granularity need a CPU buffer"
+            )
+        return buf
+    if nbytes == 0:
+        return torch.zeros(0, dtype=torch.uint8)
+    mapping = mmap.mmap(-1, nbytes + alignment)
+    base = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
+    # The tensor keeps the mapping alive (it holds the buffer it was made from).
+    return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=-base % alignment)

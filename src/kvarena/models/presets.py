@@ -25,15 +25,18 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..checks import check_count
+from ..errors import InvalidValueError
 from ..layout import EntryField
+from ..layout.fields import check_fields
 
 PRESETS = (
     "llama-3.1-8b",
@@ -57,15 +60,22 @@ _DTYPES = {
     "fp32": torch.float32,
     "float": torch.float32,
 }
+MAX_TP = 1 << 16
+"""Tensor-parallel sizes beyond this are refused as nonsense."""
+MAX_SPEC_TOKENS = 1 << 10
+"""Speculative tokens (rollback copies per request) beyond this are refused."""
+MAX_BLOCK_SIZE = 1 << 20
+"""Tokens per block beyond this are refused (no kernel pages a million tokens)."""
+
 KV_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_ds_mla")
 STATE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
-class UnknownModelError(ValueError):
+class UnknownModelError(InvalidValueError):
     """A config whose family kvarena has no preset for."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ServingOptions:
     """How the model is served. ``block_size=None`` takes the family default
     (16 tokens; 64 for MLA, FlashMLA's alignment; 256 for DeepSeek-V4)."""
@@ -77,44 +87,92 @@ class ServingOptions:
     spec_tokens: int = 0
 
     def __post_init__(self) -> None:
-        for what, v, lo in (("tp", self.tp, 1), ("spec_tokens", self.spec_tokens, 0)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"{what} must be an int >= {lo}, got {v!r}")
-        if self.block_size is not None and (
-            isinstance(self.block_size, bool)
-            or not isinstance(self.block_size, int)
-            or self.block_size < 1
-        ):
-            raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
+        check_count(self.tp, "tp", lo=1, hi=MAX_TP)
+        check_count(self.spec_tokens, "spec_tokens", hi=MAX_SPEC_TOKENS)
+        if self.block_size is not None:
+            check_count(self.block_size, "block_size", lo=1, hi=MAX_BLOCK_SIZE)
         if self.kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_dtype {self.kv_dtype!r} unknown; legal: {', '.join(KV_DTYPES)}")
+            raise InvalidValueError(
+                f"kv_dtype {self.kv_dtype!r} unknown; legal: {', '.join(KV_DTYPES)}"
+            )
         if self.state_dtype not in STATE_DTYPES:
-            raise ValueError(
+            raise InvalidValueError(
                 f"state_dtype {self.state_dtype!r} unknown; legal: {', '.join(STATE_DTYPES)}"
             )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelCache:
-    """The cache of one model under given serving options.
+    """The cache of one model under given serving options: what a plan is made from.
 
-    ``attention_layers`` / ``state_layers`` count the paged layers and the
-    layers holding a per-request recurrent state; ``state_bytes_per_layer`` is
-    one such layer's state (vLLM's mamba page), ``kernel_block_align`` the
-    attention kernel's block-size multiple (16, or 64 for MLA).
+    ``attention_layers`` counts the paged layers; ``state_layers`` the layers
+    holding any per-request state (a recurrent state, a conv state, a
+    sliding-window ring, a compressor ring); ``recurrent_layers`` those whose
+    state is a recurrent (SSM / linear-attention) state, which vLLM pages as
+    one "mamba page" of ``state_bytes_per_layer`` bytes each.
+    ``kernel_block_align`` is the attention kernel's block-size multiple (16,
+    or 64 for MLA).
     """
 
     name: str
     family: str
     options: ServingOptions
-    block_size: int
     page_fields: tuple[EntryField, ...]
     state_fields: tuple[EntryField, ...]
     attention_layers: int
     state_layers: int
-    state_bytes_per_layer: int
-    kernel_block_align: int
+    recurrent_layers: int = 0
+    state_bytes_per_layer: int = 0
+    kernel_block_align: int = 16
     notes: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.options, ServingOptions):
+            raise InvalidValueError(
+                f"ModelCache options must be ServingOptions, got {type(self.options).__name__}"
+            )
+        if self.options.block_size is None:
+            raise InvalidValueError("ModelCache options must name the block size it was built for")
+        for what in ("page_fields", "state_fields"):
+            fields = tuple(check_fields(getattr(self, what), f"ModelCache {what}"))
+            object.__setattr__(self, what, fields)
+        for what in ("attention_layers", "state_layers", "recurrent_layers"):
+            check_count(getattr(self, what), f"ModelCache {what}")
+
+    @classmethod
+    def from_fields(
+        cls,
+        page_fields: Sequence[EntryField],
+        state_fields: Sequence[EntryField],
+        *,
+        block_size: int,
+        entries_per_req: int = 1,
+        name: str = "custom",
+    ) -> ModelCache:
+        """A hand-written layout: PAGE fields of one block of ``block_size`` tokens,
+        STATE fields of one request's state, ``entries_per_req`` state entries per
+        request (1 + speculative rollback copies)."""
+        page = tuple(check_fields(page_fields, "ModelCache.from_fields: page_fields"))
+        state = tuple(check_fields(state_fields, "ModelCache.from_fields: state_fields"))
+        if not page and not state:
+            raise InvalidValueError("ModelCache.from_fields: no PAGE and no STATE fields")
+        epr = check_count(entries_per_req, "entries_per_req", lo=1, hi=MAX_SPEC_TOKENS + 1)
+        if not isinstance(name, str) or not name:
+            raise InvalidValueError(f"ModelCache name must be a non-empty str, got {name!r}")
+        return cls(
+            name=name,
+            family="custom",
+            options=ServingOptions(block_size=block_size, spec_tokens=epr - 1),
+            page_fields=page,
+            state_fields=state,
+            attention_layers=max((f.layers for f in page), default=0),
+            state_layers=max((f.layers for f in state), default=0),
+        )
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per PAGE block (the serving option, or the family default)."""
+        return self.options.block_size or 0
 
     @property
     def entries_per_req(self) -> int:
@@ -136,7 +194,8 @@ class ModelCache:
 
     @property
     def is_hybrid(self) -> bool:
-        return self.attention_layers > 0 and self.state_layers > 0
+        """Paged attention layers beside recurrent-state layers (vLLM's hybrid case)."""
+        return self.attention_layers > 0 and self.recurrent_layers > 0
 
 
 def load_config(source: str | Path | Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -217,7 +276,9 @@ def detect_family(config: Mapping[str, Any]) -> str:
 def _model_dtype(config: Mapping[str, Any]) -> torch.dtype:
     name = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
     if name not in _DTYPES:
-        raise ValueError(f"config torch_dtype {name!r} unsupported; legal: {sorted(_DTYPES)}")
+        raise InvalidValueError(
+            f"config torch_dtype {name!r} unsupported; legal: {sorted(_DTYPES)}"
+        )
     return _DTYPES[name]
 
 
@@ -228,7 +289,9 @@ def _kv_dtype(opts: ServingOptions, model: torch.dtype, *, packed_mla: bool = Fa
         return torch.float8_e4m3fn
     if opts.kv_dtype == "fp8_ds_mla":
         if not packed_mla:
-            raise ValueError("kv_dtype 'fp8_ds_mla' is an MLA format; use 'fp8' for this model")
+            raise InvalidValueError(
+                "kv_dtype 'fp8_ds_mla' is an MLA format; use 'fp8' for this model"
+            )
         return torch.uint8
     return _DTYPES[opts.kv_dtype]
 
@@ -239,7 +302,7 @@ def _state_dtype(opts: ServingOptions, default: torch.dtype) -> torch.dtype:
 
 def _split(n: int, tp: int, what: str) -> int:
     if n % tp:
-        raise ValueError(f"{what} = {n} is not divisible by tensor-parallel size {tp}")
+        raise InvalidValueError(f"{what} = {n} is not divisible by tensor-parallel size {tp}")
     return n // tp
 
 
@@ -281,6 +344,36 @@ def _mamba2_fields(
     ]
 
 
+def _model(
+    name: str,
+    family: str,
+    o: ServingOptions,
+    block: int,
+    page: list[EntryField],
+    state: list[EntryField],
+    *,
+    attention: int,
+    state_layers: int,
+    recurrent: int = 0,
+    align: int = 16,
+    notes: tuple[str, ...] = (),
+) -> ModelCache:
+    """A family's answer, with the block size it resolved written into the options."""
+    return ModelCache(
+        name=name,
+        family=family,
+        options=replace(o, block_size=block),
+        page_fields=tuple(page),
+        state_fields=tuple(state),
+        attention_layers=attention,
+        state_layers=state_layers,
+        recurrent_layers=recurrent,
+        state_bytes_per_layer=_per_layer(state) if recurrent else 0,
+        kernel_block_align=align,
+        notes=notes,
+    )
+
+
 # -- families --------------------------------------------------------------------
 
 
@@ -290,7 +383,7 @@ def _gqa(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCache:
     block = _block(o, 16)
     kv = _kv_dtype(o, _model_dtype(c))
     page = _kv_fields(layers, block, _kv_heads(c["num_key_value_heads"], o.tp), head_dim, kv)
-    return ModelCache(name, "gqa", o, block, tuple(page), (), layers, 0, 0, 16)
+    return _model(name, "gqa", o, block, page, [], attention=layers, state_layers=0)
 
 
 def _gemma3(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCache:
@@ -316,7 +409,9 @@ def _gemma3(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCache:
     notes = (
         f"{local} sliding-window layers keep a {window}-token K/V ring per request; {full} global layers page",
     )
-    return ModelCache(name, "gemma3", o, block, tuple(page), tuple(state), full, 0, 0, 16, notes)
+    return _model(
+        name, "gemma3", o, block, page, state, attention=full, state_layers=local, notes=notes
+    )
 
 
 def _mla_row(
@@ -335,7 +430,7 @@ def _mla(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCache:
     block = _block(o, 64)
     row, dtype = _mla_row(c, o, _model_dtype(c))
     page = [EntryField("kv", layers, (block, *row), dtype)]
-    return ModelCache(name, "mla", o, block, tuple(page), (), layers, 0, 0, 64)
+    return _model(name, "mla", o, block, page, [], attention=layers, state_layers=0, align=64)
 
 
 def _qwen3_next(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCache:
@@ -359,8 +454,8 @@ def _qwen3_next(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCach
             _state_dtype(o, model),
         ),
     ]
-    return ModelCache(
-        name, "qwen3_next", o, block, tuple(page), tuple(state), attn, gdn, _per_layer(state), 16
+    return _model(
+        name, "qwen3_next", o, block, page, state, attention=attn, state_layers=gdn, recurrent=gdn
     )
 
 
@@ -377,9 +472,10 @@ def _mamba2(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCache:
         c.get("n_groups") or ssm.get("ngroups", 1), c.get("conv_kernel") or ssm.get("d_conv", 4),
         o.tp, model, _state_dtype(o, model),
     )  # fmt: skip
-    return ModelCache(
-        name, "mamba2", o, _block(o, 16), (), tuple(state), 0, layers, _per_layer(state), 16
-    )
+    return _model(
+        name, "mamba2", o, _block(o, 16), [], state, attention=0, state_layers=layers,
+        recurrent=layers,
+    )  # fmt: skip
 
 
 def _nemotron_h(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCache:
@@ -395,9 +491,10 @@ def _nemotron_h(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCach
         mamba, c["mamba_num_heads"], c["mamba_head_dim"], c["ssm_state_size"], c["n_groups"],
         c["conv_kernel"], o.tp, model, _state_dtype(o, model),
     )  # fmt: skip
-    return ModelCache(
-        name, "nemotron_h", o, block, tuple(page), tuple(state), attn, mamba, _per_layer(state), 16
-    )
+    return _model(
+        name, "nemotron_h", o, block, page, state, attention=attn, state_layers=mamba,
+        recurrent=mamba,
+    )  # fmt: skip
 
 
 def _kimi_linear(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCache:
@@ -413,9 +510,10 @@ def _kimi_linear(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCac
         EntryField("conv_state", kda, (lin["short_conv_kernel_size"] - 1, _split(3 * heads * head_dim, o.tp, "KDA conv dim")), model),
         EntryField("recurrent_state", kda, (_split(heads, o.tp, "KDA heads"), head_dim, head_dim), _state_dtype(o, torch.float32)),
     ]  # fmt: skip
-    return ModelCache(
-        name, "kimi_linear", o, block, tuple(page), tuple(state), mla, kda, _per_layer(state), 64
-    )
+    return _model(
+        name, "kimi_linear", o, block, page, state, attention=mla, state_layers=kda,
+        recurrent=kda, align=64,
+    )  # fmt: skip
 
 
 def _deepseek_v4(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCache:
@@ -424,7 +522,7 @@ def _deepseek_v4(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCac
     csa, hca = ratios.count(4), ratios.count(128)
     block = _block(o, 256)
     if block % 128:
-        raise ValueError(
+        raise InvalidValueError(
             f"DeepSeek-V4 blocks must be a multiple of 128 tokens (one HCA row), got {block}"
         )
     head_dim, k = c["head_dim"], o.spec_tokens
@@ -458,9 +556,11 @@ def _deepseek_v4(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCac
         ),
     ]
     notes = ("HCA compressor rings are rebuilt from the compressed KV, so checkpoints skip them",)
-    return ModelCache(
-        name, "deepseek_v4", o, block, tuple(page), tuple(state), csa + hca, 0, 0, 64, notes
-    )
+    # Every layer keeps a sliding-window ring; the CSA and HCA layers also page.
+    return _model(
+        name, "deepseek_v4", o, block, page, state, attention=csa + hca, state_layers=layers,
+        align=64, notes=notes,
+    )  # fmt: skip
 
 
 _BUILDERS = {

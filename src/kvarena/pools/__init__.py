@@ -1,6 +1,8 @@
-"""Pools: sizing from a budget, allocators, and one allocation with a movable boundary."""
+"""Pools: one plan from a budget, allocators, and one allocation with a movable boundary."""
 
 from .blocks import BlockAllocationError, BlockAllocator
+from .geometry import PoolGeometry
+from .plan import CachePlan, plan_cache
 from .sizing import (
     ClassPlan,
     EntryClass,
@@ -19,9 +21,11 @@ __all__ = [
     "BlockAllocator",
     "BoundaryMove",
     "BoundaryMoveError",
+    "CachePlan",
     "ClassPlan",
     "EntryClass",
     "PoolBudgetError",
+    "PoolGeometry",
     "PoolKind",
     "PoolPlan",
     "StateAllocationError",
@@ -29,5 +33,6 @@ __all__ = [
     "UnifiedCache",
     "max_fitting_seqs",
     "merge_classes",
+    "plan_cache",
     "plan_pools",
 ]

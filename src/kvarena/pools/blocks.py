@@ -10,12 +10,18 @@ a callback so the prefix cache can forget its key.
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..checks import check_count, check_ids, check_int
+from ..errors import Error, InvalidValueError
+from .free_ids import FreeIds
 
 
-class BlockAllocationError(RuntimeError):
+class BlockAllocationError(Error, RuntimeError):
     """Not enough free or evictable blocks; carries the numbers."""
 
     def __init__(self, wanted: int, free: int, evictable: int) -> None:
@@ -28,17 +34,13 @@ class BlockAllocationError(RuntimeError):
 class BlockAllocator:
     """Blocks ``[0, capacity)``: O(log n) alloc/free, refcounts, LRU evictables.
 
-    States of a block id: free (in the heap), live (refcount > 0), or
-    evictable (refcount 0, cached, in the LRU). ``free + live + evictable ==
-    capacity`` always.
+    States of a block id: free, live (refcount > 0), or evictable (refcount 0,
+    cached, in the LRU). ``free + live + evictable == capacity`` always.
     """
 
     def __init__(self, capacity: int, on_evict: Callable[[int], None] | None = None) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
-            raise ValueError(f"BlockAllocator: capacity must be an int >= 0, got {capacity!r}")
-        self._capacity = capacity
-        self._free: list[int] = list(range(capacity))  # a heap; sorted is a valid heap
-        self._free_set: set[int] = set(self._free)
+        self._capacity = check_count(capacity, "BlockAllocator: capacity")
+        self._free = FreeIds(range(self._capacity))
         self._refs: dict[int, int] = {}
         self._cached: set[int] = set()
         self._lru: OrderedDict[int, None] = OrderedDict()
@@ -51,7 +53,7 @@ class BlockAllocator:
 
     @property
     def num_free(self) -> int:
-        return len(self._free_set)
+        return len(self._free)
 
     @property
     def num_live(self) -> int:
@@ -65,10 +67,13 @@ class BlockAllocator:
         return self._refs.get(block, 0)
 
     def is_free(self, block: int) -> bool:
-        return block in self._free_set
+        return block in self._free
 
     def is_evictable(self, block: int) -> bool:
         return block in self._lru
+
+    def is_cached(self, block: int) -> bool:
+        return block in self._cached
 
     def live_blocks(self) -> list[int]:
         return sorted(self._refs)
@@ -77,51 +82,65 @@ class BlockAllocator:
         """Evictable blocks, least recently used first."""
         return list(self._lru)
 
-    def _check_id(self, block: int) -> None:
-        if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < self._capacity:
-            raise ValueError(f"block id {block!r} out of range; legal: 0..{self._capacity - 1}")
+    def free_blocks_below(self, limit: int) -> list[int]:
+        """Free block ids under ``limit``, lowest first."""
+        return self._free.below(limit)
+
+    def _check_id(self, block: Any) -> int:
+        return check_int(block, "block id", lo=0, hi=self._capacity - 1)
+
+    def check_held(self, blocks: Any, what: str, *, writing: bool) -> np.ndarray:
+        """``blocks`` as an id array if each is in the pool and held, else refuse.
+
+        Writing needs a live block (someone holds a reference, so no one else
+        is handed it); reading also accepts an evictable one, which keeps its
+        bytes until it is evicted. The answer comes from the allocator's state
+        now, so it stays true across boundary moves.
+        """
+        ids = check_ids(blocks, what, lo=0, hi=self._capacity)
+        for b in ids.tolist():
+            if b in self._refs or (not writing and b in self._lru):
+                continue
+            state = "evictable" if b in self._lru else "free"
+            need = "live (allocated)" if writing else "live or evictable"
+            raise InvalidValueError(f"{what}: block {b} is {state}; it must be {need}")
+        return ids
 
     # -- allocation ----------------------------------------------------------
-    def _pop_free(self) -> int:
-        while True:
-            block = heapq.heappop(self._free)
-            if block in self._free_set:  # lazily skip ids taken out of the heap's set
-                self._free_set.remove(block)
-                return block
-
     def allocate(self, n: int = 1) -> list[int]:
         """``n`` blocks, refcount 1, lowest free ids first, evicting LRU if needed.
 
         Refused before any change when free + evictable < n.
         """
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"allocate: n must be an int >= 0, got {n!r}")
+        n = check_count(n, "allocate: n")
         if n > self.num_free + self.num_evictable:
             raise BlockAllocationError(n, self.num_free, self.num_evictable)
         while self.num_free < n:
-            self._evict_one()
-        blocks = [self._pop_free() for _ in range(n)]
+            self._evict(next(iter(self._lru)))
+        blocks = [self._free.pop() for _ in range(n)]
         for b in blocks:
             self._refs[b] = 1
         return blocks
 
     def retain(self, block: int) -> None:
         """One more reference (a prefix hit); revives an evictable block."""
-        self._check_id(block)
+        block = self._check_id(block)
         if block in self._lru:
             del self._lru[block]
             self._refs[block] = 1
         elif block in self._refs:
             self._refs[block] += 1
         else:
-            raise ValueError(f"block {block} is free; allocate it instead of retaining it")
+            raise InvalidValueError(f"block {block} is free; allocate it instead of retaining it")
 
     def release(self, block: int) -> None:
         """Drop one reference; at zero a cached block becomes evictable, else free."""
-        self._check_id(block)
+        block = self._check_id(block)
         refs = self._refs.get(block)
         if refs is None:
-            raise ValueError(f"block {block} is not live (free or evictable); nothing to release")
+            raise InvalidValueError(
+                f"block {block} is not live (free or evictable); nothing to release"
+            )
         if refs > 1:
             self._refs[block] = refs - 1
             return
@@ -129,47 +148,43 @@ class BlockAllocator:
         if block in self._cached:
             self._lru[block] = None
         else:
-            self._push_free(block)
+            self._free.push(block)
 
     def set_cached(self, block: int, cached: bool = True) -> None:
         """Mark a live block as holding a prefix-cached key (or not)."""
-        self._check_id(block)
+        block = self._check_id(block)
         if block not in self._refs:
-            raise ValueError(f"block {block} is not live; only live blocks can be marked cached")
+            raise InvalidValueError(
+                f"block {block} is not live; only live blocks can be marked cached"
+            )
         if cached:
             self._cached.add(block)
         else:
             self._cached.discard(block)
 
-    def is_cached(self, block: int) -> bool:
-        return block in self._cached
+    def refresh(self, block: int) -> None:
+        """Move an evictable block to the most-recently-used end of the LRU.
 
-    def touch(self, block: int) -> None:
-        """Mark an evictable block as recently used."""
-        if block in self._lru:
-            self._lru.move_to_end(block)
+        (Not a reference: vLLM's ``touch`` takes one; this only reorders.)
+        """
+        block = self._check_id(block)
+        if block not in self._lru:
+            raise InvalidValueError(f"block {block} is not evictable; only evictable blocks age")
+        self._lru.move_to_end(block)
 
-    def _push_free(self, block: int) -> None:
-        self._free_set.add(block)
-        heapq.heappush(self._free, block)
-
-    def _evict_one(self) -> int:
-        block, _ = self._lru.popitem(last=False)
+    def _evict(self, block: int) -> None:
+        del self._lru[block]
         self._cached.discard(block)
-        self._push_free(block)
+        self._free.push(block)
         if self._on_evict is not None:
             self._on_evict(block)
-        return block
 
     def evict(self, block: int) -> None:
         """Evict one specific evictable block now."""
+        block = self._check_id(block)
         if block not in self._lru:
-            raise ValueError(f"block {block} is not evictable")
-        del self._lru[block]
-        self._cached.discard(block)
-        self._push_free(block)
-        if self._on_evict is not None:
-            self._on_evict(block)
+            raise InvalidValueError(f"block {block} is not evictable")
+        self._evict(block)
 
     # -- moving the boundary -------------------------------------------------
     def move(self, old: int, new: int) -> None:
@@ -177,37 +192,31 @@ class BlockAllocator:
 
         The caller copies the bytes; ``old`` becomes free.
         """
-        self._check_id(old)
-        self._check_id(new)
+        old, new = self._check_id(old), self._check_id(new)
         if old not in self._refs:
-            raise ValueError(f"block {old} is not live; only live blocks move")
-        if new not in self._free_set:
-            raise ValueError(f"block {new} is not free")
-        self._free_set.remove(new)
+            raise InvalidValueError(f"block {old} is not live; only live blocks move")
+        if new not in self._free:
+            raise InvalidValueError(f"block {new} is not free")
+        self._free.take(new)
         self._refs[new] = self._refs.pop(old)
         if old in self._cached:
             self._cached.discard(old)
             self._cached.add(new)
-        self._push_free(old)
+        self._free.push(old)
 
-    def shrink(self, capacity: int) -> None:
-        """Drop ids ``>= capacity``; every one of them must be free."""
-        if not 0 <= capacity <= self._capacity:
-            raise ValueError(f"shrink: capacity {capacity} must be in 0..{self._capacity}")
-        blocked = [b for b in range(capacity, self._capacity) if b not in self._free_set]
+    def shrink(self, n: int) -> None:
+        """Give up the ``n`` highest ids; every one of them must be free."""
+        n = check_count(n, "BlockAllocator.shrink: n", hi=self._capacity)
+        new = self._capacity - n
+        blocked = [b for b in range(new, self._capacity) if b not in self._free]
         if blocked:
-            raise ValueError(f"shrink to {capacity}: blocks {blocked[:8]} are not free")
-        self._free_set.difference_update(range(capacity, self._capacity))
-        self._capacity = capacity
+            raise InvalidValueError(f"shrink by {n}: blocks {blocked[:8]} are not free")
+        self._free.take_range(new, self._capacity)
+        self._capacity = new
 
-    def grow(self, capacity: int) -> None:
-        """Add ids ``[old capacity, capacity)`` as free."""
-        if capacity < self._capacity:
-            raise ValueError(f"grow: capacity {capacity} is below the current {self._capacity}")
-        for b in range(self._capacity, capacity):
-            self._push_free(b)
-        self._capacity = capacity
-
-    def free_blocks_below(self, limit: int) -> list[int]:
-        """Free block ids under ``limit``, lowest first."""
-        return sorted(b for b in self._free_set if b < limit)
+    def grow(self, n: int) -> None:
+        """Add ``n`` ids above the current capacity, free."""
+        n = check_count(n, "BlockAllocator.grow: n")
+        for b in range(self._capacity, self._capacity + n):
+            self._free.push(b)
+        self._capacity += n

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from ..checks import check_bytes, check_count
+from ..errors import InvalidValueError, UnknownNameError
 
 
 class PoolKind(enum.Enum):
@@ -18,21 +21,14 @@ class PoolKind(enum.Enum):
     STATE = "state"
 
 
-def _positive(value: object, what: str, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{what} must be an int >= {minimum}, got {value!r}")
-    return value
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EntryClass:
     """A named index space drawn from one pool.
 
     ``entries_per_req`` (STATE only) is how many entries one request holds,
     e.g. ``1 + num_speculative`` rollback copies; ``extra_entries`` are
     reserved beyond ``max_num_seqs`` (padding slots, warm-up). PAGE classes
-    carry ``tokens_per_entry`` (the block size in tokens) so a plan can report
-    token capacity.
+    carry ``block_size`` (tokens per block) so a plan can report token capacity.
     """
 
     pool: PoolKind
@@ -40,20 +36,20 @@ class EntryClass:
     entry_bytes: int
     entries_per_req: int = 1
     extra_entries: int = 0
-    tokens_per_entry: int = 0
+    block_size: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.pool, PoolKind):
-            raise ValueError(f"EntryClass pool must be a PoolKind, got {self.pool!r}")
+            raise InvalidValueError(f"EntryClass pool must be a PoolKind, got {self.pool!r}")
         if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"EntryClass name must be a non-empty str, got {self.name!r}")
+            raise InvalidValueError(f"EntryClass name must be a non-empty str, got {self.name!r}")
         where = f"EntryClass {self.name!r}"
-        _positive(self.entry_bytes, f"{where}: entry_bytes")
-        _positive(self.entries_per_req, f"{where}: entries_per_req")
-        _positive(self.extra_entries, f"{where}: extra_entries", minimum=0)
-        _positive(self.tokens_per_entry, f"{where}: tokens_per_entry", minimum=0)
+        check_bytes(self.entry_bytes, f"{where}: entry_bytes", lo=1)
+        check_count(self.entries_per_req, f"{where}: entries_per_req", lo=1)
+        check_count(self.extra_entries, f"{where}: extra_entries")
+        check_count(self.block_size, f"{where}: block_size")
         if self.pool is PoolKind.PAGE and (self.entries_per_req != 1 or self.extra_entries):
-            raise ValueError(
+            raise InvalidValueError(
                 f"{where}: entries_per_req and extra_entries are STATE settings; a PAGE class "
                 f"takes the remainder (got {self.entries_per_req}, {self.extra_entries})"
             )
@@ -74,41 +70,48 @@ def merge_classes(classes: Sequence[EntryClass]) -> list[EntryClass]:
     merged: dict[str, EntryClass] = {}
     for c in classes:
         if not isinstance(c, EntryClass):
-            raise ValueError(f"merge_classes: expected EntryClass, got {type(c).__name__}")
+            raise InvalidValueError(f"merge_classes: expected EntryClass, got {type(c).__name__}")
         prev = merged.get(c.name)
         if prev is None:
             merged[c.name] = c
             continue
-        for attr in ("pool", "entries_per_req", "extra_entries", "tokens_per_entry"):
+        for attr in ("pool", "entries_per_req", "extra_entries", "block_size"):
             if getattr(prev, attr) != getattr(c, attr):
-                raise ValueError(
+                raise InvalidValueError(
                     f"entry class {c.name!r} is declared twice with different {attr}: "
                     f"{getattr(prev, attr)!r} vs {getattr(c, attr)!r}"
                 )
-        merged[c.name] = EntryClass(
-            c.pool,
-            c.name,
-            prev.entry_bytes + c.entry_bytes,
-            c.entries_per_req,
-            c.extra_entries,
-            c.tokens_per_entry,
-        )
+        merged[c.name] = replace(c, entry_bytes=prev.entry_bytes + c.entry_bytes)
     return list(merged.values())
 
 
-class PoolBudgetError(ValueError):
+class PoolBudgetError(InvalidValueError):
     """The STATE floor does not fit the budget; carries the numbers."""
 
     def __init__(
-        self, needed: int, available: int, entries: dict[str, int], max_fitting_seqs: int
+        self,
+        needed: int,
+        available: int,
+        entries: dict[str, int],
+        max_fitting_seqs: int,
+        *,
+        clamped: bool = False,
     ) -> None:
         self.needed = needed
         self.available = available
         self.entries = entries
         self.max_fitting_seqs = max_fitting_seqs
+        if max_fitting_seqs < 1:
+            advice = "not even one request fits; raise the budget"
+        elif clamped:
+            advice = f"at most max_num_seqs={max_fitting_seqs} fits"
+        else:
+            advice = (
+                f"at most max_num_seqs={max_fitting_seqs} fits (pass clamp=True to plan at that)"
+            )
         super().__init__(
-            f"the STATE pool needs {needed:,} bytes ({entries}) but the budget is {available:,}; "
-            f"at most max_num_seqs={max_fitting_seqs} fits (pass clamp=True to plan at that)"
+            f"the pools need {needed:,} bytes ({entries}) but the budget is {available:,}; "
+            + advice
         )
 
 
@@ -124,7 +127,7 @@ class ClassPlan:
         return self.entries * self.entry_class.entry_bytes
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PoolPlan:
     """The answer of :func:`plan_pools`, every number a user asks about."""
 
@@ -137,7 +140,7 @@ class PoolPlan:
         for c in self.classes:
             if c.entry_class.name == name:
                 return c
-        raise KeyError(
+        raise UnknownNameError(
             f"no entry class {name!r}; classes are {[c.entry_class.name for c in self.classes]}"
         )
 
@@ -161,7 +164,7 @@ class PoolPlan:
     @property
     def token_capacity(self) -> int:
         page = self.page
-        return page.entries * page.entry_class.tokens_per_entry if page else 0
+        return page.entries * page.entry_class.block_size if page else 0
 
 
 def max_fitting_seqs(classes: Sequence[EntryClass], budget_bytes: int) -> int:
@@ -184,12 +187,12 @@ def plan_pools(
     Over budget raises :class:`PoolBudgetError` with the numbers and the
     largest ``max_num_seqs`` that fits; ``clamp=True`` plans at that instead.
     """
-    _positive(budget_bytes, "plan_pools: budget_bytes", minimum=0)
-    _positive(max_num_seqs, "plan_pools: max_num_seqs")
+    budget_bytes = check_bytes(budget_bytes, "plan_pools: budget_bytes")
+    max_num_seqs = check_count(max_num_seqs, "plan_pools: max_num_seqs", lo=1)
     merged = merge_classes(classes)
     pages = [c for c in merged if c.pool is PoolKind.PAGE]
     if len(pages) > 1:
-        raise ValueError(
+        raise InvalidValueError(
             f"plan_pools: one PAGE class takes the remainder, got {len(pages)}: {[c.name for c in pages]}"
         )
     seqs = max_num_seqs
@@ -198,7 +201,7 @@ def plan_pools(
     if needed > budget_bytes:
         fitting = max_fitting_seqs(merged, budget_bytes)
         if not clamp or fitting < 1:
-            raise PoolBudgetError(needed, budget_bytes, floor, fitting)
+            raise PoolBudgetError(needed, budget_bytes, floor, fitting, clamped=clamp)
         seqs = fitting
         floor = {c.name: c.floor_entries(seqs) for c in merged if c.pool is PoolKind.STATE}
         needed = sum(floor[c.name] * c.entry_bytes for c in merged if c.name in floor)
@@ -207,4 +210,9 @@ def plan_pools(
     for c in merged:
         entries = floor[c.name] if c.pool is PoolKind.STATE else remainder // c.entry_bytes
         plans.append(ClassPlan(c, entries))
-    return PoolPlan(budget_bytes, max_num_seqs, seqs, tuple(plans))
+    return PoolPlan(
+        budget_bytes=budget_bytes,
+        requested_seqs=max_num_seqs,
+        max_num_seqs=seqs,
+        classes=tuple(plans),
+    )

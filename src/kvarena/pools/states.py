@@ -8,11 +8,17 @@ slots, the ones a shrinking pool gives back, are the last to be used.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Hashable
+from typing import Any
+
+import numpy as np
+
+from ..checks import check_count, check_ids
+from ..errors import Error, InvalidValueError, UnknownNameError
+from .free_ids import FreeIds
 
 
-class StateAllocationError(RuntimeError):
+class StateAllocationError(Error, RuntimeError):
     """Not enough free slots; carries the numbers."""
 
     def __init__(self, wanted: int, free: int) -> None:
@@ -20,25 +26,28 @@ class StateAllocationError(RuntimeError):
         super().__init__(f"a request needs {wanted} state slots but only {free} are free")
 
 
+def _check_request(request: Any) -> Hashable:
+    """A request id: any hashable value except None (which reads as "no owner")."""
+    if request is None:
+        raise InvalidValueError(
+            "request id None is refused: it reads as 'no owner'; use any other hashable id"
+        )
+    try:
+        hash(request)
+    except TypeError:
+        raise InvalidValueError(f"request id {request!r} is not hashable") from None
+    return request
+
+
 class StateAllocator:
     """Slots ``[first, total)``; each request holds ``entries_per_req`` of them."""
 
     def __init__(self, total: int, live: int, entries_per_req: int = 1) -> None:
-        for what, v, lo in (
-            ("total", total, 0),
-            ("live", live, 0),
-            ("entries_per_req", entries_per_req, 1),
-        ):
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"StateAllocator: {what} must be an int >= {lo}, got {v!r}")
-        if live > total:
-            raise ValueError(f"StateAllocator: live {live} exceeds total {total}")
-        self._total = total
-        self._first = total - live
-        self._per_req = entries_per_req
-        self._free: list[int] = [-s for s in range(total - 1, self._first - 1, -1)]  # max-heap
-        heapq.heapify(self._free)
-        self._free_set: set[int] = set(range(self._first, total))
+        self._total = check_count(total, "StateAllocator: total")
+        live = check_count(live, "StateAllocator: live", hi=self._total)
+        self._per_req = check_count(entries_per_req, "StateAllocator: entries_per_req", lo=1)
+        self._first = self._total - live
+        self._free = FreeIds(range(self._first, self._total), highest_first=True)
         self._owner: dict[int, Hashable] = {}
         self._slots: dict[Hashable, list[int]] = {}
 
@@ -61,7 +70,7 @@ class StateAllocator:
 
     @property
     def num_free(self) -> int:
-        return len(self._free_set)
+        return len(self._free)
 
     @property
     def num_live(self) -> int:
@@ -74,77 +83,79 @@ class StateAllocator:
     def slots_of(self, request: Hashable) -> tuple[int, ...]:
         try:
             return tuple(self._slots[request])
-        except KeyError:
-            raise KeyError(f"no request {request!r} holds state slots") from None
+        except (KeyError, TypeError):
+            raise UnknownNameError(f"no request {request!r} holds state slots") from None
 
     def owner(self, slot: int) -> Hashable | None:
+        """The request holding ``slot``, or None when the slot is free or outside the pool."""
         return self._owner.get(slot)
 
     def is_free(self, slot: int) -> bool:
-        return slot in self._free_set
+        return slot in self._free
 
-    def _pop_top(self) -> int:
-        while True:
-            slot = -heapq.heappop(self._free)
-            if slot in self._free_set:
-                self._free_set.remove(slot)
-                return slot
+    def check_held(self, slots: Any, what: str) -> np.ndarray:
+        """``slots`` as an id array if each is in the pool and held by a request, else refuse.
+
+        The answer comes from the allocator's state now: a slot given back to
+        PAGE by a boundary move is refused, one gained from it is accepted.
+        """
+        ids = check_ids(slots, what, lo=self._first, hi=self._total)
+        for s in ids.tolist():
+            if s not in self._owner:
+                raise InvalidValueError(
+                    f"{what}: slot {s} is free; only slots a request holds can be copied"
+                )
+        return ids
 
     def allocate(self, request: Hashable) -> tuple[int, ...]:
         """The top-most ``entries_per_req`` free slots for ``request``."""
+        request = _check_request(request)
         if request in self._slots:
-            raise ValueError(f"request {request!r} already holds slots {self._slots[request]}")
+            raise InvalidValueError(
+                f"request {request!r} already holds slots {self._slots[request]}"
+            )
         if self.num_free < self._per_req:
             raise StateAllocationError(self._per_req, self.num_free)
-        slots = [self._pop_top() for _ in range(self._per_req)]
+        slots = [self._free.pop() for _ in range(self._per_req)]
         self._slots[request] = slots
         for s in slots:
             self._owner[s] = request
         return tuple(slots)
 
     def free(self, request: Hashable) -> tuple[int, ...]:
-        try:
-            slots = self._slots.pop(request)
-        except KeyError:
-            raise KeyError(f"no request {request!r} holds state slots") from None
+        slots = self.slots_of(request)
+        del self._slots[request]
         for s in slots:
             del self._owner[s]
-            self._push(s)
-        return tuple(slots)
-
-    def _push(self, slot: int) -> None:
-        self._free_set.add(slot)
-        heapq.heappush(self._free, -slot)
+            self._free.push(s)
+        return slots
 
     def move(self, old: int, new: int) -> None:
         """Hand live slot ``old``'s place in its request to free slot ``new``."""
-        request = self._owner.get(old)
-        if request is None:
-            raise ValueError(f"slot {old} is not live")
-        if new not in self._free_set:
-            raise ValueError(f"slot {new} is not free")
-        self._free_set.remove(new)
+        if old not in self._owner:
+            raise InvalidValueError(f"slot {old} is not live")
+        if new not in self._free:
+            raise InvalidValueError(f"slot {new} is not free")
+        request = self._owner.pop(old)
+        self._free.take(new)
         group = self._slots[request]
         group[group.index(old)] = new
-        del self._owner[old]
         self._owner[new] = request
-        self._push(old)
+        self._free.push(old)
 
     def grow(self, n: int) -> None:
         """Take ``n`` more slots below ``first`` (the caller freed their bytes)."""
-        if n < 0 or n > self._first:
-            raise ValueError(f"grow: n={n} must be in 0..{self._first}")
+        n = check_count(n, "StateAllocator.grow: n", hi=self._first)
         for s in range(self._first - n, self._first):
-            self._push(s)
+            self._free.push(s)
         self._first -= n
 
     def shrink(self, n: int) -> None:
         """Give back the ``n`` lowest slots; every one must be free."""
-        if n < 0 or n > self.capacity:
-            raise ValueError(f"shrink: n={n} must be in 0..{self.capacity}")
+        n = check_count(n, "StateAllocator.shrink: n", hi=self.capacity)
         released = range(self._first, self._first + n)
-        busy = [s for s in released if s not in self._free_set]
+        busy = [s for s in released if s not in self._free]
         if busy:
-            raise ValueError(f"shrink by {n}: slots {busy[:8]} are live")
-        self._free_set.difference_update(released)
+            raise InvalidValueError(f"shrink by {n}: slots {busy[:8]} are live")
+        self._free.take_range(self._first, self._first + n)
         self._first += n

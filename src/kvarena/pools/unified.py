@@ -17,25 +17,24 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
 
-from ..layout import (
-    EntryField,
-    EntryMajorArena,
-    LayerMajorArena,
-    entry_bytes_for,
-    layout_fingerprint,
-    min_slot_stride,
-    strictest_alignment,
-)
+from ..checkpoint import CheckpointSpec, PageUnits, restore, store
+from ..checks import check_bytes, check_choice, check_count, check_device, check_int
+from ..copy import CopyStats
+from ..errors import Error, InvalidValueError
+from ..layout import EntryMajorArena, LayerMajorArena
+from ..layout.regions import aligned_zeros
 from ..spans import coalesce
 from .blocks import BlockAllocator
+from .plan import CachePlan
 from .states import StateAllocator
 
 
-class BoundaryMoveError(RuntimeError):
+class BoundaryMoveError(Error, RuntimeError):
     """A boundary move that cannot be completed; nothing was changed."""
 
     def __init__(self, message: str, *, needed: int, available: int) -> None:
@@ -43,15 +42,15 @@ class BoundaryMoveError(RuntimeError):
         super().__init__(message)
 
 
-def _check_move(op: str, n: object, limit: int, what: str) -> None:
-    """Refuse a slot count that is not an int in ``0..limit``."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"{op}: n must be an int >= 0, got {n!r}")
+def _check_move(op: str, n: object, limit: int, what: str) -> int:
+    """A slot count: not an int >= 0 is a bad value; one above ``limit`` a refused move."""
+    n = check_count(n, f"{op}: n")
     if n > limit:
         raise BoundaryMoveError(f"{op}({n}): only {limit} {what}", needed=n, available=limit)
+    return n
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BoundaryMove:
     """What a move did: the new counts and the remaps an engine must apply."""
 
@@ -70,6 +69,11 @@ class BoundaryMove:
 class UnifiedCache:
     """PAGE blocks and STATE slots carved from one buffer on ``device``.
 
+    Built from a :class:`~kvarena.pools.plan.CachePlan` only
+    (:meth:`from_plan`), so it holds exactly the blocks and slots the plan
+    promised. A model with only paged layers has no STATE pool, one with only
+    recurrent layers no PAGE pool; the boundary then has nothing to move past.
+
     ``page_layout="layer_major"`` lays the PAGE region out as a
     :class:`LayerMajorArena` for kernels that need each layer contiguous; its
     region then cannot move, so the boundary is fixed and moves are refused.
@@ -77,87 +81,81 @@ class UnifiedCache:
 
     def __init__(
         self,
-        page_fields: Sequence[EntryField],
-        state_fields: Sequence[EntryField],
-        total_bytes: int,
+        plan: CachePlan,
         device: torch.device | str,
         *,
-        state_slots: int,
-        entries_per_req: int = 1,
-        tokens_per_block: int = 0,
         on_evict: Callable[[int], None] | None = None,
         page_layout: str = "entry_major",
     ) -> None:
-        if page_layout not in ("entry_major", "layer_major"):
-            raise ValueError(
-                f"page_layout must be 'entry_major' or 'layer_major', got {page_layout!r}"
+        if not isinstance(plan, CachePlan):
+            raise InvalidValueError(
+                f"UnifiedCache: plan must be a CachePlan (from kvarena.plan_cache), "
+                f"got {type(plan).__name__}"
             )
-        if isinstance(total_bytes, bool) or not isinstance(total_bytes, int) or total_bytes <= 0:
-            raise ValueError(
-                f"UnifiedCache: total_bytes must be a positive int, got {total_bytes!r}"
+        check_choice(page_layout, "page_layout", ("entry_major", "layer_major"))
+        if page_layout == "layer_major" and not plan.page_fields:
+            raise InvalidValueError(
+                "page_layout='layer_major' needs PAGE fields; this plan has none"
             )
-        if not page_fields or not state_fields:
-            raise ValueError("UnifiedCache needs both PAGE fields and STATE fields")
-        self.device = torch.device(device)
-        self.page_fields = tuple(page_fields)
-        self.state_fields = tuple(state_fields)
-        self.tokens_per_block = tokens_per_block
+        if on_evict is not None and not callable(on_evict):
+            raise InvalidValueError(f"on_evict must be callable, got {on_evict!r}")
+        self.device = check_device(device)
+        self.plan = plan
+        self.page_fields = plan.page_fields
+        self.state_fields = plan.state_fields
+        self.block_size = plan.block_size
         self.page_layout = page_layout
-        self.block_bytes = entry_bytes_for(page_fields)
-        self.block_stride = min_slot_stride(page_fields)
-        self.slot_bytes = entry_bytes_for(state_fields)
-        self.slot_stride = min_slot_stride(state_fields)
-        state_align = strictest_alignment(state_fields)
-        top = total_bytes // state_align * state_align
-        self.total_slots = top // self.slot_stride
-        if not 0 <= state_slots <= self.total_slots:
-            raise ValueError(
-                f"UnifiedCache: state_slots {state_slots} out of range; {total_bytes:,} bytes hold "
-                f"at most {self.total_slots} slots of {self.slot_stride:,} bytes"
-            )
-        self.slot_base = top - self.total_slots * self.slot_stride
-        self.buf = torch.zeros(total_bytes, dtype=torch.uint8, device=self.device)
-        self.max_blocks = total_bytes // self.block_stride
+        self.block_bytes, self.block_stride = plan.block_bytes, plan.block_stride
+        self.slot_bytes, self.slot_stride = plan.slot_bytes, plan.slot_stride
+        self.geometry = g = plan.geometry
+        self.total_slots, self.slot_base, self.max_blocks = g.total_slots, g.slot_base, g.max_blocks
+        self.page_fingerprint = plan.page_fingerprint
+        self.state_fingerprint = plan.state_fingerprint
+        self.buf = aligned_zeros(plan.budget_bytes, plan.alignment, self.device)
         self.state = EntryMajorArena(
-            state_fields,
+            self.state_fields,
             self.total_slots,
             self.device,
-            buf=self.buf[self.slot_base : top],
-            slot_stride=self.slot_stride,
-            live_entries=state_slots,
+            buf=self.buf[self.slot_base : g.top],
+            slot_stride=self.slot_stride or None,
+            live_entries=plan.state_slots,
         )
-        self.slots = StateAllocator(self.total_slots, state_slots, entries_per_req)
+        self.slots = StateAllocator(self.total_slots, plan.state_slots, plan.entries_per_req)
+        blocks = plan.blocks
         if page_layout == "entry_major":
-            blocks = self._blocks_below(self.slots.first)
             self.pages: EntryMajorArena | LayerMajorArena = EntryMajorArena(
-                page_fields,
+                self.page_fields,
                 self.max_blocks,
                 self.device,
                 buf=self.buf,
-                slot_stride=self.block_stride,
+                slot_stride=self.block_stride or None,
                 live_entries=0,
             )
-            self._fill_pages(0, blocks)
+            self.pages.fill_entries(slice(0, blocks))
         else:
             # Layer-major: field regions are sized by the block count, so the
-            # count (and with it the boundary) is fixed at construction.
-            blocks = self._boundary(self.slots.first) // self.block_bytes
+            # count (and with it the boundary) is fixed at construction. Its
+            # stride is block_bytes per layer, so it needs no more bytes than
+            # the entry-major plan it was promised from.
             self.pages = LayerMajorArena(
-                page_fields, blocks, self.device, buf=self.buf[: self.block_bytes * blocks]
+                self.page_fields, blocks, self.device, buf=self.buf[: self.block_bytes * blocks]
             )
+            self.pages.fill_entries(slice(None))
         self.blocks = BlockAllocator(blocks, on_evict=on_evict)
-        self.page_fingerprint = layout_fingerprint(page_fields)
-        self.state_fingerprint = layout_fingerprint(state_fields)
+
+    @classmethod
+    def from_plan(
+        cls,
+        plan: CachePlan,
+        device: torch.device | str,
+        *,
+        on_evict: Callable[[int], None] | None = None,
+        page_layout: str = "entry_major",
+    ) -> UnifiedCache:
+        """The cache a plan promised: ``num_blocks == plan.blocks``, ``num_slots == plan.state_slots``."""
+        return cls(plan, device, on_evict=on_evict, page_layout=page_layout)
 
     # -- geometry --------------------------------------------------------------
-    def _boundary(self, first_slot: int) -> int:
-        """Byte offset where the STATE pool starts when it owns ``[first_slot, total)``."""
-        return self.slot_base + first_slot * self.slot_stride
-
-    def _blocks_below(self, first_slot: int) -> int:
-        """Whole entry-major blocks that fit below the STATE pool's first slot."""
-        return self._boundary(first_slot) // self.block_stride
-
     @property
     def num_blocks(self) -> int:
         return self.blocks.capacity
@@ -167,8 +165,12 @@ class UnifiedCache:
         return self.slots.capacity
 
     @property
+    def has_state(self) -> bool:
+        return bool(self.state_fields)
+
+    @property
     def token_capacity(self) -> int:
-        return self.num_blocks * self.tokens_per_block
+        return self.num_blocks * self.block_size
 
     def page_view(self, name: str) -> torch.Tensor:
         """``[layers, max_blocks, *shape]``: ids below ``num_blocks`` are the pool's."""
@@ -179,12 +181,85 @@ class UnifiedCache:
         return self.state.view(name)
 
     def block_bytes_of(self, block: int) -> torch.Tensor:
+        """Block ``block``'s field bytes (``block_bytes``); the id must be in the PAGE pool now."""
         if not isinstance(self.pages, EntryMajorArena):
-            raise ValueError("a layer-major PAGE region has no contiguous block; use page_view")
-        return self.pages.entry(block)
+            raise InvalidValueError(
+                "a layer-major PAGE region has no contiguous block; use page_view"
+            )
+        return self.pages.entry(check_int(block, "block id", lo=0, hi=self.num_blocks - 1))
 
     def slot_bytes_of(self, slot: int) -> torch.Tensor:
-        return self.state.entry(slot)
+        """Slot ``slot``'s field bytes (``slot_bytes``); the id must be in the STATE pool now."""
+        return self.state.entry(
+            check_int(slot, "slot id", lo=self.slots.first, hi=self.total_slots - 1)
+        )
+
+    # -- checkpoint images -------------------------------------------------------
+    def checkpoint_spec(self, unit_bytes: int | None = None) -> CheckpointSpec:
+        """The image plan of this cache's state, in units of ``unit_bytes`` (default: a
+        whole block stride, so one image takes the fewest blocks)."""
+        unit = self.block_stride if unit_bytes is None else unit_bytes
+        key = check_bytes(unit, "unit_bytes", lo=1)
+        spec = self._specs.get(key)
+        if spec is None:
+            spec = self._specs[key] = CheckpointSpec.build(self.state_fields, key)
+        return spec
+
+    @cached_property
+    def _specs(self) -> dict[int, CheckpointSpec]:
+        return {}
+
+    def page_units(self, unit_bytes: int | None = None) -> PageUnits:
+        """The PAGE pool seen as image units: unit ``u`` is block ``u``'s first
+        ``unit_bytes`` bytes (default the whole block stride).
+
+        The units' liveness is the block allocator's, read at each copy, so the
+        same object stays true across boundary moves.
+        """
+        if not isinstance(self.pages, EntryMajorArena) or not self.page_fields:
+            raise InvalidValueError(
+                "image units need an entry-major PAGE pool; this cache has "
+                + ("a layer-major one" if self.page_fields else "no PAGE fields")
+            )
+        unit = self.block_stride if unit_bytes is None else unit_bytes
+        unit = check_bytes(unit, "unit_bytes", lo=1)
+        if unit > self.block_stride:
+            raise InvalidValueError(
+                f"unit_bytes {unit} exceeds the block stride {self.block_stride}; a unit is one block"
+            )
+        return PageUnits(
+            buf=self.buf,
+            unit_bytes=unit,
+            unit_stride=self.block_stride,
+            num_units=self.max_blocks,
+            holder=self.blocks,
+        )
+
+    def store(
+        self, spec: CheckpointSpec, slots: Sequence[int], unit_lists: Sequence[Sequence[int]]
+    ) -> CopyStats:
+        """Copy each slot's checkpoint image into its units (blocks it holds live)."""
+        return store(
+            spec,
+            self.state,
+            slots,
+            self.page_units(spec.unit_bytes),
+            unit_lists,
+            slot_holder=self.slots,
+        )
+
+    def restore(
+        self, spec: CheckpointSpec, unit_lists: Sequence[Sequence[int]], slots: Sequence[int]
+    ) -> CopyStats:
+        """Copy each image back into a slot a request holds."""
+        return restore(
+            spec,
+            self.page_units(spec.unit_bytes),
+            unit_lists,
+            self.state,
+            slots,
+            slot_holder=self.slots,
+        )
 
     # -- requests --------------------------------------------------------------
     def allocate_state(self, request: Hashable) -> tuple[int, ...]:
@@ -194,24 +269,19 @@ class UnifiedCache:
         are freed or won from the PAGE pool: whatever a slot held before (a
         finished request, KV bytes), a request always starts from a clean state.
         """
+        if not self.state_fields:
+            raise InvalidValueError(
+                f"{self.plan.model} keeps no per-request state (no STATE fields); "
+                "its requests hold blocks only"
+            )
         slots = self.slots.allocate(request)
         for s in slots:
-            self._reset_slot(s)
+            self.state.entry(s).zero_()
+            self.state.fill_entries(s)
         return slots
 
     def free_state(self, request: Hashable) -> tuple[int, ...]:
         return self.slots.free(request)
-
-    def _reset_slot(self, slot: int) -> None:
-        self.state.entry(slot).zero_()
-        for f in self.state_fields:
-            if not f.fill_is_zero_bits:
-                self.state.view(f.name)[:, slot].fill_(f.fill)
-
-    def _fill_pages(self, lo: int, hi: int) -> None:
-        for f in self.page_fields:
-            if not f.fill_is_zero_bits:
-                self.pages.view(f.name)[:, lo:hi].fill_(f.fill)
 
     def _fixed(self) -> None:
         if self.page_layout == "layer_major":
@@ -221,32 +291,34 @@ class UnifiedCache:
                 needed=0,
                 available=0,
             )
+        if not self.state_fields:
+            raise BoundaryMoveError(
+                "this cache has no STATE pool, so there is no boundary to move",
+                needed=0,
+                available=0,
+            )
 
-    def _copy(
-        self, moves: list[tuple[int, int]], stride: int, nbytes: int, base: int
-    ) -> tuple[int, int]:
-        """One contiguous copy per moved entry, or per run of entries that are
-        consecutive on both sides (when ``nbytes`` fills the stride). Sources
-        lie in the released range and targets outside it, so no copy reads
-        bytes another one wrote."""
+    def _copy(self, moves: list[tuple[int, int]], stride: int, base: int) -> tuple[int, int]:
+        """One contiguous copy of a whole stride per moved entry, or per run of
+        entries consecutive on both sides. A whole stride, not just the fields'
+        bytes: an image unit may use a block's tail. Sources lie in the
+        released range and targets outside it, so no copy reads bytes another
+        one wrote."""
         if not moves:
             return 0, 0
         pairs = np.array(moves, dtype=np.int64)
-        src, dst, length = (
-            base + pairs[:, 0] * stride,
-            base + pairs[:, 1] * stride,
-            np.full(len(moves), nbytes),
+        src, dst, length = coalesce(
+            base + pairs[:, 0] * stride, base + pairs[:, 1] * stride, np.full(len(moves), stride)
         )
-        src, dst, length = coalesce(src, dst, length)
         for s, d, n in zip(src.tolist(), dst.tolist(), length.tolist(), strict=True):
             self.buf[d : d + n].copy_(self.buf[s : s + n])
-        return int(src.size), len(moves) * nbytes
+        return int(src.size), len(moves) * stride
 
     # -- the movable boundary --------------------------------------------------
     def plan_grow_state(self, n: int) -> tuple[int, list[int], list[int], list[int]]:
         """(new block count, free going, evictable going, live going) for growing by n."""
-        _check_move("grow_state", n, self.slots.first, "slots remain below the STATE pool")
-        new_blocks = min(self.blocks.capacity, self._blocks_below(self.slots.first - n))
+        n = _check_move("grow_state", n, self.slots.first, "slots remain below the STATE pool")
+        new_blocks = min(self.blocks.capacity, self.geometry.blocks_below(self.slots.first - n))
         going = range(new_blocks, self.blocks.capacity)
         free = [b for b in going if self.blocks.is_free(b)]
         evictable = [b for b in going if self.blocks.is_evictable(b)]
@@ -279,23 +351,31 @@ class UnifiedCache:
             targets.append(b)
         targets.sort()
         moves = list(zip(live, targets, strict=True))
-        ops, copied = self._copy(moves, self.block_stride, self.block_bytes, 0)
+        ops, copied = self._copy(moves, self.block_stride, 0)
         for old, new in moves:
             self.blocks.move(old, new)
-        self.blocks.shrink(new_blocks)
+        self.blocks.shrink(self.blocks.capacity - new_blocks)
         self.slots.grow(n)
         return BoundaryMove(
-            before[0], self.blocks.capacity, before[1], self.slots.capacity,
-            dict(moves), {}, tuple(free), tuple(evicted), ops, copied,
-        )  # fmt: skip
+            blocks_before=before[0],
+            blocks_after=self.blocks.capacity,
+            slots_before=before[1],
+            slots_after=self.slots.capacity,
+            block_remap=dict(moves),
+            slot_remap={},
+            dropped_blocks=tuple(free),
+            evicted_blocks=tuple(evicted),
+            copies=ops,
+            copied_bytes=copied,
+        )
 
     def shrink_state(self, n: int) -> BoundaryMove:
         """Give ``n`` slots back to PAGE: live states in them move to free higher slots."""
         self._fixed()
-        _check_move("shrink_state", n, self.slots.capacity, "slots are in the STATE pool")
+        n = _check_move("shrink_state", n, self.slots.capacity, "slots are in the STATE pool")
         first = self.slots.first
         released = range(first, first + n)
-        live = [s for s in released if self.slots.owner(s) is not None]
+        live = [s for s in released if not self.slots.is_free(s)]
         room = [s for s in range(first + n, self.slots.total) if self.slots.is_free(s)]
         if len(live) > len(room):
             raise BoundaryMoveError(
@@ -306,17 +386,25 @@ class UnifiedCache:
             )
         before = (self.blocks.capacity, self.slots.capacity)
         moves = list(zip(live, sorted(room, reverse=True)[: len(live)], strict=True))
-        ops, copied = self._copy(moves, self.slot_stride, self.slot_bytes, self.slot_base)
+        ops, copied = self._copy(moves, self.slot_stride, self.slot_base)
         for old, new in moves:
             self.slots.move(old, new)
         self.slots.shrink(n)
         old_blocks = self.blocks.capacity
-        self.blocks.grow(self._blocks_below(self.slots.first))
-        self._fill_pages(old_blocks, self.blocks.capacity)
+        self.blocks.grow(self.geometry.blocks_below(self.slots.first) - old_blocks)
+        self.pages.fill_entries(slice(old_blocks, self.blocks.capacity))
         return BoundaryMove(
-            before[0], self.blocks.capacity, before[1], self.slots.capacity,
-            {}, dict(moves), (), (), ops, copied,
-        )  # fmt: skip
+            blocks_before=before[0],
+            blocks_after=self.blocks.capacity,
+            slots_before=before[1],
+            slots_after=self.slots.capacity,
+            block_remap={},
+            slot_remap=dict(moves),
+            dropped_blocks=(),
+            evicted_blocks=(),
+            copies=ops,
+            copied_bytes=copied,
+        )
 
     # -- policy ------------------------------------------------------------------
     def rebalance(self, *, waiting_requests: int, blocks_needed: int) -> BoundaryMove | None:
@@ -333,7 +421,7 @@ class UnifiedCache:
         if slot_deficit > 0:
             # The largest n <= deficit that keeps blocks_needed obtainable and relocatable.
             for n in range(min(slot_deficit, self.slots.first), 0, -1):
-                kept = min(self.blocks.capacity, self._blocks_below(self.slots.first - n))
+                kept = min(self.blocks.capacity, self.geometry.blocks_below(self.slots.first - n))
                 # Blocks going are either dropped or take a free block below:
                 # free + evictable shrinks by exactly the blocks given up.
                 if obtainable - (self.blocks.capacity - kept) < blocks_needed:

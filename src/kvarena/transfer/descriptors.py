@@ -15,11 +15,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import InvalidValueError, LayoutMismatchError
 from ..spans import coalesce
 from .geometry import CacheGeometry
 
 
-class DescriptorBoundsError(ValueError):
+class DescriptorBoundsError(InvalidValueError):
     """A descriptor would address bytes outside a registered region or pool."""
 
 
@@ -86,7 +87,7 @@ def plan_request(
     """Descriptors moving ``src_blocks[i] -> dst_blocks[i]`` and ``src_slots[j] -> dst_slots[j]``."""
     problems = src.mismatches(dst)
     if problems:
-        raise DescriptorBoundsError(
+        raise LayoutMismatchError(
             "layouts differ; refusing to plan a transfer: " + "; ".join(problems)
         )
     sb, db = _ids(src_blocks, "source blocks"), _ids(dst_blocks, "destination blocks")

@@ -15,7 +15,7 @@ from typing import Any
 from ..pools import UnifiedCache
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CacheGeometry:
     """A unified cache's buffer as the peer sees it (offsets relative to ``base``)."""
 

@@ -24,21 +24,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..errors import Error, InvalidValueError, LayoutMismatchError
 from ..pools import UnifiedCache
 from .descriptors import plan_request
 from .geometry import CacheGeometry
 
 
-class TransferError(RuntimeError):
+class TransferError(Error, RuntimeError):
     """A transfer that failed; nothing of it may be used."""
 
 
 class TransferTimeout(TransferError):
     """A transfer (or an awaited one) that did not finish in time."""
-
-
-class LayoutMismatchError(TransferError):
-    """The peer's cache layout differs; no byte was moved."""
 
 
 def nixl_available() -> bool:
@@ -59,7 +56,7 @@ def _nixl():
     return nixl_agent, nixl_agent_config
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Peer:
     name: str
     geometry: CacheGeometry
@@ -72,7 +69,7 @@ class NixlEndpoint:
 
     def __init__(self, name: str, cache: UnifiedCache) -> None:
         if cache.buf.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"NIXL registers CPU or CUDA memory, not {cache.buf.device}")
+            raise InvalidValueError(f"NIXL registers CPU or CUDA memory, not {cache.buf.device}")
         # A system libibverbs makes UCX's IB module crash NIXL processes at
         # exit; loopback and TCP never need it. UCX reads this when the agent
         # starts, so a caller's own setting wins.
@@ -124,7 +121,9 @@ class NixlEndpoint:
             "NIXL_INIT_AGENT", self._all_rows(self.geometry()), self.mem_type
         )
         remote_prep = self.agent.prep_xfer_dlist(name, self._all_rows(theirs), self.mem_type)
-        self._peers[name] = _Peer(name, theirs, local_prep, remote_prep)
+        self._peers[name] = _Peer(
+            name=name, geometry=theirs, local_prep=local_prep, remote_prep=remote_prep
+        )
         return name
 
     def progress(self) -> dict[str, list[bytes]]:
@@ -201,7 +200,7 @@ class NixlEndpoint:
         self.agent.deregister_memory(self._reg)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ShipResult:
     request: str
     descriptors: int
@@ -262,14 +261,16 @@ class PrefillSender(NixlEndpoint):
         finally:
             for b in pins:
                 self.cache.blocks.release(b)
-        return ShipResult(request, plan.count, plan.nbytes, seconds)
+        return ShipResult(
+            request=request, descriptors=plan.count, nbytes=plan.nbytes, seconds=seconds
+        )
 
     def offer(
         self, request: str, blocks: Sequence[int], slots: Sequence[int], *, timeout_s: float = 30.0
     ) -> dict:
         """Pin a request's blocks for a peer to READ; returns the ids and this geometry."""
         if request in self._offers:
-            raise ValueError(f"request {request!r} is already offered")
+            raise InvalidValueError(f"request {request!r} is already offered")
         pins = list(blocks)
         for b in pins:
             self.cache.blocks.retain(b)
@@ -330,7 +331,7 @@ class DecodeReceiver(NixlEndpoint):
         geometry. Refused (nothing allocated) when the pools cannot hold it.
         """
         if request in self._pending or request in self.ready:
-            raise ValueError(f"request {request!r} is already expected")
+            raise InvalidValueError(f"request {request!r} is already expected")
         blocks = self.cache.blocks.allocate(num_blocks)
         try:
             slots = self.cache.allocate_state(request) if with_state else ()
@@ -351,7 +352,7 @@ class DecodeReceiver(NixlEndpoint):
         """
         p = self._pending.get(request)
         if p is None:
-            raise ValueError(f"request {request!r} is not expected; call expect() first")
+            raise InvalidValueError(f"request {request!r} is not expected; call expect() first")
         dst_slots = list(p.slots[: len(src["slots"])])
         plan = plan_request(CacheGeometry.from_dict(src["geometry"]), self.geometry(),
                             src["blocks"], p.blocks, src["slots"], dst_slots)  # fmt: skip
@@ -365,7 +366,9 @@ class DecodeReceiver(NixlEndpoint):
             self.failed.append((request, str(exc)))
             raise
         self.ready[request] = self._pending.pop(request)
-        return ShipResult(request, plan.count, plan.nbytes, seconds)
+        return ShipResult(
+            request=request, descriptors=plan.count, nbytes=plan.nbytes, seconds=seconds
+        )
 
     def _free(self, p: _Pending, request: Hashable) -> None:
         for b in p.blocks:

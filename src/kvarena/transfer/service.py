@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 
 import zmq
 
+from ..errors import InvalidValueError
 from .geometry import CacheGeometry
 from .nixl_agent import DecodeReceiver, PrefillSender, ShipResult, TransferError
 
@@ -56,7 +57,7 @@ class DecodeService:
                 return {"status": "pending"}
             reasons = [r for q, r in self.receiver.failed if q == request]
             return {"status": "failed", "reason": reasons[-1]} if reasons else {"status": "unknown"}
-        raise ValueError(f"unknown control message {op!r}; known: hello, expect, status")
+        raise InvalidValueError(f"unknown control message {op!r}; known: hello, expect, status")
 
     def serve(self, until: Callable[[], bool], poll_ms: int = 1) -> None:
         """Answer clients and progress NIXL until ``until()`` is true."""

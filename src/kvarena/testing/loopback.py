@@ -20,28 +20,21 @@ import os
 import time
 import traceback
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..layout import EntryField, field_extents
-from ..pools import UnifiedCache
-from .nixl_agent import DecodeReceiver, PrefillSender
-from .service import PrefillClient
+from ..errors import Error
+from ..layout import field_extents
+from ..pools import CachePlan, UnifiedCache
+from ..transfer.nixl_agent import DecodeReceiver, PrefillSender
+from ..transfer.service import PrefillClient
 
 SENTINEL = 0xA5
 
 
-@dataclass(frozen=True)
-class SideSpec:
-    """Enough to build one side's unified cache in another process."""
-
-    page_fields: tuple[EntryField, ...]
-    state_fields: tuple[EntryField, ...]
-    total_bytes: int
-    state_slots: int
-    entries_per_req: int = 1
+class HarnessError(Error, RuntimeError):
+    """A side process failed, or a command went to the wrong side; carries its message."""
 
 
 def _pattern(seed: int, nbytes: int) -> torch.Tensor:
@@ -55,11 +48,8 @@ def _digest(t: torch.Tensor) -> str:
 
 
 class _Side:
-    def __init__(self, role: str, spec: SideSpec) -> None:
-        self.cache = UnifiedCache(
-            spec.page_fields, spec.state_fields, spec.total_bytes, "cpu",
-            state_slots=spec.state_slots, entries_per_req=spec.entries_per_req,
-        )  # fmt: skip
+    def __init__(self, role: str, plan: CachePlan) -> None:
+        self.cache = UnifiedCache.from_plan(plan, "cpu")
         self.cache.buf.fill_(SENTINEL)
         self.ep: PrefillSender | DecodeReceiver = (
             PrefillSender("prefill", self.cache)
@@ -72,13 +62,13 @@ class _Side:
     @property
     def sender(self) -> PrefillSender:
         if not isinstance(self.ep, PrefillSender):
-            raise TypeError("this command is for the prefill side")
+            raise HarnessError("this command is for the prefill side")
         return self.ep
 
     @property
     def receiver(self) -> DecodeReceiver:
         if not isinstance(self.ep, DecodeReceiver):
-            raise TypeError("this command is for the decode side")
+            raise HarnessError("this command is for the decode side")
         return self.ep
 
     # -- both sides -------------------------------------------------------------
@@ -117,7 +107,7 @@ class _Side:
         return {"blocks": blocks, "slots": slots, "digests": self.digests(blocks, slots)}
 
     def ship(self, peer: str, request: str, dst: dict, timeout_s: float) -> dict:
-        from .geometry import CacheGeometry
+        from ..transfer.geometry import CacheGeometry
 
         blocks, slots = self.requests[request]
         before = [self.cache.blocks.refcount(b) for b in blocks]
@@ -141,8 +131,8 @@ class _Side:
         field per block run, one per layer per state field); ``raw``: one
         descriptor over the same number of bytes.
         """
-        from .descriptors import plan_request
-        from .geometry import CacheGeometry
+        from ..transfer.descriptors import plan_request
+        from ..transfer.geometry import CacheGeometry
 
         geo_dst = CacheGeometry.from_dict(dst["geometry"])
         blocks, slots = self.requests[request]
@@ -178,7 +168,7 @@ class _Side:
                 state = agent.check_xfer_state(h)
             agent.release_xfer_handle(h)
             if state != "DONE":
-                raise RuntimeError(f"benchmark transfer ended in {state}")
+                raise HarnessError(f"benchmark transfer ended in {state}")
 
         methods = {
             "kvarena": lambda: self.sender.ship(
@@ -209,7 +199,7 @@ class _Side:
     def tcp_ship(self, request: str) -> dict:
         """Ship a filled request through the control channel; wait until the decode side has it."""
         if self.client is None:
-            raise RuntimeError("tcp_connect first")
+            raise HarnessError("tcp_connect first")
         blocks, slots = self.requests[request]
         result = self.client.ship(request, blocks, slots)
         self.client.wait_ready(request)
@@ -283,21 +273,21 @@ def _answer(conn, side: _Side, op: str, args: tuple) -> None:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
 
-def _serve(conn, role: str, spec: SideSpec, env: dict[str, str]) -> None:
+def _serve(conn, role: str, plan: CachePlan, env: dict[str, str]) -> None:
     """Serve parent commands; a ``decode-service`` also serves its ZeroMQ channel."""
     os.environ.update(env)
     # NIXL logs every agent start at INFO (its logger's level is set when the
     # module loads); the parent reports what matters.
-    from .nixl_agent import nixl_available
+    from ..transfer.nixl_agent import nixl_available
 
     if nixl_available():
         for name in ("nixl", "nixl.nixl_cu12", "nixl.nixl_cu12._api"):
             logging.getLogger(name).setLevel(logging.WARNING)
     side = service = None
     try:
-        side = _Side(role, spec)
+        side = _Side(role, plan)
         if role == "decode-service":
-            from .service import DecodeService
+            from ..transfer.service import DecodeService
 
             service = DecodeService(side.receiver)
             conn.send(("ok", service.endpoint))
@@ -343,20 +333,24 @@ class SideProcess:
     """A spawned process serving one side; ``call`` runs a command there."""
 
     def __init__(
-        self, role: str, spec: SideSpec, env: dict[str, str] | None = None, timeout_s: float = 120.0
+        self,
+        role: str,
+        plan: CachePlan,
+        env: dict[str, str] | None = None,
+        timeout_s: float = 120.0,
     ) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.timeout_s = timeout_s
         self.process = ctx.Process(
-            target=_serve, args=(child, role, spec, env or {}), daemon=True, name=f"kvarena-{role}"
+            target=_serve, args=(child, role, plan, env or {}), daemon=True, name=f"kvarena-{role}"
         )
         self.process.start()
         child.close()
         status, detail = self._recv()
         if status != "ok":
             self.stop()
-            raise RuntimeError(f"{role} side failed to start: {detail}")
+            raise HarnessError(f"{role} side failed to start: {detail}")
         self.endpoint: str | None = detail  # a decode-service's control channel
 
     def _recv(self) -> tuple[str, Any]:
@@ -368,7 +362,7 @@ class SideProcess:
         self.conn.send((op, args))
         status, value = self._recv()
         if status != "ok":
-            raise RuntimeError(f"{self.process.name}.{op}: {value}")
+            raise HarnessError(f"{self.process.name}.{op}: {value}")
         return value
 
     def kill(self) -> None:

@@ -1,0 +1,119 @@
+"""Validation of each kind of value, written once and used at every door.
+
+A count, a byte size, an id or a list of ids is checked here and nowhere else,
+so every entry point refuses the same nonsense with the same words: the value
+that was given and what would be legal. ``bool`` is refused wherever an int is
+expected (``True`` is an int to Python, never a count to a user), and floats
+are never truncated into ids.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import InvalidValueError
+
+MAX_BYTES = 1 << 60
+"""The largest byte count or offset kvarena accepts (1 EiB): far above any
+real memory, far enough below 2**63 that sums of a few such values never wrap
+an int64 address computation."""
+
+
+def _legal(lo: int | None, hi: int | None) -> str:
+    if lo is not None and hi is not None:
+        return f"an int in {lo}..{hi}"
+    if lo is not None:
+        return f"an int >= {lo}"
+    if hi is not None:
+        return f"an int <= {hi}"
+    return "an int"
+
+
+def check_int(value: Any, what: str, *, lo: int | None = None, hi: int | None = None) -> int:
+    """``value`` as a Python int if it is an integer in ``[lo, hi]``, else refuse.
+
+    Python ints and numpy integers pass; bools, floats (even integral ones),
+    strings and tensors do not.
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise InvalidValueError(f"{what} must be {_legal(lo, hi)}, got {value!r}")
+    v = int(value)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise InvalidValueError(f"{what} must be {_legal(lo, hi)}, got {v}")
+    return v
+
+
+def check_count(value: Any, what: str, *, lo: int = 0, hi: int | None = None) -> int:
+    """A count of things (entries, slots, layers): an int >= ``lo`` (default 0)."""
+    return check_int(value, what, lo=lo, hi=hi)
+
+
+def check_bytes(value: Any, what: str, *, lo: int = 0) -> int:
+    """A byte size or offset: an int in ``lo..MAX_BYTES``."""
+    return check_int(value, what, lo=lo, hi=MAX_BYTES)
+
+
+def check_ids(values: Any, what: str, *, lo: int, hi: int) -> np.ndarray:
+    """Ids in ``[lo, hi)`` as an int64 array, from a sequence of ints or an integer array.
+
+    Accepts Python ints, numpy integers, integer numpy arrays and integer
+    tensors; refuses floats, bools and strings (a slot 2.9 is never slot 2).
+    """
+    if isinstance(values, torch.Tensor):
+        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+            raise InvalidValueError(f"{what} must hold integers, got a {values.dtype} tensor")
+        values = values.detach().cpu().numpy()
+    if isinstance(values, np.ndarray):
+        if values.dtype.kind not in "iu":
+            raise InvalidValueError(f"{what} must hold integers, got an array of {values.dtype}")
+        arr = values.astype(np.int64, copy=False).reshape(-1)
+    else:
+        if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+            raise InvalidValueError(f"{what} must be a sequence of ints, got {values!r}")
+        items = list(values)
+        for i, v in enumerate(items):
+            check_int(v, f"{what}[{i}]")
+        arr = np.asarray([int(v) for v in items], dtype=np.int64)
+    bad = arr[(arr < lo) | (arr >= hi)]
+    if bad.size:
+        legal = f"{lo}..{hi - 1}" if hi > lo else "none (the range is empty)"
+        raise InvalidValueError(f"{what}: id {int(bad[0])} is out of range; legal: {legal}")
+    return arr
+
+
+def check_choice(value: Any, what: str, choices: Iterable[Any]) -> Any:
+    """``value`` if it is one of ``choices``, else refuse naming them."""
+    options = tuple(choices)
+    if value not in options:
+        raise InvalidValueError(
+            f"{what} must be one of {', '.join(map(repr, options))}; got {value!r}"
+        )
+    return value
+
+
+def check_device(device: Any) -> torch.device:
+    """A torch device this process can allocate on, else refuse naming what exists."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InvalidValueError(
+            f"device {device!r} is not a torch device (e.g. 'cpu', 'cuda:0')"
+        ) from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise InvalidValueError(
+                f"device {device!r}: this machine has no CUDA device; use 'cpu'"
+            )
+        if dev.index is not None and dev.index >= count:
+            raise InvalidValueError(f"device {device!r}: legal CUDA indices are 0..{count - 1}")
+    elif dev.type != "cpu":
+        backend = getattr(torch, dev.type, None)
+        if backend is None or not getattr(backend, "is_available", lambda: False)():
+            raise InvalidValueError(f"device {device!r} is not available here; use 'cpu'")
+    return dev
