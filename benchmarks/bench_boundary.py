@@ -18,20 +18,13 @@ import time
 
 import torch
 
-from kvarena import UnifiedCache
+from kvarena import UnifiedCache, plan_cache
 from kvarena.models import ServingOptions, model_cache
 
 
 def one_round(budget: int, grow: int, pattern: str) -> tuple[float, float, int, int, int]:
     model = model_cache("qwen3-next-80b-a3b", ServingOptions(tp=8))
-    cache = UnifiedCache(
-        model.page_fields,
-        model.state_fields,
-        budget,
-        "cpu",
-        state_slots=8,
-        tokens_per_block=16,
-    )
+    cache = UnifiedCache.from_plan(plan_cache(model, budget_bytes=budget, max_seqs=8), "cpu")
     blocks = cache.blocks.allocate(cache.num_blocks)
     for b in blocks:
         cache.block_bytes_of(b).fill_(b % 251)

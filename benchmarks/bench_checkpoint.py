@@ -18,8 +18,8 @@ from collections.abc import Callable
 import torch
 from _timing import side_by_side
 
-from kvarena import EntryField, EntryMajorArena
-from kvarena.checkpoint import CheckpointSpec, PageUnits, restore, store
+from kvarena import CheckpointSpec, EntryField, ModelCache, UnifiedCache, plan_cache
+from kvarena.layout import min_slot_stride
 from kvarena.models import ServingOptions, model_cache
 
 
@@ -38,29 +38,34 @@ LAYOUTS: dict[str, Callable[[], list[EntryField]]] = {
 
 def bench(name: str, requests: int, unit_bytes: int, repeats: int) -> dict:
     fields = LAYOUTS[name]()
-    spec = CheckpointSpec.build(fields, unit_bytes)
-    state = EntryMajorArena(fields, requests, "cpu")
+    # The real road: a cache whose PAGE blocks are the image units, planned for
+    # the source states, the restore targets and every image's units.
+    units_per_image = CheckpointSpec.build(fields, unit_bytes).units_per_image
+    n_units = requests * units_per_image
+    model = ModelCache.from_fields(
+        [EntryField("unit", 1, (unit_bytes,), torch.uint8)], fields, block_size=16
+    )
+    budget = 2 * requests * min_slot_stride(fields) + (n_units + 1) * unit_bytes
+    plan = plan_cache(model, budget_bytes=budget, max_seqs=2 * requests, clamp=False)
+    cache = UnifiedCache.from_plan(plan, "cpu")
+    spec = cache.checkpoint_spec(unit_bytes)
+    slots = [cache.allocate_state(("src", r))[0] for r in range(requests)]
+    back = [cache.allocate_state(("dst", r))[0] for r in range(requests)]
     gen = torch.Generator().manual_seed(0)
     for f in fields:
-        v = state.view(f.name)
-        v.copy_(torch.randn(v.shape, generator=gen).to(f.dtype))
-    n_units = requests * spec.units_per_image
-    pages = PageUnits(
-        torch.zeros(n_units * unit_bytes, dtype=torch.uint8), unit_bytes, unit_bytes, n_units
-    )
+        v = cache.state_view(f.name)
+        for s in slots:
+            v[:, s].copy_(torch.randn(v[:, s].shape, generator=gen).to(f.dtype))
     # Scatter each image's units across the pool (reverse order: no accidental runs).
-    order = list(reversed(range(n_units)))
-    units = [
-        order[c * spec.units_per_image : (c + 1) * spec.units_per_image] for c in range(requests)
-    ]
-    slots = list(range(requests))
+    order = list(reversed(cache.blocks.allocate(n_units)))
+    units = [order[c * units_per_image : (c + 1) * units_per_image] for c in range(requests)]
     ops = {"kvarena": 0}
 
     def kv_store() -> None:
-        ops["kvarena"] = store(spec, state, slots, pages, units).ops
+        ops["kvarena"] = cache.store(spec, slots, units).ops
 
     carried = [f for f in fields if f.in_checkpoint]
-    sep_src = {f.name: state.view(f.name).contiguous() for f in carried}
+    sep_src = {f.name: cache.state_view(f.name)[:, slots].contiguous() for f in carried}
     sep_dst = {f.name: torch.zeros_like(sep_src[f.name]) for f in carried}
 
     def loop_store() -> None:
@@ -74,22 +79,20 @@ def bench(name: str, requests: int, unit_bytes: int, repeats: int) -> dict:
     flat_a = torch.ones(nbytes, dtype=torch.uint8)
     flat_b = torch.zeros(nbytes, dtype=torch.uint8)
 
-    back = EntryMajorArena(fields, requests, "cpu")
     t = side_by_side(
         {
             "kv": kv_store,
-            "restore": lambda: restore(spec, pages, units, back, slots),
+            "restore": lambda: cache.restore(spec, units, back),
             "loop": loop_store,
             "mem": lambda: flat_b.copy_(flat_a),
         },
         repeats,
         torch.device("cpu"),
     )
-    # The restored arena holds exactly the carried bytes.
+    # The restored slots hold exactly the carried bytes.
     for f in carried:
-        assert torch.equal(
-            back.view(f.name).view(torch.uint8), state.view(f.name).view(torch.uint8)
-        ), f.name
+        v = cache.state_view(f.name)
+        assert torch.equal(v[:, back].view(torch.uint8), v[:, slots].view(torch.uint8)), f.name
 
     return {
         "name": name,

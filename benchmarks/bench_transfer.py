@@ -15,20 +15,20 @@ from __future__ import annotations
 import argparse
 import os
 
-from kvarena.transfer.loopback import SideProcess, SideSpec, connect_pair
-
-from kvarena.layout import align_up, entry_bytes_for, min_slot_stride
+from kvarena import plan_cache
+from kvarena.layout import align_up, min_slot_stride
 from kvarena.models import ServingOptions, model_cache
+from kvarena.testing.loopback import SideProcess, connect_pair
 
 
 def bench(preset: str, tokens: int, rounds: int, tp: int, fragmented: bool) -> dict:
     m = model_cache(preset, ServingOptions(tp=tp))
     blocks = -(-tokens // m.block_size)
-    block_bytes = entry_bytes_for(m.page_fields)
+    block = min_slot_stride(m.page_fields)
     slot = min_slot_stride(m.state_fields)
-    total = align_up((3 * blocks + 4) * block_bytes + 3 * slot, 1 << 20)
-    spec = SideSpec(m.page_fields, m.state_fields, total, state_slots=2)
-    prefill, decode = SideProcess("prefill", spec), SideProcess("decode", spec)
+    total = align_up((3 * blocks + 4) * block + 3 * slot, 1 << 20)
+    plan = plan_cache(m, budget_bytes=total, max_seqs=2, clamp=False)
+    prefill, decode = SideProcess("prefill", plan), SideProcess("decode", plan)
     try:
         peer, _ = connect_pair(prefill, decode)
         prefill.call("fill", "r", blocks, 1)

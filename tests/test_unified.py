@@ -203,3 +203,84 @@ def test_refresh_reorders_lru_without_a_reference():
     a.refresh(0)  # a prefix lookup hit block 0 without taking it
     assert a.evictable_blocks() == [1, 2, 0] and a.refcount(0) == 0
     assert a.allocate(2) == [1, 2] and evicted == [1, 2]
+
+
+def test_checkpoint_liveness_follows_the_allocators_across_moves():
+    c = make(state_slots=4)
+    spec = c.checkpoint_spec()
+    units = [c.blocks.allocate(spec.units_per_image)]
+    for r in range(4):
+        c.allocate_state(r)
+    src = c.slots.slots_of(0)[0]
+    c.slot_bytes_of(src).fill_(7)
+    c.store(spec, [src], units)
+    # Finish two requests; shrink gives their (lowest) slots back to PAGE.
+    low = sorted(c.slots.slots_of(r)[0] for r in range(4))[:2]
+    for r in range(4):
+        if c.slots.slots_of(r)[0] in low:
+            c.free_state(r)
+    c.shrink_state(2)
+    before = c.buf.clone()
+    with pytest.raises(ValueError, match=r"out of range; legal"):
+        c.restore(spec, units, [low[0]])  # a slot the STATE pool no longer owns
+    freed = c.free_state(c.slots.requests[0])[0]  # in the pool, held by no one
+    with pytest.raises(ValueError, match="is free; only slots a request holds"):
+        c.restore(spec, units, [freed])
+    assert torch.equal(c.buf, before)
+    # Grow again: a request on a slot won from PAGE can be stored from and restored into.
+    c.grow_state(3)
+    while c.slots.num_free:
+        gained = c.allocate_state(("new", c.slots.num_free))[0]
+    assert gained == c.slots.first  # the lowest slot, won from PAGE by the grow
+    c.restore(spec, units, [gained])
+    o, n = spec.ranges[0]
+    assert (c.slot_bytes_of(gained)[o : o + n] == 7).all()
+    c.store(spec, [gained], units)
+    # Units must be held: a released block is refused for a store, a free one for a restore.
+    c.blocks.release(units[0][0])
+    with pytest.raises(ValueError, match="is free; it must be live"):
+        c.store(spec, [gained], units)
+    with pytest.raises(ValueError, match="is free; it must be live or evictable"):
+        c.restore(spec, units, [gained])
+
+
+def test_relocation_keeps_every_byte_of_an_image_in_a_block_tail():
+    # A PAGE field aligned to 1024 makes the block stride exceed the block's bytes;
+    # units of a whole stride put image bytes in that tail, and a move must keep them.
+    page = [
+        EntryField("k", 1, (1024,), torch.uint8),
+        EntryField("s", 1, (8,), torch.uint8, align=1024),
+    ]
+    state = [EntryField("ssm", 2, (3000,), torch.uint8)]
+    cache = UnifiedCache.from_plan(plan_for(page, state, 256 * 1024, 2), "cpu")
+    assert cache.block_stride == 2048 and cache.block_bytes == 1280
+    spec = cache.checkpoint_spec()
+    assert spec.unit_bytes == 2048
+    slot = cache.allocate_state("a")[0]
+    cache.state_view("ssm")[:, slot].copy_(
+        torch.arange(6000, dtype=torch.int64).view(2, 3000) % 253
+    )
+    # Put the image's units at the top of the PAGE pool, below them nothing live.
+    top = cache.blocks.allocate(cache.num_blocks)
+    units = top[-spec.units_per_image :]
+    for b in top[: -spec.units_per_image]:
+        cache.blocks.release(b)
+    cache.store(spec, [slot], [units])
+    move = cache.grow_state(2)
+    moved = [move.block_remap.get(u, u) for u in units]
+    assert moved != units  # they had to move
+    cache.state_view("ssm")[:, slot].zero_()
+    cache.restore(spec, [moved], [slot])
+    expect = torch.arange(6000, dtype=torch.int64).view(2, 3000) % 253
+    assert torch.equal(cache.state_view("ssm")[:, slot].to(torch.int64), expect)
+    assert move.copied_bytes == len(move.block_remap) * cache.block_stride
+
+
+def test_request_ids_that_read_as_free_are_refused():
+    c = make()
+    before = (c.slots.num_free, c.buf.clone())
+    with pytest.raises(ValueError, match="request id None"):
+        c.allocate_state(None)
+    with pytest.raises(ValueError, match="not hashable"):
+        c.allocate_state(["r"])
+    assert c.slots.num_free == before[0] and torch.equal(c.buf, before[1])

@@ -40,8 +40,6 @@ class PoolGeometry:
     @property
     def top(self) -> int:
         """End of the STATE region: the buffer's end rounded down to the STATE alignment."""
-        if not self.slot_stride:
-            return self.total_bytes
         return self.total_bytes // self.state_alignment * self.state_alignment
 
     @property

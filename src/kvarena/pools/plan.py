@@ -232,6 +232,6 @@ def plan_cache(
             entries = {"state": slots} if model.state_fields else {}
             if model.page_fields:
                 entries["page"] = 1
-            raise PoolBudgetError(needed, budget, entries, fitting, clamped=clamp)
+            raise PoolBudgetError(needed, budget, entries, fitting)
         seqs = fitting
     return CachePlan(model=model, budget_bytes=budget, requested_seqs=asked, max_seqs=seqs)

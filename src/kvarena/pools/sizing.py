@@ -94,17 +94,15 @@ class PoolBudgetError(InvalidValueError):
         available: int,
         entries: dict[str, int],
         max_fitting_seqs: int,
-        *,
-        clamped: bool = False,
     ) -> None:
         self.needed = needed
         self.available = available
         self.entries = entries
         self.max_fitting_seqs = max_fitting_seqs
+        # With clamp=True only "not even one" is ever raised, so the advice to
+        # pass it is given exactly when it would help.
         if max_fitting_seqs < 1:
             advice = "not even one request fits; raise the budget"
-        elif clamped:
-            advice = f"at most max_num_seqs={max_fitting_seqs} fits"
         else:
             advice = (
                 f"at most max_num_seqs={max_fitting_seqs} fits (pass clamp=True to plan at that)"
@@ -201,7 +199,7 @@ def plan_pools(
     if needed > budget_bytes:
         fitting = max_fitting_seqs(merged, budget_bytes)
         if not clamp or fitting < 1:
-            raise PoolBudgetError(needed, budget_bytes, floor, fitting, clamped=clamp)
+            raise PoolBudgetError(needed, budget_bytes, floor, fitting)
         seqs = fitting
         floor = {c.name: c.floor_entries(seqs) for c in merged if c.pool is PoolKind.STATE}
         needed = sum(floor[c.name] * c.entry_bytes for c in merged if c.name in floor)
