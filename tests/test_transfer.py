@@ -31,10 +31,16 @@ def random_spec(seed: int, total: int = 6 << 20):
         for i in range(rng.randint(1, 3))
     )
     state = tuple(
-        EntryField(f"s{i}", rng.randint(1, 4), (rng.randint(1, 8), rng.randint(1, 300)), rng.choice(dtypes),
-                   align=rng.choice([0, 0, 512]), in_checkpoint=rng.random() < 0.8)
+        EntryField(
+            f"s{i}",
+            rng.randint(1, 4),
+            (rng.randint(1, 8), rng.randint(1, 300)),
+            rng.choice(dtypes),
+            align=rng.choice([0, 0, 512]),
+            in_checkpoint=rng.random() < 0.8,
+        )
         for i in range(rng.randint(1, 3))
-    )  # fmt: skip
+    )
     score = EntryField("score", 1, (16,), torch.float32, fill=-math.inf)
     return plan_for(page, (*state, score), total, max_seqs=6)
 

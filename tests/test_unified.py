@@ -60,6 +60,7 @@ def test_grow_relocates_live_blocks_one_copy_each_and_keeps_bytes():
     assert move.slots_after == 6 and move.blocks_after < move.blocks_before
     assert high[0] in move.evicted_blocks and evicted == [high[0]]
     assert set(move.block_remap) == {b for b in blocks[move.blocks_after :] if b != high[0]}
+    assert len(move.block_remap) == move.blocks_before - move.blocks_after - 1 > 0
     for old, new in move.block_remap.items():
         assert new < move.blocks_after
         assert (c.block_bytes_of(new) == old % 251).all()

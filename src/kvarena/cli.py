@@ -30,8 +30,22 @@ ModelArg = Annotated[
     str, typer.Argument(help=f"a preset ({', '.join(PRESETS)}) or a config.json path")
 ]
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20,
-          "mb": 10**6, "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}  # fmt: skip
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "kb": 10**3,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "mb": 10**6,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "gb": 10**9,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+    "tb": 10**12,
+}
 
 
 def parse_bytes(text: str) -> int:
@@ -71,9 +85,15 @@ def _fields_table(title: str, entry: dict) -> Table:
         )
     for f in entry["fields"]:
         table.add_row(
-            f["name"], f["dtype"], f"{f['layers']} x {f['shape']}", f"{f['offset']:,}", f"{f['bytes']:,}",
-            f"{f['pad_before']:,}", "yes" if f["in_checkpoint"] else "no", f["fill"],
-        )  # fmt: skip
+            f["name"],
+            f["dtype"],
+            f"{f['layers']} x {f['shape']}",
+            f"{f['offset']:,}",
+            f"{f['bytes']:,}",
+            f"{f['pad_before']:,}",
+            "yes" if f["in_checkpoint"] else "no",
+            f["fill"],
+        )
     table.caption = f"entry {entry['entry_bytes']:,} B ({entry['tail_padding']:,} B tail padding)"
     return table
 
@@ -138,9 +158,12 @@ def _render_plan(r: dict) -> None:
             "kvarena", f"{o['block_size']} tokens", "0 B", "0 B", f"{p['token_capacity']:,}"
         )
         cmp.add_row(
-            "vLLM", f"{v['attention_block_tokens']} tokens", f"{v['state_page_padding_bytes']:,} B",
-            f"{v['padding_bytes_at_max_seqs']:,} B", f"{v['kv_token_capacity']:,}",
-        )  # fmt: skip
+            "vLLM",
+            f"{v['attention_block_tokens']} tokens",
+            f"{v['state_page_padding_bytes']:,} B",
+            f"{v['padding_bytes_at_max_seqs']:,} B",
+            f"{v['kv_token_capacity']:,}",
+        )
         console.print(cmp)
     for note in r["notes"]:
         console.print(f"note: {note}")

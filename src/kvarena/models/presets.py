@@ -331,15 +331,24 @@ def _per_layer(fields: list[EntryField]) -> int:
 
 
 def _mamba2_fields(
-    layers: int, heads: int, head_dim: int, state: int, groups: int, kernel: int, tp: int,
-    conv_dtype: torch.dtype, ssm_dtype: torch.dtype, names: tuple[str, str] = ("conv_state", "ssm_state"),
-) -> list[EntryField]:  # fmt: skip
+    *,
+    layers: int,
+    heads: int,
+    head_dim: int,
+    state: int,
+    groups: int,
+    kernel: int,
+    tp: int,
+    conv_dtype: torch.dtype,
+    ssm_dtype: torch.dtype,
+) -> list[EntryField]:
+    """Mamba2's conv and SSM states, split over ``tp`` ranks as vLLM splits them."""
     intermediate = heads * head_dim
     conv_dim = _split(intermediate + 2 * groups * state, tp, "mamba conv dim")
     return [
-        EntryField(names[0], layers, (kernel - 1, conv_dim), conv_dtype),
+        EntryField("conv_state", layers, (kernel - 1, conv_dim), conv_dtype),
         EntryField(
-            names[1], layers, (_split(heads, tp, "mamba heads"), head_dim, state), ssm_dtype
+            "ssm_state", layers, (_split(heads, tp, "mamba heads"), head_dim, state), ssm_dtype
         ),
     ]
 
@@ -468,14 +477,27 @@ def _mamba2(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCache:
     heads = c.get("num_heads") or expand * hidden // head_dim
     model = _model_dtype(c)
     state = _mamba2_fields(
-        layers, heads, head_dim, c.get("state_size") or ssm.get("d_state", 128),
-        c.get("n_groups") or ssm.get("ngroups", 1), c.get("conv_kernel") or ssm.get("d_conv", 4),
-        o.tp, model, _state_dtype(o, model),
-    )  # fmt: skip
+        layers=layers,
+        heads=heads,
+        head_dim=head_dim,
+        state=c.get("state_size") or ssm.get("d_state", 128),
+        groups=c.get("n_groups") or ssm.get("ngroups", 1),
+        kernel=c.get("conv_kernel") or ssm.get("d_conv", 4),
+        tp=o.tp,
+        conv_dtype=model,
+        ssm_dtype=_state_dtype(o, model),
+    )
     return _model(
-        name, "mamba2", o, _block(o, 16), [], state, attention=0, state_layers=layers,
+        name,
+        "mamba2",
+        o,
+        _block(o, 16),
+        [],
+        state,
+        attention=0,
+        state_layers=layers,
         recurrent=layers,
-    )  # fmt: skip
+    )
 
 
 def _nemotron_h(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCache:
@@ -488,13 +510,27 @@ def _nemotron_h(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCach
         attn, block, _kv_heads(c["num_key_value_heads"], o.tp), head_dim, _kv_dtype(o, model)
     )
     state = _mamba2_fields(
-        mamba, c["mamba_num_heads"], c["mamba_head_dim"], c["ssm_state_size"], c["n_groups"],
-        c["conv_kernel"], o.tp, model, _state_dtype(o, model),
-    )  # fmt: skip
+        layers=mamba,
+        heads=c["mamba_num_heads"],
+        head_dim=c["mamba_head_dim"],
+        state=c["ssm_state_size"],
+        groups=c["n_groups"],
+        kernel=c["conv_kernel"],
+        tp=o.tp,
+        conv_dtype=model,
+        ssm_dtype=_state_dtype(o, model),
+    )
     return _model(
-        name, "nemotron_h", o, block, page, state, attention=attn, state_layers=mamba,
+        name,
+        "nemotron_h",
+        o,
+        block,
+        page,
+        state,
+        attention=attn,
+        state_layers=mamba,
         recurrent=mamba,
-    )  # fmt: skip
+    )
 
 
 def _kimi_linear(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCache:
@@ -507,13 +543,31 @@ def _kimi_linear(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCac
     heads, head_dim = lin["num_heads"], lin["head_dim"]
     state = [
         # Short convolutions over q, k and v: three heads x head_dim channels each.
-        EntryField("conv_state", kda, (lin["short_conv_kernel_size"] - 1, _split(3 * heads * head_dim, o.tp, "KDA conv dim")), model),
-        EntryField("recurrent_state", kda, (_split(heads, o.tp, "KDA heads"), head_dim, head_dim), _state_dtype(o, torch.float32)),
-    ]  # fmt: skip
+        EntryField(
+            "conv_state",
+            kda,
+            (lin["short_conv_kernel_size"] - 1, _split(3 * heads * head_dim, o.tp, "KDA conv dim")),
+            model,
+        ),
+        EntryField(
+            "recurrent_state",
+            kda,
+            (_split(heads, o.tp, "KDA heads"), head_dim, head_dim),
+            _state_dtype(o, torch.float32),
+        ),
+    ]
     return _model(
-        name, "kimi_linear", o, block, page, state, attention=mla, state_layers=kda,
-        recurrent=kda, align=64,
-    )  # fmt: skip
+        name,
+        "kimi_linear",
+        o,
+        block,
+        page,
+        state,
+        attention=mla,
+        state_layers=kda,
+        recurrent=kda,
+        align=64,
+    )
 
 
 def _deepseek_v4(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCache:
@@ -558,9 +612,17 @@ def _deepseek_v4(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCac
     notes = ("HCA compressor rings are rebuilt from the compressed KV, so checkpoints skip them",)
     # Every layer keeps a sliding-window ring; the CSA and HCA layers also page.
     return _model(
-        name, "deepseek_v4", o, block, page, state, attention=csa + hca, state_layers=layers,
-        align=64, notes=notes,
-    )  # fmt: skip
+        name,
+        "deepseek_v4",
+        o,
+        block,
+        page,
+        state,
+        attention=csa + hca,
+        state_layers=layers,
+        align=64,
+        notes=notes,
+    )
 
 
 _BUILDERS = {

@@ -112,9 +112,15 @@ class _Side:
         blocks, slots = self.requests[request]
         before = [self.cache.blocks.refcount(b) for b in blocks]
         result = self.sender.ship(
-            peer, request, blocks, slots, dst["blocks"], dst["slots"],
-            CacheGeometry.from_dict(dst["geometry"]), timeout_s=timeout_s,
-        )  # fmt: skip
+            peer,
+            request,
+            blocks,
+            slots,
+            dst["blocks"],
+            dst["slots"],
+            CacheGeometry.from_dict(dst["geometry"]),
+            timeout_s=timeout_s,
+        )
         assert [self.cache.blocks.refcount(b) for b in blocks] == before  # pins released
         return {
             "descriptors": result.descriptors,
@@ -391,9 +397,15 @@ def connect_pair(prefill: SideProcess, decode: SideProcess) -> tuple[str, str]:
 
 
 def ship_request(
-    prefill: SideProcess, decode: SideProcess, peer: str, request: str, num_blocks: int, seed: int,
-    *, timeout_s: float = 30.0,
-) -> dict:  # fmt: skip
+    prefill: SideProcess,
+    decode: SideProcess,
+    peer: str,
+    request: str,
+    num_blocks: int,
+    seed: int,
+    *,
+    timeout_s: float = 30.0,
+) -> dict:
     """Fill a request on the prefill side, ship it, wait for it; compare digests."""
     src = prefill.call("fill", request, num_blocks, seed)
     dst = decode.call("expect", request, num_blocks, timeout_s)

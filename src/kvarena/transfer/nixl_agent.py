@@ -157,9 +157,13 @@ class NixlEndpoint:
         handle = None
         try:
             handle = self.agent.make_prepped_xfer(
-                op, p.local_prep, indices(self.geometry(), local), p.remote_prep, indices(p.geometry, remote),
+                op,
+                p.local_prep,
+                indices(self.geometry(), local),
+                p.remote_prep,
+                indices(p.geometry, remote),
                 notif_msg=notif,
-            )  # fmt: skip
+            )
             state = self.agent.transfer(handle)
             while state == "PROC":
                 if time.perf_counter() > start + timeout_s:
@@ -354,13 +358,24 @@ class DecodeReceiver(NixlEndpoint):
         if p is None:
             raise InvalidValueError(f"request {request!r} is not expected; call expect() first")
         dst_slots = list(p.slots[: len(src["slots"])])
-        plan = plan_request(CacheGeometry.from_dict(src["geometry"]), self.geometry(),
-                            src["blocks"], p.blocks, src["slots"], dst_slots)  # fmt: skip
+        plan = plan_request(
+            CacheGeometry.from_dict(src["geometry"]),
+            self.geometry(),
+            src["blocks"],
+            p.blocks,
+            src["slots"],
+            dst_slots,
+        )
         try:
             seconds = self._post(
-                "READ", peer, request, (p.blocks, dst_slots), (src["blocks"], src["slots"]),
-                f"pulled:{request}".encode(), timeout_s,
-            )  # fmt: skip
+                "READ",
+                peer,
+                request,
+                (p.blocks, dst_slots),
+                (src["blocks"], src["slots"]),
+                f"pulled:{request}".encode(),
+                timeout_s,
+            )
         except TransferError as exc:
             self._free(self._pending.pop(request), request)
             self.failed.append((request, str(exc)))

@@ -113,9 +113,15 @@ class PrefillClient:
             {"op": "expect", "request": request, "blocks": len(blocks), "timeout_s": self.timeout_s}
         )
         return self.sender.ship(
-            self.peer, request, blocks, slots[: len(dst["slots"])], dst["blocks"], dst["slots"],
-            CacheGeometry.from_dict(dst["geometry"]), timeout_s=self.timeout_s,
-        )  # fmt: skip
+            self.peer,
+            request,
+            blocks,
+            slots[: len(dst["slots"])],
+            dst["blocks"],
+            dst["slots"],
+            CacheGeometry.from_dict(dst["geometry"]),
+            timeout_s=self.timeout_s,
+        )
 
     def status(self, request: str) -> dict:
         return self._call({"op": "status", "request": request})
