@@ -272,8 +272,8 @@ def _unified_checks(
     # Fill the slots won from PAGE, then finish the original (topmost) requests:
     # the live states now sit at the bottom, where a shrink releases slots.
     extra = {r: cache.allocate_state(r)[0] for r in range(100, 100 + cache.slots.num_free)}
-    for r in [*reqs, *owners]:
-        cache.free_state(r)
+    for done in [*reqs, *owners]:
+        cache.free_state(done)
     for r, slot in extra.items():
         cache.slot_bytes_of(slot).fill_(r % 251)
     shrink = cache.shrink_state(len(reqs) + len(owners))

@@ -29,8 +29,8 @@ class CacheGeometry:
     slot_base: int
     first_slot: int
     total_slots: int
-    page_fingerprint: str
-    state_fingerprint: str
+    page_fingerprint: str | None
+    state_fingerprint: str | None
 
     @classmethod
     def of(cls, cache: UnifiedCache) -> CacheGeometry:
