@@ -49,14 +49,6 @@ def _check_widths(plane_row_bytes: Sequence[int]) -> list[int]:
     ]
 
 
-def _walk_bytes(items: list[tuple[int, int]]) -> int:
-    """entry_bytes_for over (nbytes, start_alignment) pairs, in order."""
-    end = 0
-    for nbytes, alignment in items:
-        end = -(-end // alignment) * alignment + nbytes
-    return -(-end // ALIGNMENT) * ALIGNMENT
-
-
 def plane_rows(fields: Sequence[EntryField], row_bytes: int) -> int:
     """Rows one plane needs for ``fields``: ceil(entry bytes / row width)."""
     return -(-entry_bytes_for(fields) // row_bytes)

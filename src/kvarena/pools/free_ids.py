@@ -50,7 +50,3 @@ class FreeIds:
     def below(self, limit: int) -> list[int]:
         """Free ids under ``limit``, lowest first."""
         return sorted(i for i in self._set if i < limit)
-
-    def at_or_above(self, limit: int) -> list[int]:
-        """Free ids ``>= limit``, lowest first."""
-        return sorted(i for i in self._set if i >= limit)
