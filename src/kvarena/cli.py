@@ -1,7 +1,7 @@
 """The kvarena command: plan a model's cache, run the demo.
 
 Exit codes: 0 success, 1 a demo verification failed, 2 bad arguments or an
-unknown model (with a one-line reason on stderr).
+unknown model (with a one-line reason on stderr, never a traceback).
 """
 
 from __future__ import annotations
@@ -9,22 +9,70 @@ from __future__ import annotations
 import json
 import re
 import sys
-from typing import Annotated
+from decimal import Decimal, InvalidOperation
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from typer.core import TyperGroup
 
-from .checks import check_device
+try:  # typer >= 0.20 vendors click; older typer depends on it
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError
+except ImportError:  # pragma: no cover - depends on the typer release
+    from click.exceptions import ClickException, NoArgsIsHelpError  # type: ignore[no-redef]
+
+from .checks import MAX_BYTES, check_count, check_device
 from .demo import DemoConfig, run_demo, state_fields
+from .errors import Error, InvalidValueError
 from .models import KV_DTYPES, PRESETS, STATE_DTYPES, ServingOptions, model_cache
 from .pools import plan_cache
+from .pools.plan import MAX_SEQS
 from .report import SCHEMA_VERSION, plan_report
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+
+def _one_line(message: str) -> None:
+    """The reason, on stderr, as one line and verbatim (no markup: a model name
+    with ``[...]`` in it is printed as given)."""
+    sys.stderr.write("error: " + " ".join(str(message).split()) + "\n")
+    sys.stderr.flush()
+
+
+class _OneLineErrors(TyperGroup):
+    """Every refusal, whether typer's (a bad option, a value out of range) or
+    kvarena's, ends as one line on stderr and exit code 2; exit 1 stays for a
+    verification that failed."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except NoArgsIsHelpError as exc:
+            sys.stdout.write(exc.format_message() + "\n")
+            code = 2
+        except ClickException as exc:
+            _one_line(exc.format_message())
+            code = 2
+        except typer.Abort:
+            _one_line("aborted")
+            code = 2
+        except RecursionError:
+            _one_line("input nested too deeply")
+            code = 2
+        except Exception as exc:
+            # A kvarena.Error names the value and the legal range; anything
+            # else is still one line, with its type so a report can name it.
+            _one_line(exc if isinstance(exc, Error) else f"{type(exc).__name__}: {exc}")
+            code = 2
+        code = code if isinstance(code, int) else 0
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, cls=_OneLineErrors)
 # Piped output (CI logs, files) gets wide tables instead of 80 folded columns.
 console = Console(width=None if sys.stdout.isatty() else 160)
-errors = Console(stderr=True)
 
 ModelArg = Annotated[
     str, typer.Argument(help=f"a preset ({', '.join(PRESETS)}) or a config.json path")
@@ -49,23 +97,30 @@ _UNITS = {
 
 
 def parse_bytes(text: str) -> int:
-    """``"40GiB"``, ``"40G"`` (binary), ``"40GB"`` (decimal), ``"1048576"`` -> bytes."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    """``"40GiB"``, ``"40G"`` (binary), ``"40GB"`` (decimal), ``"1048576"`` -> bytes.
+
+    Exact: the number is read as a decimal, never through a float, so a large
+    byte count is not rounded; a size that is not a whole number of bytes or
+    exceeds 1 EiB is refused.
+    """
+    match = re.fullmatch(r"\s*([0-9]{0,30}\.?[0-9]{1,30})\s*([a-zA-Z]*)\s*", text)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
-        raise typer.BadParameter(
+        raise InvalidValueError(
             f"{text!r} is not a size; use e.g. 40GiB, 512MiB, 80GB or a byte count"
         )
-    value = int(float(match.group(1)) * _UNITS[unit])
+    try:
+        exact = Decimal(match.group(1)) * _UNITS[unit]
+    except InvalidOperation:
+        raise InvalidValueError(f"{text!r} is not a size") from None
+    if exact != exact.to_integral_value():
+        raise InvalidValueError(f"{text!r} is not a whole number of bytes ({exact})")
+    value = int(exact)
+    if value > MAX_BYTES:
+        raise InvalidValueError(f"{text!r} exceeds the largest budget, {MAX_BYTES:,} bytes (1 EiB)")
     if value <= 0:
-        raise typer.BadParameter(f"{text!r} must be positive")
+        raise InvalidValueError(f"{text!r} must be positive")
     return value
-
-
-def _fail(message: str) -> typer.Exit:
-    """Print a one-line reason on stderr; exit code 2 (bad arguments, unknown model)."""
-    errors.print(f"[red]error:[/red] {message}", soft_wrap=True)
-    return typer.Exit(2)
 
 
 def _fields_table(title: str, entry: dict) -> Table:
@@ -101,7 +156,7 @@ def _fields_table(title: str, entry: dict) -> Table:
 def _render_plan(r: dict) -> None:
     o = r["options"]
     console.print(
-        f"[bold]{r['model']}[/bold] ({r['family']}): TP {o['tp']}, KV {o['kv_dtype']}, state {o['state_dtype']}, "
+        f"[bold]{escape(r['model'])}[/bold] ({r['family']}): TP {o['tp']}, KV {o['kv_dtype']}, state {o['state_dtype']}, "
         f"block {o['block_size']} tokens, {o['spec_tokens']} speculative tokens; "
         f"{r['layers']['attention']} paged layers, {r['layers']['state']} layers holding "
         f"per-request state ({r['layers']['recurrent']} recurrent)"
@@ -166,41 +221,37 @@ def _render_plan(r: dict) -> None:
         )
         console.print(cmp)
     for note in r["notes"]:
-        console.print(f"note: {note}")
+        console.print(f"note: {escape(note)}")
 
 
 @app.command()
 def plan(
     model: ModelArg = "qwen3-next-80b-a3b",
     memory: Annotated[str, typer.Option(help="cache budget, e.g. 40GiB")] = "40GiB",
-    max_seqs: Annotated[int, typer.Option(min=1, help="requests in flight")] = 64,
+    max_seqs: Annotated[int, typer.Option(help="requests in flight")] = 64,
     block_size: Annotated[
-        int | None, typer.Option(min=1, help="tokens per PAGE block (family default)")
+        int | None, typer.Option(help="tokens per PAGE block (family default)")
     ] = None,
-    tp: Annotated[int, typer.Option(min=1, help="tensor-parallel size")] = 1,
+    tp: Annotated[int, typer.Option(help="tensor-parallel size")] = 1,
     kv_dtype: Annotated[str, typer.Option(help=f"one of {', '.join(KV_DTYPES)}")] = "auto",
     state_dtype: Annotated[str, typer.Option(help=f"one of {', '.join(STATE_DTYPES)}")] = "auto",
-    spec_tokens: Annotated[
-        int, typer.Option(min=0, help="speculative tokens (rollback copies)")
-    ] = 0,
+    spec_tokens: Annotated[int, typer.Option(help="speculative tokens (rollback copies)")] = 0,
     as_json: Annotated[
         bool, typer.Option("--json", help=f"machine-readable output (schema {SCHEMA_VERSION})")
     ] = False,
 ) -> None:
     """What a model's cache looks like and how much of it fits a budget."""
-    try:
-        budget = parse_bytes(memory)
-        options = ServingOptions(
-            tp=tp,
-            kv_dtype=kv_dtype,
-            state_dtype=state_dtype,
-            block_size=block_size,
-            spec_tokens=spec_tokens,
-        )
-        plan_ = plan_cache(model_cache(model, options), budget_bytes=budget, max_seqs=max_seqs)
-        report = plan_report(plan_)
-    except (ValueError, typer.BadParameter) as exc:
-        raise _fail(str(exc)) from None
+    budget = parse_bytes(memory)
+    check_count(max_seqs, "--max-seqs", lo=1, hi=MAX_SEQS)
+    options = ServingOptions(
+        tp=tp,
+        kv_dtype=kv_dtype,
+        state_dtype=state_dtype,
+        block_size=block_size,
+        spec_tokens=spec_tokens,
+    )
+    plan_ = plan_cache(model_cache(model, options), budget_bytes=budget, max_seqs=max_seqs)
+    report = plan_report(plan_)
     if as_json:
         typer.echo(json.dumps(report, indent=2))
     else:
@@ -211,18 +262,16 @@ def plan(
 def demo(
     model: ModelArg = "qwen3-next-80b-a3b",
     tp: Annotated[int, typer.Option(help="tensor-parallel size (8 keeps it small)")] = 8,
-    requests: Annotated[int, typer.Option(min=1, help="request states to materialize")] = 4,
+    requests: Annotated[int, typer.Option(help="request states to materialize")] = 4,
     device: Annotated[str, typer.Option(help="torch device")] = "cpu",
     seed: Annotated[int, typer.Option(help="pattern seed")] = 0,
 ) -> None:
     """Materialize request states, write through kernel views, verify every byte."""
-    try:
-        state_fields(model, tp)
-        dev = check_device(device)
-    except (ValueError, RuntimeError) as exc:
-        raise _fail(str(exc)) from None
+    check_count(requests, "--requests", lo=1, hi=1024)
+    state_fields(model, tp)
+    dev = check_device(device)
     config = DemoConfig(model=model, tp=tp, requests=requests, seed=seed)
-    table = Table(title=f"kvarena demo: {model}, TP {tp}, {requests} requests on {dev}")
+    table = Table(title=escape(f"kvarena demo: {model}, TP {tp}, {requests} requests on {dev}"))
     table.add_column("check")
     table.add_column("result")
     table.add_column("detail")

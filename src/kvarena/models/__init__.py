@@ -1,5 +1,6 @@
 """Model presets: cache declarations derived from Hugging Face configs."""
 
+from .config import ConfigError, ConfigReader
 from .presets import (
     KV_DTYPES,
     PRESETS,
@@ -16,6 +17,8 @@ __all__ = [
     "KV_DTYPES",
     "PRESETS",
     "STATE_DTYPES",
+    "ConfigError",
+    "ConfigReader",
     "ModelCache",
     "ServingOptions",
     "UnknownModelError",

@@ -37,6 +37,7 @@ from ..checks import check_count
 from ..errors import InvalidValueError
 from ..layout import EntryField
 from ..layout.fields import check_fields
+from .config import MAX_LAYERS, ConfigError, ConfigReader, UnknownModelError
 
 PRESETS = (
     "llama-3.1-8b",
@@ -69,10 +70,6 @@ MAX_BLOCK_SIZE = 1 << 20
 
 KV_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_ds_mla")
 STATE_DTYPES = ("auto", "bfloat16", "float16", "float32")
-
-
-class UnknownModelError(InvalidValueError):
-    """A config whose family kvarena has no preset for."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,24 +196,51 @@ class ModelCache:
 
 
 def load_config(source: str | Path | Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-    """``(name, config)`` from a built-in preset name, a ``config.json`` path or a dict."""
+    """``(name, config)`` from a built-in preset name, a ``config.json`` path or a dict.
+
+    Whatever the file holds, the answer is a JSON object or an
+    :class:`UnknownModelError` naming the file: not UTF-8, not JSON, nested
+    too deeply to parse, or JSON that is not an object.
+    """
     if isinstance(source, Mapping):
-        return str(source.get("_name_or_path", source.get("model_type", "config"))), dict(source)
+        name = source.get("_name_or_path") or source.get("model_type") or "config"
+        return str(name), dict(source)
+    if not isinstance(source, (str, Path)):
+        raise UnknownModelError(
+            f"a model is a preset name, a config.json path or a dict, got {type(source).__name__}"
+        )
     text = str(source)
     if text in PRESETS:
         data = resources.files("kvarena.models").joinpath("configs", f"{text}.json").read_text()
         return text, json.loads(data)
     path = Path(text)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
+    try:
+        if path.is_dir():
+            path = path / "config.json"
+        found = path.is_file()
+    except (OSError, ValueError):
+        found = False
+    if not found:
         raise UnknownModelError(
             f"unknown model {text!r}: not a built-in preset ({', '.join(PRESETS)}) nor a config.json path"
         )
     try:
-        return path.parent.name or path.stem, json.loads(path.read_text())
+        config = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise UnknownModelError(
+            f"{path} is not UTF-8 text: {exc.reason} at byte {exc.start}"
+        ) from None
     except json.JSONDecodeError as exc:
         raise UnknownModelError(f"{path} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise UnknownModelError(f"{path} nests too deeply to be a config") from None
+    except OSError as exc:
+        raise UnknownModelError(f"{path} cannot be read: {exc.strerror}") from None
+    if not isinstance(config, dict):
+        raise UnknownModelError(
+            f"{path} holds a JSON {type(config).__name__}, not the object a config.json is"
+        )
+    return path.parent.name or path.stem, config
 
 
 _FAMILY_BY_TYPE = {
@@ -253,18 +277,23 @@ _FAMILY_BY_ARCH = {
 
 def detect_family(config: Mapping[str, Any]) -> str:
     """The preset family from ``model_type``, then ``architectures``."""
-    family = _FAMILY_BY_TYPE.get(str(config.get("model_type", "")))
-    if family is None:
-        for arch in config.get("architectures") or []:
-            family = _FAMILY_BY_ARCH.get(arch)
+    if not isinstance(config, Mapping):
+        raise UnknownModelError(f"a config must be a JSON object, got {type(config).__name__}")
+    model_type = config.get("model_type")
+    family = _FAMILY_BY_TYPE.get(model_type) if isinstance(model_type, str) else None
+    archs = config.get("architectures")
+    if family is None and isinstance(archs, list):
+        for arch in archs:
+            family = _FAMILY_BY_ARCH.get(arch) if isinstance(arch, str) else None
             if family:
                 break
-    if family is None and (config.get("ssm_cfg") or {}).get("layer") == "Mamba2":
+    ssm = config.get("ssm_cfg")
+    if family is None and isinstance(ssm, Mapping) and ssm.get("layer") == "Mamba2":
         family = "mamba2"  # mamba_ssm-format configs name neither
     if family is None:
         raise UnknownModelError(
-            f"unknown model family: model_type={config.get('model_type')!r}, "
-            f"architectures={config.get('architectures')!r}; supported model_types: "
+            f"unknown model family: model_type={model_type!r}, "
+            f"architectures={archs!r}; supported model_types: "
             f"{', '.join(sorted(_FAMILY_BY_TYPE))}"
         )
     return family
@@ -273,12 +302,13 @@ def detect_family(config: Mapping[str, Any]) -> str:
 # -- helpers -------------------------------------------------------------------
 
 
-def _model_dtype(config: Mapping[str, Any]) -> torch.dtype:
-    name = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+def _model_dtype(c: ConfigReader) -> torch.dtype:
+    """The dtype the model computes in: ``torch_dtype`` (or transformers 5's ``dtype``)."""
+    name = c.str("torch_dtype", default=None) if c.has("torch_dtype") else None
+    if name is None:
+        name = c.str("dtype", default="bfloat16")
     if name not in _DTYPES:
-        raise InvalidValueError(
-            f"config torch_dtype {name!r} unsupported; legal: {sorted(_DTYPES)}"
-        )
+        raise ConfigError(f"{c.where}: torch_dtype {name!r} unsupported; legal: {sorted(_DTYPES)}")
     return _DTYPES[name]
 
 
@@ -386,29 +416,46 @@ def _model(
 # -- families --------------------------------------------------------------------
 
 
-def _gqa(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCache:
-    layers = c["num_hidden_layers"]
-    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+def _head_dim(c: ConfigReader) -> int:
+    """``head_dim`` when the config names it, else hidden size over attention heads."""
+    if c.has("head_dim"):
+        return c.int("head_dim")
+    hidden, heads = c.int("hidden_size"), c.int("num_attention_heads")
+    if hidden % heads:
+        raise ConfigError(
+            f"{c.where}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}"
+        )
+    return hidden // heads
+
+
+def _gqa(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
+    layers = c.int("num_hidden_layers", hi=MAX_LAYERS)
     block = _block(o, 16)
     kv = _kv_dtype(o, _model_dtype(c))
-    page = _kv_fields(layers, block, _kv_heads(c["num_key_value_heads"], o.tp), head_dim, kv)
+    heads = _kv_heads(c.int("num_key_value_heads"), o.tp)
+    page = _kv_fields(layers, block, heads, _head_dim(c), kv)
     return _model(name, "gqa", o, block, page, [], attention=layers, state_layers=0)
 
 
-def _gemma3(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCache:
-    t = c.get("text_config") or c
-    layers = t["num_hidden_layers"]
-    if "layer_types" in t:
-        full = sum(1 for kind in t["layer_types"] if kind == "full_attention")
+def _gemma3(name: str, root: ConfigReader, o: ServingOptions) -> ModelCache:
+    t = root.sub("text_config", optional=True) or root
+    layers = t.int("num_hidden_layers", hi=MAX_LAYERS)
+    if t.has("layer_types"):
+        kinds = t.str_list("layer_types")
+        if len(kinds) != layers:
+            raise ConfigError(
+                f"{t.where}: layer_types names {len(kinds)} layers but num_hidden_layers is {layers}"
+            )
+        full = kinds.count("full_attention")
     else:
-        pattern = t.get("sliding_window_pattern", 6)
-        full = sum(1 for i in range(layers) if (i + 1) % pattern == 0)
+        pattern = t.int("sliding_window_pattern", hi=MAX_LAYERS, default=6)
+        full = layers // pattern  # every pattern-th layer is global
     local = layers - full
-    heads = _kv_heads(t["num_key_value_heads"], o.tp)
-    head_dim = t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"]
-    window = t["sliding_window"]
+    heads = _kv_heads(t.int("num_key_value_heads"), o.tp)
+    head_dim = _head_dim(t)
+    window = t.int("sliding_window")
     block = _block(o, 16)
-    kv = _kv_dtype(o, _model_dtype(c))
+    kv = _kv_dtype(o, _model_dtype(root))
     page = _kv_fields(full, block, heads, head_dim, kv)
     # Local layers never need more than the window: a per-request ring.
     state = [
@@ -424,9 +471,9 @@ def _gemma3(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCache:
 
 
 def _mla_row(
-    c: Mapping[str, Any], o: ServingOptions, model: torch.dtype
+    c: ConfigReader, o: ServingOptions, model: torch.dtype
 ) -> tuple[tuple[int, ...], torch.dtype]:
-    latent, rope = c["kv_lora_rank"], c["qk_rope_head_dim"]
+    latent, rope = c.int("kv_lora_rank"), c.int("qk_rope_head_dim")
     dtype = _kv_dtype(o, model, packed_mla=True)
     if o.kv_dtype == "fp8_ds_mla":
         # [latent fp8 | one fp32 scale per 128 | rope bf16]: 512 + 16 + 128 = 656 B.
@@ -434,28 +481,55 @@ def _mla_row(
     return (latent + rope,), dtype
 
 
-def _mla(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCache:
-    layers = c["num_hidden_layers"] + (c.get("num_nextn_predict_layers", 0) if o.spec_tokens else 0)
+def _mla(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
+    layers = c.int("num_hidden_layers", hi=MAX_LAYERS)
+    if o.spec_tokens:
+        layers += c.int("num_nextn_predict_layers", lo=0, hi=MAX_LAYERS, default=0)
     block = _block(o, 64)
     row, dtype = _mla_row(c, o, _model_dtype(c))
     page = [EntryField("kv", layers, (block, *row), dtype)]
     return _model(name, "mla", o, block, page, [], attention=layers, state_layers=0, align=64)
 
 
-def _qwen3_next(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCache:
-    layers, interval = c["num_hidden_layers"], c["full_attention_interval"]
-    attn = sum(1 for i in range(layers) if (i + 1) % interval == 0)
-    gdn = layers - attn
+def _qwen3_next_layers(c: ConfigReader) -> tuple[int, int]:
+    """(attention layers, Gated DeltaNet layers) from ``layer_types`` (transformers 5)
+    or ``full_attention_interval`` (the original config)."""
+    layers = c.int("num_hidden_layers", hi=MAX_LAYERS)
+    if c.has("layer_types"):
+        kinds = c.str_list("layer_types")
+        if len(kinds) != layers:
+            raise ConfigError(
+                f"{c.where}: layer_types names {len(kinds)} layers but num_hidden_layers is {layers}"
+            )
+        unknown = sorted(set(kinds) - {"full_attention", "linear_attention"})
+        if unknown:
+            raise ConfigError(
+                f"{c.where}: layer_types holds {unknown}; legal: 'full_attention', 'linear_attention'"
+            )
+        attn = kinds.count("full_attention")
+        return attn, layers - attn
+    interval = c.int("full_attention_interval", hi=MAX_LAYERS)
+    attn = layers // interval  # every interval-th layer is full attention
+    return attn, layers - attn
+
+
+def _qwen3_next(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
+    attn, gdn = _qwen3_next_layers(c)
     model = _model_dtype(c)
     block = _block(o, 16)
     page = _kv_fields(
-        attn, block, _kv_heads(c["num_key_value_heads"], o.tp), c["head_dim"], _kv_dtype(o, model)
+        attn,
+        block,
+        _kv_heads(c.int("num_key_value_heads"), o.tp),
+        _head_dim(c),
+        _kv_dtype(o, model),
     )
-    nk, nv = c["linear_num_key_heads"], c["linear_num_value_heads"]
-    dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
+    nk, nv = c.int("linear_num_key_heads"), c.int("linear_num_value_heads")
+    dk, dv = c.int("linear_key_head_dim"), c.int("linear_value_head_dim")
     conv_dim = _split(2 * nk * dk + nv * dv, o.tp, "GDN conv dim")
+    kernel = c.int("linear_conv_kernel_dim", lo=2)
     state = [
-        EntryField("conv_state", gdn, (c["linear_conv_kernel_dim"] - 1, conv_dim), model),
+        EntryField("conv_state", gdn, (kernel - 1, conv_dim), model),
         EntryField(
             "recurrent_state",
             gdn,
@@ -468,21 +542,32 @@ def _qwen3_next(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCach
     )
 
 
-def _mamba2(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCache:
-    hidden = c.get("hidden_size") or c["d_model"]
-    layers = c.get("num_hidden_layers") or c["n_layer"]
-    ssm = c.get("ssm_cfg") or {}
-    expand = c.get("expand") or ssm.get("expand", 2)
-    head_dim = c.get("head_dim") or ssm.get("headdim", 64)
-    heads = c.get("num_heads") or expand * hidden // head_dim
+def _mamba2(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
+    # Hugging Face's Mamba2Config, or mamba_ssm's (d_model, n_layer, ssm_cfg).
+    ssm = c.sub("ssm_cfg", optional=True) or ConfigReader({}, f"{c.where}.ssm_cfg")
+    hidden = c.first_int(("hidden_size", "d_model"))
+    layers = c.first_int(("num_hidden_layers", "n_layer"), hi=MAX_LAYERS)
+    expand = c.int("expand") if c.has("expand") else ssm.int("expand", default=2)
+    head_dim = c.int("head_dim") if c.has("head_dim") else ssm.int("headdim", default=64)
+    if c.has("num_heads"):
+        heads = c.int("num_heads")
+    else:
+        if expand * hidden % head_dim:
+            raise ConfigError(
+                f"{c.where}: expand x hidden_size = {expand * hidden} is not a multiple of "
+                f"head_dim {head_dim}"
+            )
+        heads = expand * hidden // head_dim
     model = _model_dtype(c)
     state = _mamba2_fields(
         layers=layers,
         heads=heads,
         head_dim=head_dim,
-        state=c.get("state_size") or ssm.get("d_state", 128),
-        groups=c.get("n_groups") or ssm.get("ngroups", 1),
-        kernel=c.get("conv_kernel") or ssm.get("d_conv", 4),
+        state=c.int("state_size") if c.has("state_size") else ssm.int("d_state", default=128),
+        groups=c.int("n_groups") if c.has("n_groups") else ssm.int("ngroups", default=1),
+        kernel=c.int("conv_kernel", lo=2)
+        if c.has("conv_kernel")
+        else ssm.int("d_conv", lo=2, default=4),
         tp=o.tp,
         conv_dtype=model,
         ssm_dtype=_state_dtype(o, model),
@@ -500,22 +585,30 @@ def _mamba2(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCache:
     )
 
 
-def _nemotron_h(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCache:
-    pattern = c["hybrid_override_pattern"]
+def _nemotron_h(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
+    pattern = c.str("hybrid_override_pattern")
+    if len(pattern) > MAX_LAYERS or set(pattern) - set("M*-E"):
+        raise ConfigError(
+            f"{c.where}: hybrid_override_pattern must be at most {MAX_LAYERS} of 'M' (Mamba2), "
+            f"'*' (attention), '-' (MLP) and 'E' (MoE), got {pattern[:40]!r}"
+        )
     mamba, attn = pattern.count("M"), pattern.count("*")
     model = _model_dtype(c)
     block = _block(o, 16)
-    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     page = _kv_fields(
-        attn, block, _kv_heads(c["num_key_value_heads"], o.tp), head_dim, _kv_dtype(o, model)
+        attn,
+        block,
+        _kv_heads(c.int("num_key_value_heads"), o.tp),
+        _head_dim(c),
+        _kv_dtype(o, model),
     )
     state = _mamba2_fields(
         layers=mamba,
-        heads=c["mamba_num_heads"],
-        head_dim=c["mamba_head_dim"],
-        state=c["ssm_state_size"],
-        groups=c["n_groups"],
-        kernel=c["conv_kernel"],
+        heads=c.int("mamba_num_heads"),
+        head_dim=c.int("mamba_head_dim"),
+        state=c.int("ssm_state_size"),
+        groups=c.int("n_groups"),
+        kernel=c.int("conv_kernel", lo=2),
         tp=o.tp,
         conv_dtype=model,
         ssm_dtype=_state_dtype(o, model),
@@ -533,20 +626,23 @@ def _nemotron_h(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCach
     )
 
 
-def _kimi_linear(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCache:
-    lin = c["linear_attn_config"]
-    mla, kda = len(lin["full_attn_layers"]), len(lin["kda_layers"])
+def _kimi_linear(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
+    lin = c.sub("linear_attn_config")
+    assert lin is not None
+    mla = len(lin.int_list("full_attn_layers", lo=1, hi=MAX_LAYERS))
+    kda = len(lin.int_list("kda_layers", lo=1, hi=MAX_LAYERS))
     model = _model_dtype(c)
     block = _block(o, 64)
     row, dtype = _mla_row(c, o, model)
     page = [EntryField("kv", mla, (block, *row), dtype)]
-    heads, head_dim = lin["num_heads"], lin["head_dim"]
+    heads, head_dim = lin.int("num_heads"), lin.int("head_dim")
+    kernel = lin.int("short_conv_kernel_size", lo=2)
     state = [
         # Short convolutions over q, k and v: three heads x head_dim channels each.
         EntryField(
             "conv_state",
             kda,
-            (lin["short_conv_kernel_size"] - 1, _split(3 * heads * head_dim, o.tp, "KDA conv dim")),
+            (kernel - 1, _split(3 * heads * head_dim, o.tp, "KDA conv dim")),
             model,
         ),
         EntryField(
@@ -570,16 +666,17 @@ def _kimi_linear(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCac
     )
 
 
-def _deepseek_v4(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCache:
-    layers = c["num_hidden_layers"]
-    ratios = c["compress_ratios"][:layers]
+def _deepseek_v4(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
+    layers = c.int("num_hidden_layers", hi=MAX_LAYERS)
+    ratios = c.int_list("compress_ratios")[:layers]
     csa, hca = ratios.count(4), ratios.count(128)
     block = _block(o, 256)
     if block % 128:
         raise InvalidValueError(
             f"DeepSeek-V4 blocks must be a multiple of 128 tokens (one HCA row), got {block}"
         )
-    head_dim, k = c["head_dim"], o.spec_tokens
+    head_dim, k = c.int("head_dim", lo=65), o.spec_tokens
+    index_dim = c.int("index_head_dim")
     model = _model_dtype(c)
     if o.kv_dtype in ("fp8", "fp8_ds_mla"):
         # 448 fp8 NoPE + 64 bf16 RoPE + 8 B of UE8M0 scales: 584 B per compressed row.
@@ -589,20 +686,18 @@ def _deepseek_v4(name: str, c: Mapping[str, Any], o: ServingOptions) -> ModelCac
     page = [
         EntryField("csa_kv", csa, (block // 4, *row), kv),
         # Indexer keys: 128 fp8 values + one fp32 scale per compressed row.
-        EntryField("csa_indexer_k", csa, (block // 4, c["index_head_dim"] + 4), torch.uint8),
+        EntryField("csa_indexer_k", csa, (block // 4, index_dim + 4), torch.uint8),
         EntryField("hca_kv", hca, (block // 128, *row), kv),
     ]
     f32, ninf = torch.float32, -math.inf
-    window = c["sliding_window"] + k
+    window = c.int("sliding_window") + k
     state = [
         # Compressor rings: coff * ratio rows (coff 2 for the overlapping ratio-4
         # CSA, 1 for HCA), each row kv + score of 2 * coff * head_dim / 2 fp32.
         EntryField("csa_kv_state", csa, (8 + k, 2 * head_dim), f32),
         EntryField("csa_score_state", csa, (8 + k, 2 * head_dim), f32, fill=ninf),
-        EntryField("csa_indexer_kv_state", csa, (8 + k, 2 * c["index_head_dim"]), f32),
-        EntryField(
-            "csa_indexer_score_state", csa, (8 + k, 2 * c["index_head_dim"]), f32, fill=ninf
-        ),
+        EntryField("csa_indexer_kv_state", csa, (8 + k, 2 * index_dim), f32),
+        EntryField("csa_indexer_score_state", csa, (8 + k, 2 * index_dim), f32, fill=ninf),
         EntryField("swa_window", layers, (window, *row), kv),
         EntryField("hca_kv_state", hca, (128 + k, head_dim), f32, in_checkpoint=False),
         EntryField(
@@ -640,12 +735,15 @@ _BUILDERS = {
 def model_cache(
     source: str | Path | Mapping[str, Any], options: ServingOptions | None = None
 ) -> ModelCache:
-    """The cache declarations of a model: a preset name, a config path or a dict."""
+    """The cache declarations of a model: a preset name, a config path or a dict.
+
+    Every config field a preset reads is checked for type and range; a field
+    that is missing, or present and nonsense, is refused naming it.
+    """
+    if options is not None and not isinstance(options, ServingOptions):
+        raise InvalidValueError(
+            f"options must be ServingOptions(...), got {type(options).__name__}"
+        )
     name, config = load_config(source)
     family = detect_family(config)
-    try:
-        return _BUILDERS[family](name, config, options or ServingOptions())
-    except KeyError as exc:
-        raise UnknownModelError(
-            f"config of {name!r} ({family}) lacks the field {exc.args[0]!r}"
-        ) from None
+    return _BUILDERS[family](name, ConfigReader(config, name), options or ServingOptions())
