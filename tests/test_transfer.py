@@ -2,6 +2,7 @@
 
 import math
 import multiprocessing as mp
+import os
 import random
 import time
 
@@ -240,3 +241,31 @@ def test_disaggregated_example_runs():
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "byte-exact on the decode side: True" in done.stdout
+
+
+def test_pinning_is_all_or_nothing():
+    from kvarena import PrefillSender, UnifiedCache
+    from kvarena.transfer import CacheGeometry
+
+    cache = UnifiedCache.from_plan(random_spec(5), "cpu")
+    live = cache.blocks.allocate(3)
+    cache.blocks.release(live[2])  # one source block is no longer held
+    slot = cache.allocate_state("r")[0]
+    sender = PrefillSender(f"pin-test-{os.getpid()}", cache)
+    try:
+        geometry = CacheGeometry.of(cache)
+        for call in (
+            lambda: sender.offer("r", live, [slot]),
+            lambda: sender.ship("peer", "r", live, [slot], [7, 8, 9], [slot], geometry),
+        ):
+            with pytest.raises(ValueError, match=f"block {live[2]} is free"):
+                call()
+            assert [cache.blocks.refcount(b) for b in live] == [1, 1, 0]
+        with pytest.raises(ValueError, match="slot .* is free"):
+            sender.offer("r", live[:2], [slot - 1])
+        assert [cache.blocks.refcount(b) for b in live] == [1, 1, 0]
+        with pytest.raises(ValueError, match="timeout_s"):
+            sender.offer("r", live[:2], [slot], timeout_s=0)
+        assert sender.offered == []
+    finally:
+        sender.close()

@@ -285,3 +285,43 @@ def test_request_ids_that_read_as_free_are_refused():
     with pytest.raises(ValueError, match="not hashable"):
         c.allocate_state(["r"])
     assert c.slots.num_free == before[0] and torch.equal(c.buf, before[1])
+
+
+def test_a_raising_on_evict_cannot_leave_an_operation_half_done():
+    from kvarena.pools import EvictionCallbackError
+
+    seen = []
+
+    def angry(block):
+        seen.append(block)
+        raise RuntimeError(f"no {block}")
+
+    a = BlockAllocator(4, on_evict=angry)
+    blocks = a.allocate(4)
+    for b in blocks[:3]:
+        a.set_cached(b)
+        a.release(b)
+    with pytest.raises(EvictionCallbackError, match="on_evict raised for 2") as info:
+        a.allocate(2)
+    # Completed first: both evictions applied, both callbacks ran, the blocks are held.
+    assert info.value.result == [0, 1] and seen == [0, 1]
+    assert [b for b, _ in info.value.errors] == [0, 1]
+    assert a.refcount(0) == a.refcount(1) == 1 and a.evictable_blocks() == [2]
+    assert a.num_free + a.num_live + a.num_evictable == a.capacity
+
+    # A boundary move completes too: its remap is on the error, the bytes moved.
+    c = make(on_evict=angry)
+    blocks = c.blocks.allocate(c.num_blocks)
+    for b in blocks:
+        c.block_bytes_of(b).fill_(b % 251)
+    for b in blocks[:-4]:
+        c.blocks.set_cached(b)
+        c.blocks.release(b)  # all evictable but the top four, which are live
+    seen.clear()
+    with pytest.raises(EvictionCallbackError) as info:
+        c.grow_state(1)
+    move = info.value.result
+    assert move.slots_after == 5 and len(move.block_remap) == 4 and seen
+    assert set(seen) == set(move.evicted_blocks)
+    for old, new in move.block_remap.items():
+        assert (c.block_bytes_of(new) == old % 251).all() and c.blocks.refcount(new) == 1

@@ -117,3 +117,17 @@ def check_device(device: Any) -> torch.device:
         if backend is None or not getattr(backend, "is_available", lambda: False)():
             raise InvalidValueError(f"device {device!r} is not available here; use 'cpu'")
     return dev
+
+
+MAX_TIMEOUT_S = 24 * 3600.0
+"""Timeouts beyond a day are refused (a typo, not a deadline)."""
+
+
+def check_timeout(value: Any, what: str) -> float:
+    """A timeout in seconds: a finite number in ``(0, MAX_TIMEOUT_S]``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidValueError(f"{what} must be seconds in (0, {MAX_TIMEOUT_S:g}], got {value!r}")
+    seconds = float(value)
+    if not 0 < seconds <= MAX_TIMEOUT_S:
+        raise InvalidValueError(f"{what} must be seconds in (0, {MAX_TIMEOUT_S:g}], got {value!r}")
+    return seconds

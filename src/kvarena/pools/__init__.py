@@ -1,6 +1,6 @@
 """Pools: one plan from a budget, allocators, and one allocation with a movable boundary."""
 
-from .blocks import BlockAllocationError, BlockAllocator
+from .blocks import BlockAllocationError, BlockAllocator, EvictionCallbackError
 from .geometry import PoolGeometry
 from .plan import CachePlan, plan_cache
 from .sizing import (
@@ -24,6 +24,7 @@ __all__ = [
     "CachePlan",
     "ClassPlan",
     "EntryClass",
+    "EvictionCallbackError",
     "PoolBudgetError",
     "PoolGeometry",
     "PoolKind",

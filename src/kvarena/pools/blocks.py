@@ -6,12 +6,19 @@ nothing to give up. A block whose last reference is released while it holds
 a prefix-cached key becomes *evictable* instead of free: it keeps its bytes
 for a future prefix hit, and is reclaimed in least-recently-used order, with
 a callback so the prefix cache can forget its key.
+
+The callback runs after the operation that evicted has completed, never in
+the middle of it: an ``on_evict`` that raises cannot leave an allocation or a
+boundary move half done. The operation completes, every callback runs, and
+then the callbacks' failures are raised together as
+:class:`EvictionCallbackError`, which carries the operation's result.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -31,6 +38,21 @@ class BlockAllocationError(Error, RuntimeError):
         )
 
 
+class EvictionCallbackError(Error, RuntimeError):
+    """``on_evict`` raised. The operation that evicted had completed first: its
+    result (the blocks allocated, the boundary move) is ``.result``, and
+    ``.errors`` pairs each evicted block whose callback raised with the error."""
+
+    def __init__(self, result: Any, errors: list[tuple[int, Exception]]) -> None:
+        self.result, self.errors = result, errors
+        first = errors[0]
+        super().__init__(
+            f"on_evict raised for {len(errors)} evicted block(s) (first: block {first[0]}: "
+            f"{type(first[1]).__name__}: {first[1]}); the operation completed, its result is "
+            "on .result"
+        )
+
+
 class BlockAllocator:
     """Blocks ``[0, capacity)``: O(log n) alloc/free, refcounts, LRU evictables.
 
@@ -44,7 +66,11 @@ class BlockAllocator:
         self._refs: dict[int, int] = {}
         self._cached: set[int] = set()
         self._lru: OrderedDict[int, None] = OrderedDict()
+        if on_evict is not None and not callable(on_evict):
+            raise InvalidValueError(f"on_evict must be callable, got {on_evict!r}")
         self._on_evict = on_evict
+        self._evicted: list[int] = []  # evicted by the operation in progress
+        self._holds = 0  # > 0 while an enclosing operation defers the callbacks
 
     # -- queries -------------------------------------------------------------
     @property
@@ -120,6 +146,7 @@ class BlockAllocator:
         blocks = [self._free.pop() for _ in range(n)]
         for b in blocks:
             self._refs[b] = 1
+        self.notify_evicted(blocks)
         return blocks
 
     def retain(self, block: int) -> None:
@@ -132,6 +159,14 @@ class BlockAllocator:
             self._refs[block] += 1
         else:
             raise InvalidValueError(f"block {block} is free; allocate it instead of retaining it")
+
+    def pin(self, blocks: Any, what: str) -> list[int]:
+        """One more reference on each of ``blocks``, all or nothing: every id is
+        checked live first, so a refused pin leaves every refcount as it was."""
+        ids = self.check_held(blocks, what, writing=True).tolist()
+        for b in ids:
+            self._refs[b] += 1
+        return ids
 
     def release(self, block: int) -> None:
         """Drop one reference; at zero a cached block becomes evictable, else free."""
@@ -173,11 +208,41 @@ class BlockAllocator:
         self._lru.move_to_end(block)
 
     def _evict(self, block: int) -> None:
+        """The state change of an eviction; its callback waits for the operation to end."""
         del self._lru[block]
         self._cached.discard(block)
         self._free.push(block)
-        if self._on_evict is not None:
-            self._on_evict(block)
+        self._evicted.append(block)
+
+    @contextmanager
+    def deferred_callbacks(self) -> Iterator[None]:
+        """Hold ``on_evict`` callbacks while a larger operation (a boundary move)
+        completes; it calls :meth:`notify_evicted` with its result afterwards."""
+        self._holds += 1
+        try:
+            yield
+        finally:
+            self._holds -= 1
+
+    def notify_evicted(self, result: Any) -> None:
+        """Run ``on_evict`` for each block the completed operation evicted.
+
+        Every callback runs even if one raises; failures are then raised as one
+        :class:`EvictionCallbackError` carrying ``result``.
+        """
+        if self._holds:
+            return  # the enclosing operation notifies when it completes
+        evicted, self._evicted = self._evicted, []
+        if self._on_evict is None:
+            return
+        errors: list[tuple[int, Exception]] = []
+        for b in evicted:
+            try:
+                self._on_evict(b)
+            except Exception as exc:  # collected: the operation already completed
+                errors.append((b, exc))
+        if errors:
+            raise EvictionCallbackError(result, errors)
 
     def evict(self, block: int) -> None:
         """Evict one specific evictable block now."""
@@ -185,6 +250,7 @@ class BlockAllocator:
         if block not in self._lru:
             raise InvalidValueError(f"block {block} is not evictable")
         self._evict(block)
+        self.notify_evicted(None)
 
     # -- moving the boundary -------------------------------------------------
     def move(self, old: int, new: int) -> None:

@@ -97,8 +97,6 @@ class UnifiedCache:
             raise InvalidValueError(
                 "page_layout='layer_major' needs PAGE fields; this plan has none"
             )
-        if on_evict is not None and not callable(on_evict):
-            raise InvalidValueError(f"on_evict must be callable, got {on_evict!r}")
         self.device = check_device(device)
         self.plan = plan
         self.page_fields = plan.page_fields
@@ -342,21 +340,23 @@ class UnifiedCache:
             )
         before = (self.blocks.capacity, self.slots.capacity)
         evicted = list(evictable)
-        for b in evictable:
-            self.blocks.evict(b)
-        targets = room_free[: len(live)]
-        for b in room_evict[: len(live) - len(targets)]:
-            self.blocks.evict(b)
-            evicted.append(b)
-            targets.append(b)
-        targets.sort()
-        moves = list(zip(live, targets, strict=True))
-        ops, copied = self._copy(moves, self.block_stride, 0)
-        for old, new in moves:
-            self.blocks.move(old, new)
-        self.blocks.shrink(self.blocks.capacity - new_blocks)
-        self.slots.grow(n)
-        return BoundaryMove(
+        # Eviction callbacks run once the move is complete (see BlockAllocator).
+        with self.blocks.deferred_callbacks():
+            for b in evictable:
+                self.blocks.evict(b)
+            targets = room_free[: len(live)]
+            for b in room_evict[: len(live) - len(targets)]:
+                self.blocks.evict(b)
+                evicted.append(b)
+                targets.append(b)
+            targets.sort()
+            moves = list(zip(live, targets, strict=True))
+            ops, copied = self._copy(moves, self.block_stride, 0)
+            for old, new in moves:
+                self.blocks.move(old, new)
+            self.blocks.shrink(self.blocks.capacity - new_blocks)
+            self.slots.grow(n)
+        move = BoundaryMove(
             blocks_before=before[0],
             blocks_after=self.blocks.capacity,
             slots_before=before[1],
@@ -368,6 +368,8 @@ class UnifiedCache:
             copies=ops,
             copied_bytes=copied,
         )
+        self.blocks.notify_evicted(move)
+        return move
 
     def shrink_state(self, n: int) -> BoundaryMove:
         """Give ``n`` slots back to PAGE: live states in them move to free higher slots."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..checks import check_timeout
 from ..errors import Error, InvalidValueError, LayoutMismatchError
 from ..pools import UnifiedCache
 from .descriptors import plan_request
@@ -246,12 +247,12 @@ class PrefillSender(NixlEndpoint):
         ends, successfully or not. On failure or timeout the transfer handle
         is released and :class:`TransferError` raised.
         """
+        timeout_s = check_timeout(timeout_s, "ship: timeout_s")
         plan = plan_request(
             self.geometry(), dst_geometry, src_blocks, dst_blocks, src_slots, dst_slots
         )
-        pins = list(src_blocks)
-        for b in pins:
-            self.cache.blocks.retain(b)
+        self.cache.slots.check_held(src_slots, "ship: source slots")
+        pins = self.cache.blocks.pin(src_blocks, "ship: source blocks")
         try:
             seconds = self._post(
                 "WRITE",
@@ -273,13 +274,13 @@ class PrefillSender(NixlEndpoint):
         self, request: str, blocks: Sequence[int], slots: Sequence[int], *, timeout_s: float = 30.0
     ) -> dict:
         """Pin a request's blocks for a peer to READ; returns the ids and this geometry."""
+        timeout_s = check_timeout(timeout_s, "offer: timeout_s")
         if request in self._offers:
             raise InvalidValueError(f"request {request!r} is already offered")
-        pins = list(blocks)
-        for b in pins:
-            self.cache.blocks.retain(b)
+        slot_ids = self.cache.slots.check_held(slots, "offer: slots").tolist()
+        pins = self.cache.blocks.pin(blocks, "offer: blocks")
         self._offers[request] = (pins, time.monotonic() + timeout_s)
-        return {"blocks": pins, "slots": list(slots), "geometry": self.geometry().to_dict()}
+        return {"blocks": pins, "slots": slot_ids, "geometry": self.geometry().to_dict()}
 
     def poll(self) -> list[str]:
         """Release the pins of offers the peer has read, or that expired; return them."""
@@ -334,6 +335,7 @@ class DecodeReceiver(NixlEndpoint):
         Returns what the sender needs: destination ids and this side's current
         geometry. Refused (nothing allocated) when the pools cannot hold it.
         """
+        timeout_s = check_timeout(timeout_s, "expect: timeout_s")
         if request in self._pending or request in self.ready:
             raise InvalidValueError(f"request {request!r} is already expected")
         blocks = self.cache.blocks.allocate(num_blocks)
@@ -354,6 +356,7 @@ class DecodeReceiver(NixlEndpoint):
         The completion notification tells the peer to release its pins. On
         failure the allocation is freed and :class:`TransferError` raised.
         """
+        timeout_s = check_timeout(timeout_s, "pull: timeout_s")
         p = self._pending.get(request)
         if p is None:
             raise InvalidValueError(f"request {request!r} is not expected; call expect() first")
@@ -415,6 +418,7 @@ class DecodeReceiver(NixlEndpoint):
 
     def wait(self, request: str, timeout_s: float) -> _Pending:
         """Poll until ``request`` is ready; raise :class:`TransferTimeout` otherwise."""
+        timeout_s = check_timeout(timeout_s, "wait: timeout_s")
         deadline = time.monotonic() + timeout_s
         while request not in self.ready:
             self.poll()
