@@ -161,18 +161,52 @@ def test_execute_refuses_before_writing():
             np.array(s, dtype=np.int64), np.array(d, dtype=np.int64), np.array(n, dtype=np.int64)
         )
 
-    with pytest.raises(CopyBoundsError, match=r"reach \[0, 65\).*\[0, 64\)"):
+    with pytest.raises(CopyBoundsError, match=r"lengths up to 65.*\[0, 64\)"):
         execute_batch(batch([0, 0], [0, 16], [8, 65]), src, dst)
+    with pytest.raises(CopyBoundsError, match=r"reach byte 72 .*\[0, 64\)"):
+        execute_batch(batch([0, 60], [0, 16], [8, 12]), src, dst)
+    # A length of 2**63 - 1 would wrap a start + length sum negative; it is refused.
+    with pytest.raises(CopyBoundsError, match="lengths up to 9223372036854775807"):
+        execute_batch(batch([1], [1], [2**63 - 1]), src, dst)
+    with pytest.raises(CopyBoundsError, match="must hold integers"):
+        execute_batch(CopyBatch(np.array([0.5]), np.array([0]), np.array([8])), src, dst)
     with pytest.raises(CopyBoundsError, match="overlap"):
         execute_batch(batch([0, 8], [0, 4], [8, 8]), src, dst)
-    with pytest.raises(CopyBoundsError, match="one storage"):
+    with pytest.raises(CopyBoundsError, match=r"reads \[0, 8\) where it also writes \[4, 12\)"):
         execute_batch(batch([0], [4], [8]), src, src)
+    with pytest.raises(CopyBoundsError, match=r"reads \[40, 48\) where it also writes \[32, 48\)"):
+        execute_batch(batch([0, 40], [32, 50], [16, 8]), src, src)
     assert not dst.any()  # nothing written by any refused batch
+    assert torch.equal(src, torch.arange(64, dtype=torch.uint8))
     with pytest.raises(ValueError, match="uint8"):
         execute_batch(batch([0], [0], [4]), src.float(), dst)
     # Disjoint spans inside one storage are fine.
     execute_batch(batch([0], [32], [8]), src, src)
     assert src[32:40].tolist() == list(range(8))
+
+
+def test_one_source_read_twice_is_legal_in_one_storage():
+    # One state stored into two images, or one image restored into two slots.
+    buf = torch.arange(64, dtype=torch.uint8)
+    src = np.array([0, 0], dtype=np.int64)
+    stats = execute_batch(
+        CopyBatch(src, np.array([16, 40], dtype=np.int64), np.array([8, 8], dtype=np.int64)),
+        buf,
+        buf,
+    )
+    assert stats.spans == 2
+    assert buf[16:24].tolist() == buf[40:48].tolist() == list(range(8))
+
+
+def test_describe_batch_takes_integer_offsets_only():
+    plan = plan_segmented_copy([8], [8], 8)
+    for bad in ([[2.9]], [["3"]], [[True]], np.array([[1.0]])):
+        with pytest.raises(ValueError, match="must hold integer byte offsets"):
+            describe_batch(plan, bad, [[0]])
+    batch = describe_batch(plan, np.array([[np.int32(16)]]), torch.tensor([[24]]))
+    assert batch.src.tolist() == [16] and batch.dst.tolist() == [24]
+    with pytest.raises(ValueError, match="above"):
+        describe_batch(plan, [[2**62]], [[0]])
 
 
 @pytest.mark.parametrize("units_per_image", [1, 4, 7])

@@ -192,3 +192,24 @@ def test_plan_json_is_the_plan():
     assert d["used_bytes"] == d["blocks"] * d["block_stride"] + d["state_slots"] * d["slot_stride"]
     assert strictest_alignment(plan.state_fields) == 256
     assert not math.isnan(d["token_capacity"]) and d["token_capacity"] == 16 * d["blocks"]
+
+
+def test_zero_byte_pools_are_no_pools():
+    empty = [EntryField("nothing", 0, (4,), torch.float32)]
+    page = [EntryField("k", 1, (16, 64), torch.bfloat16)]
+    plan = plan_for(page, empty, 1 << 20, 4)
+    assert plan.state_fields == () and plan.state_slots == 0
+    cache = UnifiedCache.from_plan(plan, "cpu")
+    assert cache.num_slots == 0 and cache.num_blocks == plan.blocks > 0
+    with pytest.raises(ValueError, match="no PAGE or STATE field holds a byte"):
+        ModelCache.from_fields(empty, [EntryField("z", 3, (0,), torch.uint8)], block_size=16)
+
+
+def test_one_byte_float_fills_must_be_exact():
+    with pytest.raises(ValueError, match=r"stores 0\.0 as"):
+        EntryField("scale", 1, (4,), torch.float8_e8m0fnu)
+    with pytest.raises(ValueError, match=r"stores -1\.0 as 1\.0"):
+        EntryField("scale", 1, (4,), torch.float8_e8m0fnu, fill=-1.0)
+    with pytest.raises(ValueError, match=r"stores 0\.1 as"):
+        EntryField("k", 1, (4,), torch.float8_e4m3fn, fill=0.1)
+    assert EntryField("scale", 1, (4,), torch.float8_e8m0fnu, fill=1.0).fill == 1.0

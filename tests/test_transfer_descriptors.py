@@ -88,3 +88,34 @@ def test_per_layer_baseline_count():
     # 2 page fields x 2 layers per block run, 2 state fields over 3 + 1 layers per slot.
     assert per_layer_descriptor_count(4, 4, block_runs=3, slots=1) == 16
     assert np.asarray([per_layer_descriptor_count(4, 4, 1, 1)]).item() == 8
+
+
+def test_a_peer_geometry_is_checked_before_use():
+    _, g = geometry()
+    good = g.to_dict()
+    for change, words in (
+        ({"block_stride": g.block_bytes - 256}, "blocks would overlap"),
+        ({"slot_stride": 1}, "slots would overlap"),
+        ({"num_blocks": 10**9}, "blocks do not fit"),
+        ({"first_slot": g.total_slots + 1}, "first_slot"),
+        ({"size": -1}, "geometry size"),
+        ({"block_bytes": "1024"}, "geometry block_bytes"),
+        ({"page_fingerprint": "abc"}, "not a SHA-256"),
+    ):
+        with pytest.raises(LayoutMismatchError, match=words):
+            CacheGeometry.from_dict(good | change)
+    with pytest.raises(LayoutMismatchError, match="expected the fields"):
+        CacheGeometry.from_dict({k: v for k, v in good.items() if k != "size"})
+    with pytest.raises(LayoutMismatchError, match="expected the fields"):
+        CacheGeometry.from_dict([1, 2])
+    assert CacheGeometry.from_dict(good) == g
+
+
+def test_descriptor_ids_are_integers():
+    _, src = geometry()
+    _, dst = geometry()
+    for bad in ([2.9], ["3"], [True], np.array([1.0])):
+        with pytest.raises(ValueError, match="source blocks"):
+            plan_request(src, dst, bad, [0], [], [])
+    plan = plan_request(src, dst, np.array([3], dtype=np.int32), [np.int64(4)], [], [])
+    assert plan.count == 1

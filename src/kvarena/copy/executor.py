@@ -74,6 +74,30 @@ def _check_disjoint(starts: np.ndarray, lengths: np.ndarray, what: str) -> None:
         )
 
 
+def _check_reads_miss_writes(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> None:
+    """Refuse a source span that overlaps any destination span (one storage).
+
+    Destinations are disjoint (checked first), so sorted by start their ends
+    ascend too: the only destination that can overlap ``[a, b)`` is the last
+    one starting before ``b``.
+    """
+    keep = length > 0
+    s, d, n = src[keep], dst[keep], length[keep]
+    if s.size == 0:
+        return
+    order = np.argsort(d, kind="stable")
+    ds, de = d[order], d[order] + n[order]
+    last = np.searchsorted(ds, s + n, side="left") - 1
+    hit = (last >= 0) & (de[np.maximum(last, 0)] > s)
+    if hit.any():
+        i = int(np.nonzero(hit)[0][0])
+        j = int(last[i])
+        raise CopyBoundsError(
+            f"copy batch reads [{int(s[i])}, {int(s[i] + n[i])}) where it also writes "
+            f"[{int(ds[j])}, {int(de[j])}) (source and destination share one storage)"
+        )
+
+
 def validate_batch(batch: CopyBatch, src_buf: torch.Tensor, dst_buf: torch.Tensor) -> None:
     """Refuse a batch that would read or write outside its buffers, or race itself."""
     check_byte_buffer(src_buf, "copy source buffer")
@@ -87,21 +111,31 @@ def validate_batch(batch: CopyBatch, src_buf: torch.Tensor, dst_buf: torch.Tenso
         raise InvalidValueError("copy batch arrays must be 1-D of one length")
     if n == 0:
         return
+    for name, arr in (("src", batch.src), ("dst", batch.dst), ("length", batch.length)):
+        if arr.dtype.kind not in "iu":
+            raise CopyBoundsError(f"copy batch {name} must hold integers, got {arr.dtype}")
     if batch.length.min() < 0:
         raise CopyBoundsError(f"copy batch holds a negative length {int(batch.length.min())}")
     for name, starts, buf in (("source", batch.src, src_buf), ("destination", batch.dst, dst_buf)):
-        lo, hi = int(starts.min()), int((starts + batch.length).max())
-        if lo < 0 or hi > buf.numel():
+        size = buf.numel()
+        # Each term is bounded before the sum, so start + length cannot wrap int64.
+        if int(starts.min()) < 0 or int(starts.max()) > size or int(batch.length.max()) > size:
             raise CopyBoundsError(
-                f"copy batch {name} spans reach [{lo}, {hi}) but the {name} buffer "
-                f"holds [0, {buf.numel()})"
+                f"copy batch {name} spans start in [{int(starts.min())}, {int(starts.max())}] "
+                f"with lengths up to {int(batch.length.max())}, but the {name} buffer holds "
+                f"[0, {size})"
+            )
+        hi = int((starts.astype(np.int64) + batch.length.astype(np.int64)).max())
+        if hi > size:
+            raise CopyBoundsError(
+                f"copy batch {name} spans reach byte {hi} but the {name} buffer holds [0, {size})"
             )
     _check_disjoint(batch.dst, batch.length, "copy batch destination")
     if src_buf.untyped_storage().data_ptr() == dst_buf.untyped_storage().data_ptr():
+        # Reading one byte twice is fine (one state into two images); reading
+        # a byte another span of the batch writes is a race.
         shift = src_buf.storage_offset() - dst_buf.storage_offset()
-        both = np.concatenate([batch.src + shift, batch.dst])
-        lengths = np.concatenate([batch.length, batch.length])
-        _check_disjoint(both, lengths, "copy batch source vs destination (one storage)")
+        _check_reads_miss_writes(batch.src + shift, batch.dst, batch.length)
 
 
 def _void_rows(buf: np.ndarray, length: int) -> np.ndarray:
@@ -220,6 +254,11 @@ def execute_batch(
             f"execute_batch: the cpu path needs CPU buffers, got {src_buf.device}"
         )
     if path == "triton":
+        if not triton_available():
+            raise InvalidValueError(
+                "execute_batch: path='triton' needs Triton, which is not installed; "
+                "use path='auto' (it picks the torch path without Triton)"
+            )
         from .triton_copy import triton_copy
 
         ops = triton_copy(src_buf, dst_buf, src, dst, length)

@@ -15,8 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
-from ..checks import check_bytes
+from ..checks import MAX_BYTES, check_bytes
 from ..errors import InvalidValueError
 
 
@@ -126,7 +127,15 @@ class CopyBatch:
 
 
 def _bases(bases: object, segments: int, what: str) -> np.ndarray:
-    arr = np.asarray(bases, dtype=np.int64)
+    raw = bases.detach().cpu().numpy() if isinstance(bases, torch.Tensor) else np.asarray(bases)
+    if raw.size and raw.dtype.kind not in "iu":
+        # A base of 2.9 is never byte 2: floats, bools and strings are refused.
+        raise InvalidValueError(
+            f"describe_batch: {what} must hold integer byte offsets, got {raw.dtype}"
+        )
+    if raw.size and raw.dtype.kind == "u" and int(raw.max()) > MAX_BYTES:
+        raise InvalidValueError(f"describe_batch: {what} holds an offset above {MAX_BYTES}")
+    arr = raw.astype(np.int64)
     if arr.ndim != 2 or arr.shape[1] != segments:
         raise InvalidValueError(
             f"describe_batch: {what} must have shape [copies, {segments}] (one base per "
@@ -134,6 +143,10 @@ def _bases(bases: object, segments: int, what: str) -> np.ndarray:
         )
     if arr.size and arr.min() < 0:
         raise InvalidValueError(f"describe_batch: {what} holds a negative offset {int(arr.min())}")
+    if arr.size and arr.max() > MAX_BYTES:
+        raise InvalidValueError(
+            f"describe_batch: {what} holds an offset {int(arr.max())} above {MAX_BYTES}"
+        )
     return arr
 
 

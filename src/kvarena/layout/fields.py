@@ -105,6 +105,10 @@ def _fill_problem(fill: float, dtype: torch.dtype) -> str | None:
     finfo = torch.finfo(dtype)
     if abs(value) > finfo.max:
         return f"{dtype} holds finite values in [{-finfo.max}, {finfo.max}]"
+    # One-byte floats round coarsely, and float8_e8m0fnu has neither zero nor a
+    # sign (0.0 becomes 2**-127, -1.0 becomes 1.0): a fill there must be exact.
+    if dtype.itemsize == 1 and back_value != value:
+        return f"{dtype} stores {value} as {back_value}; declare a fill it holds exactly"
     return None
 
 

@@ -35,7 +35,7 @@ import torch
 
 from ..checks import check_count
 from ..errors import InvalidValueError
-from ..layout import EntryField
+from ..layout import EntryField, entry_bytes_for
 from ..layout.fields import check_fields
 from .config import MAX_LAYERS, ConfigError, ConfigReader, UnknownModelError
 
@@ -132,7 +132,13 @@ class ModelCache:
             raise InvalidValueError("ModelCache options must name the block size it was built for")
         for what in ("page_fields", "state_fields"):
             fields = tuple(check_fields(getattr(self, what), f"ModelCache {what}"))
-            object.__setattr__(self, what, fields)
+            # A pool whose fields hold no bytes (a Gemma-3 with no local layers)
+            # is no pool: it would be entries of size zero.
+            object.__setattr__(self, what, fields if entry_bytes_for(fields) else ())
+        if not self.page_fields and not self.state_fields:
+            raise InvalidValueError(
+                f"ModelCache {self.name!r}: no PAGE or STATE field holds a byte; a cache needs one"
+            )
         for what in ("attention_layers", "state_layers", "recurrent_layers"):
             check_count(getattr(self, what), f"ModelCache {what}")
 
@@ -151,8 +157,6 @@ class ModelCache:
         request (1 + speculative rollback copies)."""
         page = tuple(check_fields(page_fields, "ModelCache.from_fields: page_fields"))
         state = tuple(check_fields(state_fields, "ModelCache.from_fields: state_fields"))
-        if not page and not state:
-            raise InvalidValueError("ModelCache.from_fields: no PAGE and no STATE fields")
         epr = check_count(entries_per_req, "entries_per_req", lo=1, hi=MAX_SPEC_TOKENS + 1)
         if not isinstance(name, str) or not name:
             raise InvalidValueError(f"ModelCache name must be a non-empty str, got {name!r}")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..checks import MAX_BYTES, check_ids
 from ..errors import InvalidValueError, LayoutMismatchError
 from ..spans import coalesce
 from .geometry import CacheGeometry
@@ -48,9 +49,7 @@ class RequestDescriptors:
 
 
 def _ids(values: Sequence[int], what: str) -> np.ndarray:
-    arr = np.asarray(list(values), dtype=np.int64).reshape(-1)
-    if arr.size and arr.min() < 0:
-        raise DescriptorBoundsError(f"{what} holds a negative id {int(arr.min())}")
+    arr = check_ids(values, what, lo=0, hi=MAX_BYTES)
     if np.unique(arr).size != arr.size:
         raise DescriptorBoundsError(f"{what} names an id twice: {arr.tolist()}")
     return arr

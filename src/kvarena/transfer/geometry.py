@@ -9,9 +9,11 @@ fields. :meth:`CacheGeometry.mismatches` names every disagreement.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from ..checks import check_bytes
+from ..errors import InvalidValueError, LayoutMismatchError
 from ..pools import UnifiedCache
 
 
@@ -49,11 +51,64 @@ class CacheGeometry:
             state_fingerprint=cache.state_fingerprint,
         )
 
+    def __post_init__(self) -> None:
+        """A geometry is checked before use: it may come from a peer over the wire."""
+        try:
+            for name in (
+                "base",
+                "size",
+                "block_bytes",
+                "block_stride",
+                "num_blocks",
+                "slot_bytes",
+                "slot_stride",
+                "slot_base",
+                "first_slot",
+                "total_slots",
+            ):
+                check_bytes(getattr(self, name), f"geometry {name}")
+        except InvalidValueError as exc:
+            raise LayoutMismatchError(f"malformed cache geometry: {exc}") from None
+        problems = []
+        if self.block_stride < self.block_bytes:
+            problems.append(
+                f"block_stride {self.block_stride} is below block_bytes {self.block_bytes} "
+                "(blocks would overlap)"
+            )
+        if self.slot_stride < self.slot_bytes:
+            problems.append(
+                f"slot_stride {self.slot_stride} is below slot_bytes {self.slot_bytes} "
+                "(slots would overlap)"
+            )
+        if self.num_blocks and self.num_blocks * self.block_stride > self.size:
+            problems.append(f"{self.num_blocks} blocks do not fit the region of {self.size} bytes")
+        if self.slot_base + self.total_slots * self.slot_stride > self.size:
+            problems.append(f"{self.total_slots} slots do not fit the region of {self.size} bytes")
+        if self.first_slot > self.total_slots:
+            problems.append(f"first_slot {self.first_slot} exceeds total_slots {self.total_slots}")
+        if self.base + self.size > 1 << 64:
+            problems.append(f"the region [{self.base:#x}, +{self.size}) exceeds the address space")
+        for name in ("page_fingerprint", "state_fingerprint"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, str) or len(value) != 64 or value.strip("0123456789abcdef")
+            ):
+                problems.append(f"{name} {value!r} is not a SHA-256 hex digest")
+        if problems:
+            raise LayoutMismatchError("malformed cache geometry: " + "; ".join(problems))
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> CacheGeometry:
+    def from_dict(cls, data: Any) -> CacheGeometry:
+        """A peer's geometry record; anything but the exact fields is a layout mismatch."""
+        want = {f.name for f in fields(cls)}
+        if not isinstance(data, dict) or set(data) != want:
+            got = sorted(data) if isinstance(data, dict) else type(data).__name__
+            raise LayoutMismatchError(
+                f"malformed cache geometry record: expected the fields {sorted(want)}, got {got}"
+            )
         return cls(**data)
 
     _MUST_MATCH = ("page_fingerprint", "state_fingerprint", "block_bytes", "slot_bytes")
