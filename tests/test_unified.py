@@ -325,3 +325,21 @@ def test_a_raising_on_evict_cannot_leave_an_operation_half_done():
     assert set(seen) == set(move.evicted_blocks)
     for old, new in move.block_remap.items():
         assert (c.block_bytes_of(new) == old % 251).all() and c.blocks.refcount(new) == 1
+
+
+def test_a_raw_store_over_the_cache_state_is_refused():
+    from kvarena import restore, store
+
+    c = make()
+    spec = c.checkpoint_spec()
+    slot = c.allocate_state("a")[0]
+    units = c.blocks.allocate(spec.units_per_image)
+    before = c.buf.clone()
+    with pytest.raises(ValueError, match="use cache.store"):
+        store(spec, c.state, [slot], c.page_units(), [units])
+    with pytest.raises(ValueError, match="use cache.store"):
+        restore(spec, c.page_units(), [units], c.state, [slot])
+    assert torch.equal(c.buf, before)
+    # The fills were written on the plan's slots all the same.
+    assert (c.state_view("score")[0, c.slots.first :] == -math.inf).all()
+    assert not c.state_view("score")[0, : c.slots.first].any()

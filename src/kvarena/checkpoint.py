@@ -120,6 +120,11 @@ class PageUnits:
 def _check_slots(state: EntryMajorArena, slots: Any, holder: SlotHolder | None) -> np.ndarray:
     if holder is not None:
         return holder.check_held(slots, "slots")
+    if state.live_entries == 0 and state.entries:
+        raise CheckpointMismatchError(
+            "the state arena has no live entries of its own (a UnifiedCache's state arena: "
+            "use cache.store / cache.restore, whose liveness follows the allocators)"
+        )
     first_live = state.entries - state.live_entries
     return check_ids(
         slots, "slots (live entries of the state arena)", lo=first_live, hi=state.entries

@@ -116,8 +116,12 @@ class UnifiedCache:
             self.device,
             buf=self.buf[self.slot_base : g.top],
             slot_stride=self.slot_stride or None,
-            live_entries=plan.state_slots,
+            # Liveness is the allocator's, never a count fixed here: the arena
+            # itself claims no live entry (so a raw kvarena.store over it is
+            # refused), and the plan's slots get their fills below.
+            live_entries=0,
         )
+        self.state.fill_entries(slice(self.total_slots - plan.state_slots, self.total_slots))
         self.slots = StateAllocator(self.total_slots, plan.state_slots, plan.entries_per_req)
         blocks = plan.blocks
         if page_layout == "entry_major":
