@@ -71,19 +71,24 @@ def check_ids(values: Any, what: str, *, lo: int, hi: int) -> np.ndarray:
     if isinstance(values, np.ndarray):
         if values.dtype.kind not in "iu":
             raise InvalidValueError(f"{what} must hold integers, got an array of {values.dtype}")
-        arr = values.astype(np.int64, copy=False).reshape(-1)
-    else:
-        if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
-            raise InvalidValueError(f"{what} must be a sequence of ints, got {values!r}")
-        items = list(values)
-        for i, v in enumerate(items):
-            check_int(v, f"{what}[{i}]")
-        arr = np.asarray([int(v) for v in items], dtype=np.int64)
-    bad = arr[(arr < lo) | (arr >= hi)]
-    if bad.size:
-        legal = f"{lo}..{hi - 1}" if hi > lo else "none (the range is empty)"
-        raise InvalidValueError(f"{what}: id {int(bad[0])} is out of range; legal: {legal}")
-    return arr
+        flat = values.reshape(-1)
+        # Range first, on the array's own type: a uint64 above 2**63 must not wrap.
+        bad = flat[(flat < lo) | (flat >= hi)] if flat.size else flat
+        if bad.size:
+            _out_of_range(what, int(bad[0]), lo, hi)
+        return flat.astype(np.int64)
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise InvalidValueError(f"{what} must be a sequence of ints, got {values!r}")
+    ids = [check_int(v, f"{what}[{i}]") for i, v in enumerate(values)]
+    for v in ids:
+        if not lo <= v < hi:
+            _out_of_range(what, v, lo, hi)
+    return np.asarray(ids, dtype=np.int64)
+
+
+def _out_of_range(what: str, value: int, lo: int, hi: int) -> None:
+    legal = f"{lo}..{hi - 1}" if hi > lo else "none (the range is empty)"
+    raise InvalidValueError(f"{what}: id {value} is out of range; legal: {legal}")
 
 
 def check_choice(value: Any, what: str, choices: Iterable[Any]) -> Any:

@@ -421,6 +421,8 @@ class UnifiedCache:
         blocks obtainable. Blocks short: shrink STATE by the free slots it
         can spare. Never raises for lack of room; it moves what it can.
         """
+        waiting_requests = check_count(waiting_requests, "rebalance: waiting_requests")
+        blocks_needed = check_count(blocks_needed, "rebalance: blocks_needed")
         self._fixed()
         slot_deficit = waiting_requests * self.slots.entries_per_req - self.slots.num_free
         obtainable = self.blocks.num_free + self.blocks.num_evictable
