@@ -335,9 +335,9 @@ def test_a_raw_store_over_the_cache_state_is_refused():
     slot = c.allocate_state("a")[0]
     units = c.blocks.allocate(spec.units_per_image)
     before = c.buf.clone()
-    with pytest.raises(ValueError, match="use cache.store"):
+    with pytest.raises(ValueError, match=r"use cache\.store"):
         store(spec, c.state, [slot], c.page_units(), [units])
-    with pytest.raises(ValueError, match="use cache.store"):
+    with pytest.raises(ValueError, match=r"use cache\.store"):
         restore(spec, c.page_units(), [units], c.state, [slot])
     assert torch.equal(c.buf, before)
     # The fills were written on the plan's slots all the same.
