@@ -30,7 +30,7 @@ from .fields import (
     min_slot_stride,
     strictest_alignment,
 )
-from .regions import carve, check_byte_buffer
+from .regions import aligned_zeros, carve, check_byte_buffer
 
 
 def _device_matches(buf: torch.Tensor, device: torch.device) -> bool:
@@ -224,8 +224,9 @@ class EntryMajorArena(_Arena):
         self._total = (entries - 1) * stride + self._entry_bytes if entries else 0
         if buf is None:
             # Zeroed, so that padding copied along with a whole entry never
-            # carries stale bytes from a previous tenant.
-            self._buf = torch.zeros(self._total, dtype=torch.uint8, device=self._device)
+            # carries stale bytes from a previous tenant; its first byte lies on an
+            # address aligned to the strictest field alignment.
+            self._buf = aligned_zeros(self._total, self._alignment, self._device)
         else:
             self._buf = _check_caller_buffer(
                 buf, self._total, self._alignment, self._device, "EntryMajorArena: buf"
@@ -360,7 +361,7 @@ class LayerMajorArena(_Arena):
         self._declare(fields, entries, device, [e.start * entries for e in field_extents(fields)])
         self._total = self._entry_bytes * entries
         if buf is None:
-            self._buf = torch.zeros(self._total, dtype=torch.uint8, device=self._device)
+            self._buf = aligned_zeros(self._total, strictest_alignment(fields), self._device)
             self.fill_entries(slice(None))
         else:
             filled = [f.name for f in self._fields if not f.fill_is_zero_bits]
