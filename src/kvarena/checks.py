@@ -24,6 +24,12 @@ real memory, far enough below 2**63 that sums of a few such values never wrap
 an int64 address computation."""
 
 
+MAX_ENTRIES = 1 << 26
+"""The most entries (blocks or slots) one allocator or arena indexes: 67M, far
+above any real pool (80 GiB of 16 KiB blocks is 5M), low enough that an
+allocator's books fit in memory."""
+
+
 def _legal(lo: int | None, hi: int | None) -> str:
     if lo is not None and hi is not None:
         return f"an int in {lo}..{hi}"

@@ -33,6 +33,10 @@ class IndexOutOfRangeError(Error, IndexError):
     """An entry index outside ``[0, entries)``."""
 
 
+class OutOfMemoryError(Error, MemoryError):
+    """The device (or host) could not give the bytes asked for; nothing was built."""
+
+
 class LayoutMismatchError(Error, ValueError):
     """Two sides disagree on a layout (fingerprints, entry sizes, strides); no byte moved.
 

@@ -117,6 +117,19 @@ class CopyBatch:
     dst: np.ndarray
     length: np.ndarray
 
+    def __post_init__(self) -> None:
+        for name in ("src", "dst", "length"):
+            raw = getattr(self, name)
+            arr = raw.detach().cpu().numpy() if isinstance(raw, torch.Tensor) else np.asarray(raw)
+            if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+                raise InvalidValueError(
+                    f"CopyBatch {name} must be a 1-D array of integers, got {arr.dtype} of "
+                    f"shape {list(arr.shape)}"
+                )
+            if arr.size and arr.dtype.kind == "u" and int(arr.max()) > MAX_BYTES:
+                raise InvalidValueError(f"CopyBatch {name} holds a value above {MAX_BYTES}")
+            object.__setattr__(self, name, arr.astype(np.int64))
+
     @property
     def num_spans(self) -> int:
         return int(self.length.shape[0])

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..checks import check_bytes, check_count
+from ..checks import MAX_ENTRIES, check_bytes, check_count
 from ..errors import IndexOutOfRangeError, InvalidValueError, UnknownNameError
 from .fields import (
     EntryField,
@@ -161,7 +161,7 @@ class _Arena(ABC):
     def _field(self, name: str) -> tuple[EntryField, int]:
         try:
             i = self._index[name]
-        except KeyError:
+        except (KeyError, TypeError):  # TypeError: an unhashable "name"
             raise _unknown(name, self._fields) from None
         return self._fields[i], self._offsets[i]
 
@@ -201,7 +201,7 @@ class EntryMajorArena(_Arena):
         live_entries: int | None = None,
     ) -> None:
         fields = check_fields(fields, "EntryMajorArena")
-        entries = check_count(entries, "EntryMajorArena: entries")
+        entries = check_count(entries, "EntryMajorArena: entries", hi=MAX_ENTRIES)
         self._declare(fields, entries, device, [e.start for e in field_extents(fields)])
         self._alignment = strictest_alignment(fields)
         stride = self._entry_bytes if slot_stride is None else slot_stride
@@ -221,7 +221,8 @@ class EntryMajorArena(_Arena):
         live = entries if live_entries is None else live_entries
         live = check_count(live, "EntryMajorArena: live_entries", hi=entries)
         self._live = live
-        self._total = (entries - 1) * stride + self._entry_bytes if entries else 0
+        total = (entries - 1) * stride + self._entry_bytes if entries else 0
+        self._total = check_bytes(total, "EntryMajorArena: total bytes (entries x slot_stride)")
         if buf is None:
             # Zeroed, so that padding copied along with a whole entry never
             # carries stale bytes from a previous tenant; its first byte lies on an
@@ -324,7 +325,7 @@ class SplitEntryMajorArena:
     def plane_of(self, name: str) -> int:
         try:
             return self._owner[name]
-        except KeyError:
+        except (KeyError, TypeError):
             raise _unknown(name, self.fields) from None
 
     def view(self, name: str) -> torch.Tensor:
@@ -357,9 +358,11 @@ class LayerMajorArena(_Arena):
             raise InvalidValueError(
                 "LayerMajorArena: no fields given; pass at least one EntryField"
             )
-        entries = check_count(entries, "LayerMajorArena: entries")
+        entries = check_count(entries, "LayerMajorArena: entries", hi=MAX_ENTRIES)
         self._declare(fields, entries, device, [e.start * entries for e in field_extents(fields)])
-        self._total = self._entry_bytes * entries
+        self._total = check_bytes(
+            self._entry_bytes * entries, "LayerMajorArena: total bytes (entries x entry bytes)"
+        )
         if buf is None:
             self._buf = aligned_zeros(self._total, strictest_alignment(fields), self._device)
             self.fill_entries(slice(None))
@@ -405,7 +408,7 @@ def carve_layer_major(
 
     An empty group gets ``None``. With ``buf=None`` each arena owns its memory.
     """
-    entries = check_count(entries, "carve_layer_major: entries")
+    entries = check_count(entries, "carve_layer_major: entries", hi=MAX_ENTRIES)
     groups = [list(g) for g in groups]
     sizes = [entry_bytes_for(g) * entries for g in groups]
     slices = carve(buf, sizes)

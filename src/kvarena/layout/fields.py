@@ -157,6 +157,12 @@ class EntryField:
             )
         if isinstance(self.fill, complex) or not isinstance(self.fill, numbers.Real):
             raise InvalidValueError(f"{where}: fill must be a real number, got {self.fill!r}")
+        try:
+            float(self.fill)
+        except OverflowError:
+            raise InvalidValueError(
+                f"{where}: fill {self.fill} is beyond any float; no dtype holds it"
+            ) from None
         problem = _fill_problem(self.fill, self.dtype)
         if problem is not None:
             raise InvalidValueError(f"{where}: fill {self.fill!r} is not representable: {problem}")

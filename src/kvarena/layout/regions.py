@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..checks import check_bytes
-from ..errors import InvalidValueError
+from ..errors import InvalidValueError, OutOfMemoryError
 
 ALIGNMENT: int = 256
 """The alignment, in bytes, of every region and field start kvarena plans."""
@@ -96,6 +96,15 @@ def aligned_zeros(nbytes: int, alignment: int, device: torch.device) -> torch.Te
     """
     check_bytes(nbytes, "aligned_zeros: nbytes")
     check_bytes(alignment, "aligned_zeros: alignment", lo=1)
+    try:
+        return _aligned_zeros(nbytes, alignment, device)
+    except (RuntimeError, MemoryError, OSError, OverflowError) as exc:
+        raise OutOfMemoryError(
+            f"could not allocate {nbytes:,} bytes on {device}: {type(exc).__name__}: {exc}"
+        ) from None
+
+
+def _aligned_zeros(nbytes: int, alignment: int, device: torch.device) -> torch.Tensor:
     if device.type != "cpu":
         buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         if buf.data_ptr() % alignment:

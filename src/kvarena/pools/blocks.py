@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checks import check_count, check_ids, check_int
+from ..checks import MAX_ENTRIES, check_count, check_ids, check_int
 from ..errors import Error, InvalidValueError
 from .free_ids import FreeIds
 
@@ -61,7 +61,7 @@ class BlockAllocator:
     """
 
     def __init__(self, capacity: int, on_evict: Callable[[int], None] | None = None) -> None:
-        self._capacity = check_count(capacity, "BlockAllocator: capacity")
+        self._capacity = check_count(capacity, "BlockAllocator: capacity", hi=MAX_ENTRIES)
         self._free = FreeIds(range(self._capacity))
         self._refs: dict[int, int] = {}
         self._cached: set[int] = set()

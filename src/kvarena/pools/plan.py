@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from ..checks import check_bytes, check_count
+from ..checks import MAX_ENTRIES, check_bytes, check_count
 from ..errors import InvalidValueError
 from ..layout import (
     EntryField,
@@ -58,6 +58,12 @@ class CachePlan:
         check_bytes(self.budget_bytes, "CachePlan: budget_bytes", lo=1)
         check_count(self.requested_seqs, "CachePlan: requested_seqs", lo=1, hi=MAX_SEQS)
         check_count(self.max_seqs, "CachePlan: max_seqs", lo=1, hi=self.requested_seqs)
+        for what, n in (("blocks", self.geometry.max_blocks), ("slots", self.geometry.total_slots)):
+            if n > MAX_ENTRIES:
+                raise InvalidValueError(
+                    f"CachePlan: {self.budget_bytes:,} bytes would index {n:,} {what}, more than "
+                    f"{MAX_ENTRIES:,}; raise the block size or lower the budget"
+                )
         if self.state_slots > self.geometry.total_slots:
             raise InvalidValueError(
                 f"CachePlan: {self.state_slots} state slots do not fit {self.budget_bytes:,} bytes "

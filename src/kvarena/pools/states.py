@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checks import check_count, check_ids
+from ..checks import MAX_ENTRIES, check_count, check_ids
 from ..errors import Error, InvalidValueError, UnknownNameError
 from .free_ids import FreeIds
 
@@ -43,7 +43,7 @@ class StateAllocator:
     """Slots ``[first, total)``; each request holds ``entries_per_req`` of them."""
 
     def __init__(self, total: int, live: int, entries_per_req: int = 1) -> None:
-        self._total = check_count(total, "StateAllocator: total")
+        self._total = check_count(total, "StateAllocator: total", hi=MAX_ENTRIES)
         live = check_count(live, "StateAllocator: live", hi=self._total)
         self._per_req = check_count(entries_per_req, "StateAllocator: entries_per_req", lo=1)
         self._first = self._total - live
