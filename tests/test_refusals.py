@@ -105,3 +105,77 @@ def test_refused_calls_change_nothing(data, seed):
         b, s = c.blocks, c.slots
         assert b.num_free + b.num_live + b.num_evictable == b.capacity
         assert s.num_free + s.num_live == s.capacity
+
+
+def _doors():
+    """Nonsense at every public door: each must be a typed kvarena refusal."""
+    import kvarena as kv
+    from kvarena import copy as C
+    from kvarena import layout as L
+    from kvarena.pools import BlockAllocator, EntryClass, PoolKind, StateAllocator, plan_pools
+    from kvarena.report import plan_report
+
+    F = kv.EntryField
+    f = [F("a", 2, (4, 8), torch.bfloat16)]
+    m = kv.model_cache("qwen3-next-80b-a3b", kv.ServingOptions(tp=8))
+    p = kv.plan_cache(m, budget_bytes=256 << 20, max_seqs=2)
+    c = UnifiedCache.from_plan(p, "cpu")
+    spec = c.checkpoint_spec()
+    top = c.total_slots - 1
+    z = torch.zeros(4, dtype=torch.uint8)
+    huge = 2**80
+    return {
+        "field huge layers": lambda: F("x", huge, (1,), torch.uint8),
+        "field huge dim": lambda: F("x", 1, (huge,), torch.uint8),
+        "field shape str": lambda: F("x", 1, "abc", torch.uint8),
+        "field dtype str": lambda: F("x", 1, (1,), "bfloat16"),
+        "field fill huge": lambda: F("x", 1, (1,), torch.float32, fill=10**400),
+        "field align huge": lambda: F("x", 1, (1,), torch.float32, align=2**70),
+        "checkpoint unit huge": lambda: kv.CheckpointSpec.build(f, 2**70),
+        "checkpoint fields str": lambda: kv.CheckpointSpec.build("abc", 256),
+        "options tp str": lambda: kv.ServingOptions(tp="2"),
+        "model int": lambda: kv.model_cache(123),
+        "model options dict": lambda: kv.model_cache("llama-3.1-8b", {"tp": 2}),
+        "plan budget huge": lambda: kv.plan_cache(m, budget_bytes=2**70, max_seqs=1),
+        "plan seqs huge": lambda: kv.plan_cache(m, budget_bytes=2**30, max_seqs=2**70),
+        "cache device object": lambda: UnifiedCache.from_plan(p, object()),
+        "cache device nonsense": lambda: UnifiedCache.from_plan(p, "nonsense"),
+        "cache on_evict": lambda: UnifiedCache.from_plan(p, "cpu", on_evict=5),
+        "view list name": lambda: c.state_view(["k"]),
+        "grow float": lambda: c.grow_state(1.5),
+        "grow huge": lambda: c.grow_state(2**70),
+        "units huge": lambda: c.page_units(2**70),
+        "store slots str": lambda: c.store(spec, "ab", [[0]]),
+        "store units None": lambda: c.store(spec, [top], None),
+        "store units nested": lambda: c.store(spec, [top], [[[0]]]),
+        "restore units dict": lambda: c.restore(spec, [{}], [top]),
+        "allocate str": lambda: c.blocks.allocate("3"),
+        "allocate huge": lambda: c.blocks.allocate(2**70),
+        "arena entries huge": lambda: L.EntryMajorArena(f, 10**12, "cpu"),
+        "arena stride huge": lambda: L.EntryMajorArena(f, 2, "cpu", slot_stride=2**70),
+        "arena buf list": lambda: L.EntryMajorArena(f, 2, "cpu", buf=[0] * 1000),
+        "layer-major huge": lambda: L.LayerMajorArena(f, 2**62, "cpu"),
+        "carve huge": lambda: L.carve(z, [2**70]),
+        "planes huge": lambda: L.plan_field_planes(f, [2**70]),
+        "segments huge": lambda: C.plan_segmented_copy([2**70], [1], 1),
+        "batch of lists of floats": lambda: C.CopyBatch([0.5], [0], [1]),
+        "execute path": lambda: C.execute_batch(C.CopyBatch([0], [0], [1]), z, z, path="x"),
+        "state allocator huge": lambda: StateAllocator(2**70, 1),
+        "block allocator huge": lambda: BlockAllocator(2**40),
+        "entry class huge": lambda: EntryClass(pool=PoolKind.PAGE, name="p", entry_bytes=2**70),
+        "plan_pools str": lambda: plan_pools("ab", 100, 1),
+        "from_fields block size": lambda: kv.ModelCache.from_fields(f, [], block_size=0),
+        "fingerprint None": lambda: kv.layout_fingerprint(None),
+        "report context": lambda: plan_report(p, context_tokens=-1),
+    }
+
+
+def test_nonsense_at_every_door_is_a_typed_refusal():
+    for name, call in _doors().items():
+        try:
+            call()
+        except Error:
+            continue
+        except Exception as exc:
+            raise AssertionError(f"{name}: {type(exc).__name__}: {exc}") from exc
+        raise AssertionError(f"{name}: accepted")
