@@ -20,13 +20,17 @@ BLOCK = 1024
 
 
 @triton.jit
-def _copy_blocks(src_ptr, dst_ptr, table_ptr, num_blocks, BLOCK: tl.constexpr):
+def _copy_blocks(
+    src_ptr, dst_ptr, table_ptr, num_blocks, src_words, dst_words, BLOCK: tl.constexpr
+):
     pid = tl.program_id(0)
     s = tl.load(table_ptr + pid)
     d = tl.load(table_ptr + num_blocks + pid)
     n = tl.load(table_ptr + 2 * num_blocks + pid)
     offs = tl.arange(0, BLOCK)
-    mask = offs < n
+    # The host validated every span; the buffer bounds are masked here as well,
+    # so no table entry can ever address memory outside the two buffers.
+    mask = (offs < n) & (s + offs < src_words) & (d + offs < dst_words)
     values = tl.load(src_ptr + s + offs, mask=mask)
     tl.store(dst_ptr + d + offs, values, mask=mask)
 
@@ -61,5 +65,5 @@ def triton_copy(
     table = block_table(src, dst, length, word)
     blocks = table.shape[1]
     device_table = torch.from_numpy(table.reshape(-1)).to(src_buf.device, non_blocking=True)
-    _copy_blocks[(blocks,)](sw, dw, device_table, blocks, BLOCK=BLOCK)
+    _copy_blocks[(blocks,)](sw, dw, device_table, blocks, sw.numel(), dw.numel(), BLOCK=BLOCK)
     return 1
