@@ -123,7 +123,7 @@ def check_device(device: Any) -> torch.device:
             )
         if dev.index is not None and dev.index >= count:
             raise InvalidValueError(f"device {device!r}: legal CUDA indices are 0..{count - 1}")
-    elif dev.type != "cpu":
+    elif dev.type not in ("cpu", "meta"):  # meta: shapes and books, no bytes (replays)
         backend = getattr(torch, dev.type, None)
         if backend is None or not getattr(backend, "is_available", lambda: False)():
             raise InvalidValueError(f"device {device!r} is not available here; use 'cpu'")

@@ -144,6 +144,7 @@ class UnifiedCache:
             )
             self.pages.fill_entries(slice(None))
         self.blocks = BlockAllocator(blocks, on_evict=on_evict)
+        self._listeners: list[Callable[[BoundaryMove], None]] = []
 
     @classmethod
     def from_plan(
@@ -316,6 +317,18 @@ class UnifiedCache:
             self.buf[d : d + n].copy_(self.buf[s : s + n])
         return int(src.size), len(moves) * stride
 
+    def add_move_listener(self, listener: Callable[[BoundaryMove], None]) -> None:
+        """Call ``listener(move)`` after every completed boundary move (after the
+        eviction callbacks), so whoever keeps block or slot ids (a prefix cache)
+        follows the remaps itself."""
+        if not callable(listener):
+            raise InvalidValueError(f"a move listener must be callable, got {listener!r}")
+        self._listeners.append(listener)
+
+    def _moved(self, move: BoundaryMove) -> None:
+        for listener in self._listeners:
+            listener(move)
+
     # -- the movable boundary --------------------------------------------------
     def plan_grow_state(self, n: int) -> tuple[int, list[int], list[int], list[int]]:
         """(new block count, free going, evictable going, live going) for growing by n."""
@@ -372,7 +385,10 @@ class UnifiedCache:
             copies=ops,
             copied_bytes=copied,
         )
-        self.blocks.notify_evicted(move)
+        try:
+            self.blocks.notify_evicted(move)
+        finally:
+            self._moved(move)
         return move
 
     def shrink_state(self, n: int) -> BoundaryMove:
@@ -399,7 +415,7 @@ class UnifiedCache:
         old_blocks = self.blocks.capacity
         self.blocks.grow(self.geometry.blocks_below(self.slots.first) - old_blocks)
         self.pages.fill_entries(slice(old_blocks, self.blocks.capacity))
-        return BoundaryMove(
+        move = BoundaryMove(
             blocks_before=before[0],
             blocks_after=self.blocks.capacity,
             slots_before=before[1],
@@ -411,6 +427,8 @@ class UnifiedCache:
             copies=ops,
             copied_bytes=copied,
         )
+        self._moved(move)
+        return move
 
     # -- policy ------------------------------------------------------------------
     def rebalance(self, *, waiting_requests: int, blocks_needed: int) -> BoundaryMove | None:

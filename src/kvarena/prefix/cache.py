@@ -1,0 +1,425 @@
+"""A prefix cache that reuses both the KV blocks and the recurrent state of a prefix.
+
+KV blocks are shared by reference count; a state is never shared in place: a
+checkpoint image (the state's checkpoint ranges, stored into PAGE blocks of
+the same pool by :meth:`UnifiedCache.store`) is copied into the new request's
+own slot. The lookup returns the longest prefix that EVERY layer group can
+resume from:
+
+- a full-attention group needs every block up to the boundary;
+- a sliding-window group (paged windows, ``window_tokens``) needs the blocks
+  of the last window before it;
+- a state group needs a READY image taken exactly at that boundary.
+
+The groups' answers are combined by repeating until none shrinks; no boundary
+that satisfies every group means 0, never a partial restore; a hit is at most
+``len(tokens) - 1`` tokens (something must be computed to produce logits).
+KV matched past the answer is reported as lost, and (branch policy) marks the
+boundary where the next request to compute through it keeps an image.
+
+Unreferenced cached blocks and unreferenced images share the block
+allocator's one LRU (an image holds its units); evicting a unit drops its
+image; evicting a block drops its key, which makes every descendant
+unreachable (they age out of the LRU in time). Boundary moves evict through
+the same path, and relocations are followed through the cache's move
+listener, so no caller keeps books for the prefix cache.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..checks import check_count, check_device
+from ..errors import InvalidValueError
+from ..pools import BlockAllocationError, BoundaryMove, CachePlan, StateAllocationError
+from ..pools.unified import UnifiedCache
+from .keys import Namespace, as_tokens, block_keys
+from .policy import CheckpointPolicy
+
+
+class ImageState(enum.Enum):
+    COPYING = "copying"  # bytes still being written: invisible to lookups
+    READY = "ready"
+
+
+@dataclass(eq=False, kw_only=True)
+class Image:
+    """A checkpoint image of a state at a block boundary, held in PAGE units."""
+
+    key: bytes
+    boundary: int  # in blocks
+    units: list[int]
+    state: ImageState
+    event: Any = None  # a CUDA event while COPYING on a device; None on CPU
+    writer_done: bool = False  # the request that wrote it finished: its references go
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefixHit:
+    tokens: int  # hit tokens: blocks x block_size, at most len(tokens) - 1
+    blocks: tuple[int, ...]  # the hit's KV blocks, in order
+    image: Image | None  # the image restored into the new slot (None without state)
+    matched_kv_tokens: int  # tokens of KV matched by the full-attention group
+    lost_tokens: int  # matched KV given up for want of a checkpoint
+
+
+@dataclass(kw_only=True)
+class PrefixMetrics:
+    requests: int = 0
+    lookups: int = 0
+    hits: int = 0
+    hit_tokens: int = 0
+    computed_tokens: int = 0
+    lost_tokens: int = 0
+    images_written: int = 0
+    image_bytes_written: int = 0
+    images_read: int = 0
+    image_bytes_read: int = 0
+    images_skipped: int = 0  # wanted but no room for the units
+    evicted_blocks: int = 0
+    evicted_images: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass(kw_only=True)
+class Admission:
+    """A running request: what it hit, what it holds, where it keeps images."""
+
+    request: Hashable
+    tokens: np.ndarray
+    keys: list[bytes]
+    hit: PrefixHit
+    blocks: list[int]
+    slots: tuple[int, ...]
+    checkpoints: list[int]  # block counts at which to keep an image while computing
+    committed: int = 0  # leading blocks whose keys are registered
+    extra: tuple[object, ...] = field(default=())
+    images: list[Image] = field(default_factory=list)  # written by this request, held by it
+
+
+class PrefixCache:
+    """A prefix cache over one :class:`UnifiedCache`, built from a plan (the one road)."""
+
+    def __init__(
+        self,
+        plan: CachePlan,
+        device: torch.device | str,
+        *,
+        policy: CheckpointPolicy | None = None,
+        window_tokens: Sequence[int] = (),
+        tp_rank: int = 0,
+        unit_bytes: int | None = None,
+    ) -> None:
+        if not isinstance(plan, CachePlan):
+            raise InvalidValueError(
+                f"PrefixCache: plan must be a CachePlan, got {type(plan).__name__}"
+            )
+        self.policy = policy or CheckpointPolicy()
+        if not isinstance(self.policy, CheckpointPolicy):
+            raise InvalidValueError(f"policy must be a CheckpointPolicy, got {policy!r}")
+        self.policy.check_block_size(plan.block_size)
+        self.windows = [check_count(w, "window_tokens", lo=1) for w in window_tokens]
+        self.namespace = Namespace.of(plan, tp_rank=tp_rank)
+        self.root = self.namespace.digest
+        check_device(device)
+        self.cache = UnifiedCache.from_plan(plan, device, on_evict=self._evicted)
+        self.cache.add_move_listener(self._moved)
+        self.block_size = plan.block_size
+        self.has_kv = bool(plan.page_fields)
+        self.has_state = bool(plan.state_fields)
+        self.spec = (
+            self.cache.checkpoint_spec(unit_bytes) if self.has_kv and self.has_state else None
+        )
+        self.metrics = PrefixMetrics()
+        self.enabled = True  # False: every lookup misses (prefix caching off, for comparisons)
+        self._block_of: dict[bytes, int] = {}  # key -> cached block
+        self._key_of: dict[int, bytes] = {}  # cached block -> key
+        self._images: dict[bytes, Image] = {}  # boundary key -> image
+        self._image_of_unit: dict[int, Image] = {}
+        self._copying: list[Image] = []
+        self._wanted: set[bytes] = set()  # branch points
+        self._running: dict[Hashable, Admission] = {}
+        self._store_hook: Callable[[Admission, int], None] | None = None
+
+    # -- queries ---------------------------------------------------------------------
+    def keys(self, tokens: object, extra: Sequence[object] = ()) -> list[bytes]:
+        return block_keys(self.root, as_tokens(tokens), self.block_size, extra)
+
+    @property
+    def cached_blocks(self) -> int:
+        return len(self._block_of)
+
+    @property
+    def images(self) -> int:
+        return sum(1 for i in self._images.values() if i.state is ImageState.READY)
+
+    def running(self, request: Hashable) -> Admission:
+        try:
+            return self._running[request]
+        except (KeyError, TypeError):
+            raise InvalidValueError(f"request {request!r} is not running") from None
+
+    # -- the lookup contract -----------------------------------------------------------
+    def poll(self) -> None:
+        """Promote images whose copy has completed (COPYING -> READY)."""
+        still = []
+        for img in self._copying:
+            if img.event is None or img.event.query():
+                img.state = ImageState.READY
+                img.event = None
+                if img.writer_done:
+                    self._release_image(img)
+            else:
+                still.append(img)
+        self._copying = still
+
+    def _release_image(self, img: Image) -> None:
+        """The writer's references go: the image ages in the LRU beside its KV."""
+        for u in img.units:
+            self.cache.blocks.release(u)
+
+    def _window_ok(self, keys: list[bytes], b: int, window: int) -> bool:
+        first = max(0, b - -(-window // self.block_size))
+        return all(k in self._block_of for k in keys[first:b])
+
+    def _image_at(self, keys: list[bytes], b: int) -> Image | None:
+        if b < 1:
+            return None
+        img = self._images.get(keys[b - 1])
+        return img if img is not None and img.state is ImageState.READY else None
+
+    def _answer(self, tokens: np.ndarray, keys: list[bytes]) -> PrefixHit:
+        limit = min(len(keys), max(0, (tokens.size - 1) // self.block_size))
+        if not self.enabled:
+            limit = 0
+        full = 0
+        while full < limit and keys[full] in self._block_of:
+            full += 1
+        cand = full if self.has_kv else limit
+        while True:  # each group answers "the largest boundary <= cand I can resume from"
+            new = cand
+            for w in self.windows:
+                while new > 0 and not self._window_ok(keys, new, w):
+                    new -= 1
+            if self.has_state:
+                while new > 0 and self._image_at(keys, new) is None:
+                    new -= 1
+            if new == cand:
+                break
+            cand = new
+        image = self._image_at(keys, cand) if self.has_state else None
+        matched = full if self.has_kv else cand
+        return PrefixHit(
+            tokens=cand * self.block_size,
+            blocks=tuple(self._block_of[k] for k in keys[:cand]) if self.has_kv else (),
+            image=image,
+            matched_kv_tokens=matched * self.block_size,
+            lost_tokens=(matched - cand) * self.block_size,
+        )
+
+    def lookup(self, tokens: object, extra: Sequence[object] = ()) -> PrefixHit:
+        """The longest prefix of ``tokens`` every group can resume from (takes nothing)."""
+        self.poll()
+        tok = as_tokens(tokens)
+        self.metrics.lookups += 1
+        return self._answer(tok, block_keys(self.root, tok, self.block_size, extra))
+
+    # -- requests ----------------------------------------------------------------------
+    def admit(
+        self,
+        request: Hashable,
+        tokens: object,
+        *,
+        reserve_tokens: int = 0,
+        extra: Sequence[object] = (),
+    ) -> Admission:
+        """Look up, then take the hit: shared blocks (references), a new slot restored
+        from the image, and new blocks for the rest of the prompt plus
+        ``reserve_tokens``. All or nothing: refused (nothing taken) when the pools
+        cannot hold it."""
+        self.poll()
+        tok = as_tokens(tokens)
+        if tok.size == 0:
+            raise InvalidValueError("admit: a request needs at least one token")
+        reserve = check_count(reserve_tokens, "reserve_tokens")
+        if request in self._running:
+            raise InvalidValueError(f"request {request!r} is already running")
+        keys = block_keys(self.root, tok, self.block_size, extra)
+        self.metrics.lookups += 1
+        hit = self._answer(tok, keys)
+        h = hit.tokens // self.block_size
+        blocks_b = self.cache.blocks
+        need = (-(-(tok.size + reserve) // self.block_size) - h) if self.has_kv else 0
+        held = [*hit.blocks, *(hit.image.units if hit.image else ())]
+        evictable_held = sum(1 for b in held if blocks_b.is_evictable(b))
+        if need > blocks_b.num_free + blocks_b.num_evictable - evictable_held:
+            raise BlockAllocationError(
+                need, blocks_b.num_free, blocks_b.num_evictable - evictable_held
+            )
+        if self.has_state and self.cache.slots.num_free < self.cache.slots.entries_per_req:
+            raise StateAllocationError(self.cache.slots.entries_per_req, self.cache.slots.num_free)
+        for b in held:
+            blocks_b.retain(b)
+        new = blocks_b.allocate(need)
+        slots = self.cache.allocate_state(request) if self.has_state else ()
+        if hit.image is not None and self.spec is not None:
+            self.cache.restore(self.spec, [hit.image.units], [slots[0]])
+            self.metrics.images_read += 1
+            self.metrics.image_bytes_read += self.spec.image_bytes
+        if hit.image is not None:
+            for u in hit.image.units:
+                blocks_b.release(u)  # restored: the image ages in the LRU again
+        checkpoints: list[int] = []
+        if self.has_state and self.spec is not None:
+            checkpoints = self.policy.boundaries(tok.size, self.block_size, h)
+            if self.policy.branch:
+                if hit.lost_tokens:
+                    self._wanted.add(keys[hit.matched_kv_tokens // self.block_size - 1])
+                full = tok.size // self.block_size
+                checkpoints = sorted(
+                    set(checkpoints)
+                    | {b for b in range(h + 1, full + 1) if keys[b - 1] in self._wanted}
+                )
+        self.metrics.requests += 1
+        self.metrics.hits += bool(h)
+        self.metrics.hit_tokens += hit.tokens
+        self.metrics.lost_tokens += hit.lost_tokens
+        self.metrics.computed_tokens += tok.size - hit.tokens
+        adm = Admission(
+            request=request,
+            tokens=tok,
+            keys=keys,
+            hit=hit,
+            blocks=[*hit.blocks, *new],
+            slots=tuple(slots),
+            checkpoints=checkpoints,
+            committed=h,
+            extra=tuple(extra),
+        )
+        self._running[request] = adm
+        return adm
+
+    def commit(self, request: Hashable, tokens: int) -> None:
+        """The request has computed its first ``tokens`` prompt tokens: register the
+        keys of the full blocks among them (a block another request already cached
+        under the same key stays uncached and is freed when this one finishes)."""
+        adm = self.running(request)
+        n = min(check_count(tokens, "commit: tokens") // self.block_size, len(adm.keys))
+        if not self.has_kv:
+            adm.committed = max(adm.committed, n)
+            return
+        for i in range(adm.committed, n):
+            key, block = adm.keys[i], adm.blocks[i]
+            if key not in self._block_of:
+                self._block_of[key] = block
+                self._key_of[block] = key
+                self.cache.blocks.set_cached(block)
+        adm.committed = max(adm.committed, n)
+
+    def checkpoint(self, request: Hashable, boundary: int) -> Image | None:
+        """Keep an image of the request's state, which holds the state at ``boundary``
+        blocks, keyed by that prefix. None when one exists already or no units fit."""
+        adm = self.running(request)
+        if self.spec is None:
+            raise InvalidValueError("this cache keeps no images (it needs PAGE and STATE fields)")
+        b = check_count(boundary, "checkpoint: boundary", lo=1, hi=len(adm.keys))
+        key = adm.keys[b - 1]
+        self._wanted.discard(key)
+        if key in self._images:
+            return None
+        blocks_b = self.cache.blocks
+        if self.spec.units_per_image > blocks_b.num_free + blocks_b.num_evictable:
+            self.metrics.images_skipped += 1
+            return None
+        units = blocks_b.allocate(self.spec.units_per_image)
+        img = Image(key=key, boundary=b, units=units, state=ImageState.COPYING)
+        self.cache.store(self.spec, [adm.slots[0]], [units])
+        if self.cache.device.type == "cuda":
+            img.event = torch.cuda.Event()
+            img.event.record()
+        for u in units:
+            blocks_b.set_cached(u)
+            self._image_of_unit[u] = img
+        self._images[key] = img
+        self._copying.append(img)
+        adm.images.append(img)  # held while the request runs, like its blocks
+        self.metrics.images_written += 1
+        self.metrics.image_bytes_written += self.spec.image_bytes
+        return img
+
+    def finish(self, request: Hashable) -> None:
+        """Return the request's references: cached blocks age in the LRU, the rest
+        are free; its slots are free."""
+        adm = self._running.pop(self.running(request).request)
+        for b in adm.blocks:
+            self.cache.blocks.release(b)
+        for img in adm.images:
+            img.writer_done = True
+            if img.state is ImageState.READY:
+                self._release_image(img)  # (a COPYING one is released when it is READY)
+        if adm.slots:
+            self.cache.free_state(request)
+
+    # -- books kept in step with the cache -------------------------------------------------
+    def _evicted(self, block: int) -> None:
+        key = self._key_of.pop(block, None)
+        if key is not None:
+            del self._block_of[key]
+            self.metrics.evicted_blocks += 1
+        img = self._image_of_unit.pop(block, None)
+        if img is not None and self._images.get(img.key) is img:
+            del self._images[img.key]
+            self.metrics.evicted_images += 1
+            for u in img.units:  # the rest of the image is worthless now
+                if self._image_of_unit.pop(u, None) is img and self.cache.blocks.is_evictable(u):
+                    self.cache.blocks.evict(u)
+
+    def _moved(self, move: BoundaryMove) -> None:
+        remap = move.block_remap
+        if remap:
+            moved_keys = {remap[b]: self._key_of.pop(b) for b in list(self._key_of) if b in remap}
+            self._key_of.update(moved_keys)
+            for b, k in moved_keys.items():
+                self._block_of[k] = b
+            moved_units = {
+                remap[u]: self._image_of_unit.pop(u)
+                for u in list(self._image_of_unit)
+                if u in remap
+            }
+            self._image_of_unit.update(moved_units)
+            for img in {id(i): i for i in moved_units.values()}.values():
+                img.units = [remap.get(u, u) for u in img.units]
+            for adm in self._running.values():
+                adm.blocks = [remap.get(b, b) for b in adm.blocks]
+        if move.slot_remap:
+            for adm in self._running.values():
+                adm.slots = tuple(move.slot_remap.get(s, s) for s in adm.slots)
+
+    # -- boundary moves through the prefix cache's own books -----------------------------
+    def rebalance(self, *, waiting_requests: int, blocks_needed: int) -> BoundaryMove | None:
+        return self.cache.rebalance(waiting_requests=waiting_requests, blocks_needed=blocks_needed)
+
+    def check_books(self) -> None:
+        """Every cached key maps a block the allocator holds (live or evictable), every
+        image's units are cached, and no two keys share a block (for tests)."""
+        b = self.cache.blocks
+        assert len(self._block_of) == len(self._key_of)
+        for k, blk in self._block_of.items():
+            assert self._key_of[blk] == k and not b.is_free(blk) and b.is_cached(blk)
+        for img in self._images.values():
+            for u in img.units:
+                assert self._image_of_unit.get(u) is img and not b.is_free(u) and b.is_cached(u)
+        assert not set(self._key_of) & set(self._image_of_unit)
+
+
+def expected_word(key: bytes) -> int:
+    """A stand-in model's bytes: one 8-byte word derived from a key (see the replay)."""
+    return int(np.frombuffer(key[:8], dtype=np.int64)[0])

@@ -1,0 +1,127 @@
+"""Prefix keys: hash-chained over the token ids of each full block, inside a namespace.
+
+A block's key is ``H(parent key, the block's token ids, extra keys)``; the root
+parent is the namespace's digest, which covers the model, both layout
+fingerprints, the dtypes, the block size and the tensor-parallel rank and size.
+So a key names one exact token prefix of one exact cache layout: keys of
+different models, layouts, dtypes, block sizes or ranks never match, and a
+block's key matches only if every block before it does too.
+
+BLAKE2b (16-byte digests, in the standard library) is a keyed-quality hash at
+a few hundred nanoseconds per block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..checks import check_count
+from ..errors import InvalidValueError
+from ..layout import dtype_name
+from ..pools import CachePlan
+
+KEY_BYTES = 16
+
+
+@dataclass(frozen=True, kw_only=True)
+class Namespace:
+    """Everything two caches must share for one's blocks to be the other's."""
+
+    model: str
+    page_fingerprint: str | None
+    state_fingerprint: str | None
+    dtypes: tuple[str, ...]
+    block_size: int
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        check_count(self.block_size, "Namespace: block_size", lo=1)
+        check_count(self.tp_size, "Namespace: tp_size", lo=1)
+        check_count(self.tp_rank, "Namespace: tp_rank", hi=self.tp_size - 1)
+
+    @classmethod
+    def of(cls, plan: CachePlan, *, tp_rank: int = 0) -> Namespace:
+        dtypes = sorted({dtype_name(f.dtype) for f in (*plan.page_fields, *plan.state_fields)})
+        return cls(
+            model=plan.model.name,
+            page_fingerprint=plan.page_fingerprint,
+            state_fingerprint=plan.state_fingerprint,
+            dtypes=tuple(dtypes),
+            block_size=plan.block_size,
+            tp_rank=tp_rank,
+            tp_size=plan.model.options.tp,
+        )
+
+    @property
+    def digest(self) -> bytes:
+        """The root of every key chain in this namespace."""
+        doc = json.dumps(
+            {
+                "format": "kvarena-prefix/1",
+                "model": self.model,
+                "page": self.page_fingerprint,
+                "state": self.state_fingerprint,
+                "dtypes": list(self.dtypes),
+                "block_size": self.block_size,
+                "tp": [self.tp_rank, self.tp_size],
+            },
+            sort_keys=True,
+            separators=(",", ":"),
+        ).encode()
+        return hashlib.blake2b(doc, digest_size=KEY_BYTES).digest()
+
+
+def as_tokens(tokens: object, what: str = "tokens") -> np.ndarray:
+    """Token ids as a 1-D int64 array (ints, an integer array or an integer tensor)."""
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+            raise InvalidValueError(f"{what} must be integer token ids, got {tokens.dtype}")
+        arr = tokens.detach().cpu().numpy()
+    else:
+        arr = np.asarray(tokens)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise InvalidValueError(
+            f"{what} must be a 1-D sequence of integer token ids, got {arr.dtype} of shape "
+            f"{list(arr.shape)}"
+        )
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= 1 << 62):
+        raise InvalidValueError(f"{what}: token ids must lie in 0..2**62-1")
+    return arr.astype(np.int64, copy=False)
+
+
+def _extra_bytes(extra: Sequence[object]) -> bytes:
+    if not extra:
+        return b""
+    try:
+        return json.dumps(list(extra), sort_keys=True, separators=(",", ":")).encode()
+    except (TypeError, ValueError):
+        raise InvalidValueError(
+            f"extra keys must be JSON values (LoRA names, multimodal hashes...), got {extra!r}"
+        ) from None
+
+
+def block_keys(
+    root: bytes, tokens: np.ndarray, block_size: int, extra: Sequence[object] = ()
+) -> list[bytes]:
+    """The chained key of every FULL block of ``tokens`` (a partial tail has none)."""
+    salt = _extra_bytes(extra)
+    n = tokens.size // block_size
+    data = tokens[: n * block_size].tobytes()
+    step = block_size * 8
+    keys = []
+    parent = root
+    for i in range(n):
+        h = hashlib.blake2b(parent, digest_size=KEY_BYTES)
+        h.update(data[i * step : (i + 1) * step])
+        if salt:
+            h.update(salt)
+        parent = h.digest()
+        keys.append(parent)
+    return keys

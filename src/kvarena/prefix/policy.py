@@ -1,0 +1,92 @@
+"""Where a request keeps checkpoint images of its state.
+
+Four rules, combinable: the end of the prompt (the last full block boundary
+of it), the last multiple of N tokens before the prompt end (``end:N``: where
+prompts are known to share, e.g. a chat template's turn boundary, or the 512
+tokens of a Mooncake trace's hash blocks), every N tokens, and branch points — a boundary where a lookup found
+matching KV but no image, so the next request to compute through it keeps
+one there. The last rule is what lets a shared system prompt followed by
+unique suffixes hit at all: the end-of-prompt images of earlier requests lie
+past the shared part, and only a checkpoint AT the shared boundary serves it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..checks import check_count
+from ..errors import InvalidValueError
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointPolicy:
+    end: bool = True
+    end_align_tokens: int = 0
+    interval_tokens: int = 0
+    branch: bool = True
+
+    def __post_init__(self) -> None:
+        check_count(self.interval_tokens, "CheckpointPolicy: interval_tokens")
+        check_count(self.end_align_tokens, "CheckpointPolicy: end_align_tokens")
+        if not (self.end or self.end_align_tokens or self.interval_tokens or self.branch):
+            raise InvalidValueError(
+                "CheckpointPolicy keeps no checkpoint at all; enable end, interval or branch"
+            )
+
+    @classmethod
+    def parse(cls, text: str) -> CheckpointPolicy:
+        """``"end"``, ``"end:512"``, ``"interval:4096"``, ``"branch"``, combined with commas."""
+        if not isinstance(text, str) or not text.strip():
+            raise InvalidValueError(
+                f"checkpoint policy {text!r}: use end, end:N, interval:N, branch (comma-separated)"
+            )
+        end = branch = False
+        interval = align = 0
+        for part in (p.strip() for p in text.split(",")):
+            name, _, number = part.partition(":")
+            if part == "end":
+                end = True
+            elif part == "branch":
+                branch = True
+            elif name in ("end", "interval") and number.isdigit() and 0 < int(number) <= 1 << 24:
+                if name == "end":
+                    align = int(number)
+                else:
+                    interval = int(number)
+            else:
+                raise InvalidValueError(
+                    f"checkpoint policy part {part!r} unknown; legal: end, end:N, interval:N "
+                    "(N tokens, 1..16777216), branch"
+                )
+        return cls(end=end, end_align_tokens=align, interval_tokens=interval, branch=branch)
+
+    def describe(self) -> str:
+        parts = ["end"] if self.end else []
+        if self.end_align_tokens:
+            parts.append(f"end:{self.end_align_tokens}")
+        if self.interval_tokens:
+            parts.append(f"interval:{self.interval_tokens}")
+        if self.branch:
+            parts.append("branch")
+        return ",".join(parts)
+
+    def check_block_size(self, block_size: int) -> None:
+        for what, n in (("interval", self.interval_tokens), ("end", self.end_align_tokens)):
+            if n % block_size:
+                raise InvalidValueError(
+                    f"checkpoint {what}:{n} is not a multiple of the block size {block_size} "
+                    "tokens: images lie on block boundaries"
+                )
+
+    def boundaries(self, prompt_tokens: int, block_size: int, hit_blocks: int) -> list[int]:
+        """Block counts past the hit at which the end and interval rules keep an image."""
+        full = prompt_tokens // block_size
+        out = set()
+        if self.end and full > hit_blocks:
+            out.add(full)
+        if self.end_align_tokens:
+            out.add(prompt_tokens // self.end_align_tokens * self.end_align_tokens // block_size)
+        if self.interval_tokens:
+            step = self.interval_tokens // block_size
+            out.update(range((hit_blocks // step + 1) * step, full + 1, step))
+        return sorted(b for b in out if b > hit_blocks)

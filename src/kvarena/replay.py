@@ -1,0 +1,382 @@
+"""``kvarena replay``: request traces through the real prefix cache and pools.
+
+A trace is one JSON object a line: the Mooncake FAST'25 format
+(``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids`` — one per
+512-token block, expanded here into 512 deterministic token ids each, so equal
+ids give equal token blocks and the cache's own hashing finds the reuse), or a
+plain format with explicit ``tokens``.
+
+The time model, stated: requests arrive at their timestamps and wait in FIFO
+order until the pools can hold them (their prompt's and output's blocks and
+their state slots; a refused admission first asks the cache to move its
+boundary toward the demand); an admitted request prefills its computed
+tokens at ``prefill_tokens_per_s``, its blocks and image checkpoints become
+visible when the prefill ends, and it holds everything until its output is
+decoded at ``decode_tokens_per_s`` and it finishes.
+
+Two modes. Bookkeeping (default): the cache lives on torch's ``meta`` device —
+real allocators, keys, lookups, evictions and boundary moves, no bytes — so an
+80 GiB budget replays on a laptop. ``verify``: real bytes on the CPU with a
+deterministic stand-in model: a block's KV is one 8-byte word derived from its
+key and a boundary's state another, both pure functions of the token prefix,
+so every restored block and state is checked byte for byte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .checks import check_count
+from .errors import InvalidValueError
+from .models import ModelCache
+from .pools import BlockAllocationError, StateAllocationError, plan_cache
+from .prefix import CheckpointPolicy, PrefixCache
+from .prefix.cache import Admission
+from .prefix.keys import block_keys
+
+MOONCAKE_BLOCK = 512
+"""Tokens per ``hash_ids`` entry in the Mooncake traces."""
+
+
+class TraceError(InvalidValueError):
+    """A trace line that cannot be replayed; the message names the line."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TraceRequest:
+    arrival_ms: float
+    tokens: np.ndarray
+    output_tokens: int
+
+
+def _mooncake_tokens(hash_ids: list[int], input_length: int, where: str) -> np.ndarray:
+    n = len(hash_ids)
+    if not (MOONCAKE_BLOCK * (n - 1) < input_length <= MOONCAKE_BLOCK * n):
+        raise TraceError(
+            f"{where}: input_length {input_length} does not fit {n} hash ids of "
+            f"{MOONCAKE_BLOCK} tokens"
+        )
+    ids = np.asarray(hash_ids, dtype=np.int64)
+    tokens = (ids[:, None] * MOONCAKE_BLOCK + np.arange(MOONCAKE_BLOCK)).reshape(-1)
+    return tokens[:input_length]
+
+
+def parse_trace(
+    lines: Iterable[str], *, source: str = "trace", limit: int | None = None
+) -> list[TraceRequest]:
+    """Requests from trace lines, checked line by line (sorted by arrival)."""
+    out: list[TraceRequest] = []
+    for i, line in enumerate(lines, 1):
+        if limit is not None and len(out) >= limit:
+            break
+        if not line.strip():
+            continue
+        where = f"{source}:{i}"
+        try:
+            row = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
+            raise TraceError(f"{where}: not a JSON object") from None
+        if not isinstance(row, dict):
+            raise TraceError(f"{where}: not a JSON object")
+        try:
+            ts = row.get("timestamp", 0)
+            if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not 0 <= ts < 1e15:
+                raise TraceError(f"{where}: timestamp must be milliseconds >= 0, got {ts!r}")
+            output = check_count(row.get("output_length", 0), f"{where}: output_length", hi=1 << 24)
+            if "tokens" in row:
+                tokens = row["tokens"]
+                if (
+                    not isinstance(tokens, list)
+                    or not tokens
+                    or not all(
+                        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 62
+                        for t in tokens
+                    )
+                ):
+                    raise TraceError(f"{where}: tokens must be a non-empty list of token ids")
+                arr = np.asarray(tokens, dtype=np.int64)
+            else:
+                ids = row.get("hash_ids")
+                if (
+                    not isinstance(ids, list)
+                    or not ids
+                    or not all(
+                        isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 1 << 40
+                        for h in ids
+                    )
+                ):
+                    raise TraceError(f"{where}: hash_ids must be a non-empty list of ids >= 0")
+                length = check_count(
+                    row.get("input_length"), f"{where}: input_length", lo=1, hi=1 << 24
+                )
+                arr = _mooncake_tokens(ids, length, where)
+        except InvalidValueError as exc:
+            raise TraceError(str(exc)) from None
+        out.append(TraceRequest(arrival_ms=float(ts), tokens=arr, output_tokens=output))
+    out.sort(key=lambda r: r.arrival_ms)  # stable: equal timestamps keep file order
+    return out
+
+
+def load_trace(path: str | Path, *, limit: int | None = None) -> list[TraceRequest]:
+    p = Path(path)
+    try:
+        with p.open(encoding="utf-8") as fh:
+            return parse_trace(fh, source=str(p), limit=limit)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TraceError(f"{p}: cannot read the trace ({exc})") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplayConfig:
+    budget_bytes: int
+    max_seqs: int
+    policy: CheckpointPolicy = field(default_factory=CheckpointPolicy)
+    prefill_tokens_per_s: float = 20_000.0
+    decode_tokens_per_s: float = 50.0
+    verify: bool = False
+    reuse: bool = True
+
+
+@dataclass(kw_only=True)
+class ReplayResult:
+    label: str
+    requests: int = 0
+    admitted: int = 0
+    dropped: int = 0  # larger than the whole cache
+    prompt_tokens: int = 0
+    requests_with_hit: int = 0
+    boundary_moves: int = 0
+    verified_blocks: int = 0
+    verified_states: int = 0
+    mismatches: int = 0
+    sim_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    admission_us: float = 0.0  # lookup + admission per request
+    blocks: int = 0
+    slots: int = 0
+    metrics: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.metrics.get("hit_tokens", 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["hit_fraction"] = self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        return d
+
+
+def _state_word(key: bytes) -> int:
+    digest = hashlib.blake2b(key + b"/state", digest_size=8).digest()
+    return int(np.frombuffer(digest, dtype=np.int64)[0])
+
+
+def _block_word(key: bytes) -> int:
+    return int(np.frombuffer(key[:8], dtype=np.int64)[0])
+
+
+class _Replay:
+    def __init__(
+        self, model: ModelCache, trace: Sequence[TraceRequest], cfg: ReplayConfig, label: str
+    ) -> None:
+        self.trace, self.cfg = trace, cfg
+        plan = plan_cache(model, budget_bytes=cfg.budget_bytes, max_seqs=cfg.max_seqs)
+        device = torch.device("cpu" if cfg.verify else "meta")
+        self.pc = PrefixCache(plan, device, policy=cfg.policy)
+        self.pc.enabled = cfg.reuse
+        self.bs = plan.block_size
+        self.result = ReplayResult(label=label)
+        self.queue: deque[int] = deque()
+        self.events: list[tuple[float, int, str, int]] = []
+        self.seq = 0
+        self.admit_seconds = 0.0
+
+    # -- the stand-in model (verify mode) ------------------------------------------------
+    def _verify_hit(self, adm: Admission) -> None:
+        h = adm.hit.tokens // self.bs
+        c = self.pc.cache
+        for i in range(h if self.pc.has_kv else 0):
+            ok = bool(
+                (
+                    c.block_bytes_of(adm.blocks[i]).view(torch.int64) == _block_word(adm.keys[i])
+                ).all()
+            )
+            self.result.verified_blocks += 1
+            self.result.mismatches += not ok
+        if h and adm.slots and self.pc.spec is not None:
+            raw = c.slot_bytes_of(adm.slots[0])
+            word = _state_word(adm.keys[h - 1])
+            ok = all(
+                bool((raw[o : o + n].view(torch.int64) == word).all())
+                for o, n in self.pc.spec.ranges
+            )
+            self.result.verified_states += 1
+            self.result.mismatches += not ok
+
+    def _compute(self, adm: Admission) -> None:
+        """The prefill's end: KV for the new prompt blocks, images at the boundaries."""
+        h = adm.hit.tokens // self.bs
+        full = adm.tokens.size // self.bs
+        c = self.pc.cache
+        if self.cfg.verify and self.pc.has_kv:
+            for i in range(h, full):
+                c.block_bytes_of(adm.blocks[i]).view(torch.int64).fill_(_block_word(adm.keys[i]))
+        for b in adm.checkpoints:
+            if self.cfg.verify:
+                raw = c.slot_bytes_of(adm.slots[0])
+                word = _state_word(adm.keys[b - 1])
+                for o, n in self.pc.spec.ranges:  # type: ignore[union-attr]
+                    raw[o : o + n].view(torch.int64).fill_(word)
+            self.pc.checkpoint(adm.request, b)
+        self.pc.commit(adm.request, adm.tokens.size)
+
+    # -- the time model ------------------------------------------------------------------
+    def _push(self, t: float, kind: str, index: int) -> None:
+        heapq.heappush(self.events, (t, self.seq, kind, index))
+        self.seq += 1
+
+    def _try_admit(self, now: float) -> None:
+        while self.queue:
+            index = self.queue[0]
+            req = self.trace[index]
+            adm = self._admit(index, req)
+            if adm is None:
+                running = any(kind == "finish" for _, _, kind, _ in self.events)
+                if running:
+                    return  # wait for a request to finish
+                self.queue.popleft()  # larger than the whole cache, even empty
+                self.result.dropped += 1
+                continue
+            self.queue.popleft()
+            self.result.admitted += 1
+            if adm.hit.tokens:
+                self.result.requests_with_hit += 1
+            computed = req.tokens.size - adm.hit.tokens
+            prefill = computed / self.cfg.prefill_tokens_per_s
+            decode = req.output_tokens / self.cfg.decode_tokens_per_s
+            self._push(now + prefill, "prefill", index)
+            self._push(now + prefill + decode, "finish", index)
+
+    def _admit(self, index: int, req: TraceRequest) -> Admission | None:
+        for attempt in range(2):
+            start = time.perf_counter()
+            try:
+                adm = self.pc.admit(index, req.tokens, reserve_tokens=req.output_tokens)
+            except (BlockAllocationError, StateAllocationError) as exc:
+                self.admit_seconds += time.perf_counter() - start
+                if attempt:
+                    return None
+                slots_short = isinstance(exc, StateAllocationError)
+                need = -(-(req.tokens.size + req.output_tokens) // self.bs)
+                move = self.pc.rebalance(waiting_requests=int(slots_short), blocks_needed=need)
+                if move is None:
+                    return None
+                self.result.boundary_moves += 1
+                continue
+            self.admit_seconds += time.perf_counter() - start
+            if self.cfg.verify:
+                self._verify_hit(adm)
+            return adm
+        return None
+
+    def run(self) -> ReplayResult:
+        wall = time.perf_counter()
+        arrivals = deque(range(len(self.trace)))
+        now = 0.0
+        while arrivals or self.events or self.queue:
+            next_arrival = self.trace[arrivals[0]].arrival_ms / 1000 if arrivals else float("inf")
+            if self.events and self.events[0][0] <= next_arrival:
+                now, _, kind, index = heapq.heappop(self.events)
+                if kind == "prefill":
+                    self._compute(self.pc.running(index))
+                else:
+                    self.pc.finish(index)
+                self._try_admit(now)
+            elif arrivals:
+                now = next_arrival
+                index = arrivals.popleft()
+                self.result.requests += 1
+                self.result.prompt_tokens += self.trace[index].tokens.size
+                self.queue.append(index)
+                self._try_admit(now)
+            else:  # queued requests with nothing running: _try_admit drops what never fits
+                self._try_admit(now)
+        r = self.result
+        r.sim_seconds = now
+        r.wall_seconds = time.perf_counter() - wall
+        r.admission_us = 1e6 * self.admit_seconds / max(1, r.admitted)
+        r.blocks, r.slots = self.pc.cache.num_blocks, self.pc.cache.num_slots
+        r.metrics = self.pc.metrics.to_dict()
+        return r
+
+
+def replay(
+    model: ModelCache, trace: Sequence[TraceRequest], cfg: ReplayConfig, *, label: str = "kvarena"
+) -> ReplayResult:
+    """Replay ``trace`` through a prefix cache planned for ``model`` in ``cfg.budget_bytes``."""
+    if not isinstance(model, ModelCache):
+        raise InvalidValueError(f"replay: model must be a ModelCache, got {type(model).__name__}")
+    return _Replay(model, trace, cfg, label).run()
+
+
+def infinite_bound(trace: Sequence[TraceRequest], block_size: int) -> ReplayResult:
+    """Hit tokens with an infinite cache: every earlier full prompt block is kept."""
+    root = b"\x00" * 16
+    seen: set[bytes] = set()
+    r = ReplayResult(label="infinite cache")
+    hits = 0
+    for req in trace:
+        keys = block_keys(root, req.tokens, block_size)
+        limit = min(len(keys), (req.tokens.size - 1) // block_size)
+        h = 0
+        while h < limit and keys[h] in seen:
+            h += 1
+        seen.update(keys)
+        r.requests += 1
+        r.admitted += 1
+        r.prompt_tokens += req.tokens.size
+        r.requests_with_hit += bool(h)
+        hits += h * block_size
+    r.metrics = {"hit_tokens": hits, "computed_tokens": r.prompt_tokens - hits}
+    return r
+
+
+def compare(
+    model: ModelCache,
+    trace: Sequence[TraceRequest],
+    cfg: ReplayConfig,
+    *,
+    vllm_model: ModelCache | None = None,
+) -> list[ReplayResult]:
+    """The same trace and budget under five policies, side by side.
+
+    kvarena's policy; vLLM's align policy (only the last block boundary before
+    each prompt end keeps a state, at vLLM's unified block size when
+    ``vllm_model`` is given); no state reuse (hybrid prefix caching off); the
+    same model's KV with no state at all (what a pure-attention model of the
+    same KV size would hit); and the infinite-cache bound.
+    """
+    rows = [replay(model, trace, cfg, label=f"kvarena ({cfg.policy.describe()})")]
+    if model.state_fields and model.page_fields:
+        align = replace(cfg, policy=CheckpointPolicy(end=True, branch=False))
+        vm = vllm_model or model
+        rows.append(replay(vm, trace, align, label=f"vLLM align ({vm.block_size}-token blocks)"))
+        rows.append(replay(model, trace, replace(cfg, reuse=False), label="no state reuse"))
+    if model.page_fields:
+        kv_only = ModelCache.from_fields(
+            model.page_fields, [], block_size=model.block_size, name=f"{model.name} (KV only)"
+        )
+        rows.append(replay(kv_only, trace, cfg, label="KV only (no state)"))
+    rows.append(infinite_bound(trace, model.block_size))
+    return rows
