@@ -6,6 +6,7 @@ unknown model (with a one-line reason on stderr, never a traceback).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
@@ -29,6 +30,7 @@ from .errors import Error, InvalidValueError
 from .models import KV_DTYPES, PRESETS, STATE_DTYPES, ServingOptions, model_cache
 from .pools import plan_cache
 from .pools.plan import MAX_SEQS
+from .prefix import CheckpointPolicy
 from .report import SCHEMA_VERSION, plan_report
 
 
@@ -288,6 +290,137 @@ def demo(
         console.print(f"[red]{failed} check(s) failed[/red]")
         raise typer.Exit(1)
     console.print("[green]all checks passed[/green]")
+
+
+@app.command()
+def replay(
+    trace: Annotated[
+        str, typer.Argument(help="a trace file: Mooncake JSONL or plain tokens JSONL")
+    ],
+    model: Annotated[
+        str, typer.Option(help="a preset or a config.json path")
+    ] = "qwen3-next-80b-a3b",
+    memory: Annotated[str, typer.Option(help="cache budget, e.g. 80GiB")] = "80GiB",
+    max_seqs: Annotated[int, typer.Option(help="requests in flight")] = 64,
+    block_size: Annotated[
+        int | None, typer.Option(help="tokens per PAGE block (family default)")
+    ] = None,
+    tp: Annotated[int, typer.Option(help="tensor-parallel size")] = 1,
+    kv_dtype: Annotated[str, typer.Option(help=f"one of {', '.join(KV_DTYPES)}")] = "auto",
+    state_dtype: Annotated[str, typer.Option(help=f"one of {', '.join(STATE_DTYPES)}")] = "auto",
+    spec_tokens: Annotated[int, typer.Option(help="speculative tokens (rollback copies)")] = 0,
+    checkpoint: Annotated[
+        str, typer.Option(help="where states are kept: end, end:N, interval:N, branch (combined)")
+    ] = "end,branch",
+    limit: Annotated[int | None, typer.Option(help="replay only the first N requests")] = None,
+    prefill_rate: Annotated[float, typer.Option(help="prefill tokens per second")] = 20_000.0,
+    decode_rate: Annotated[float, typer.Option(help="decode tokens per second per request")] = 50.0,
+    verify: Annotated[
+        bool, typer.Option("--verify", help="real bytes and a stand-in model; check every hit")
+    ] = False,
+    compare: Annotated[
+        bool, typer.Option("--compare", help="also vLLM align, no state reuse, KV only, infinite")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+) -> None:
+    """Replay a request trace through the real prefix cache and pools."""
+    from .replay import ReplayConfig, load_trace
+    from .replay import compare as compare_policies
+    from .replay import replay as run
+    from .report import vllm_unification
+
+    budget = parse_bytes(memory)
+    check_count(max_seqs, "--max-seqs", lo=1, hi=MAX_SEQS)
+    if limit is not None:
+        check_count(limit, "--limit", lo=1)
+    for name, rate in (("--prefill-rate", prefill_rate), ("--decode-rate", decode_rate)):
+        if not 0 < rate < 1e12:
+            raise InvalidValueError(f"{name} must be a positive rate, got {rate}")
+    options = ServingOptions(
+        tp=tp,
+        kv_dtype=kv_dtype,
+        state_dtype=state_dtype,
+        block_size=block_size,
+        spec_tokens=spec_tokens,
+    )
+    m = model_cache(model, options)
+    cfg = ReplayConfig(
+        budget_bytes=budget,
+        max_seqs=max_seqs,
+        policy=CheckpointPolicy.parse(checkpoint),
+        prefill_tokens_per_s=prefill_rate,
+        decode_tokens_per_s=decode_rate,
+        verify=verify,
+    )
+    requests = load_trace(trace, limit=limit)
+    if compare:
+        v = vllm_unification(m, budget, max_seqs)
+        vm = (
+            model_cache(model, replace_options(options, v["attention_block_tokens"])) if v else None
+        )
+        rows = compare_policies(m, requests, cfg, vllm_model=vm)
+    else:
+        rows = [run(m, requests, cfg)]
+    mismatches = sum(r.mismatches for r in rows)
+    if as_json:
+        doc = {
+            "schema": "kvarena-replay/1",
+            "trace": trace,
+            "model": m.name,
+            "budget_bytes": budget,
+            "max_seqs": max_seqs,
+            "block_size": m.block_size,
+            "checkpoint": cfg.policy.describe(),
+            "verify": verify,
+            "results": [r.to_dict() for r in rows],
+        }
+        typer.echo(json.dumps(doc, indent=2))
+    else:
+        _render_replay(m.name, budget, rows)
+    if mismatches:
+        _one_line(f"{mismatches} restored blocks or states differ from the stand-in model")
+        raise typer.Exit(1)
+
+
+def replace_options(options: ServingOptions, block_size: int) -> ServingOptions:
+    return dataclasses.replace(options, block_size=block_size)
+
+
+def _render_replay(model: str, budget: int, rows: list) -> None:
+    table = Table(title=escape(f"kvarena replay: {model}, {budget:,} B"), title_justify="left")
+    for col in (
+        "policy",
+        "requests",
+        "hit tokens",
+        "hit %",
+        "with hit",
+        "lost tokens",
+        "images w/r",
+        "evicted blocks/images",
+        "moves",
+        "admission µs",
+        "verified",
+        "mismatches",
+    ):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for r in rows:
+        d = r.to_dict()
+        m = r.metrics
+        table.add_row(
+            escape(r.label),
+            f"{r.requests:,}",
+            f"{r.hit_tokens:,}",
+            f"{100 * d['hit_fraction']:.1f}",
+            f"{r.requests_with_hit:,}",
+            f"{m.get('lost_tokens', 0):,}",
+            f"{m.get('images_written', 0):,}/{m.get('images_read', 0):,}",
+            f"{m.get('evicted_blocks', 0):,}/{m.get('evicted_images', 0):,}",
+            f"{r.boundary_moves:,}",
+            f"{r.admission_us:,.0f}",
+            f"{r.verified_blocks:,}+{r.verified_states:,}",
+            f"{r.mismatches:,}",
+        )
+    console.print(table)
 
 
 def main() -> None:

@@ -278,7 +278,7 @@ class PrefixCache:
             for u in hit.image.units:
                 blocks_b.release(u)  # restored: the image ages in the LRU again
         checkpoints: list[int] = []
-        if self.has_state and self.spec is not None:
+        if self.has_state and self.spec is not None and self.enabled:
             checkpoints = self.policy.boundaries(tok.size, self.block_size, h)
             if self.policy.branch:
                 if hit.lost_tokens:
@@ -324,9 +324,13 @@ class PrefixCache:
                 self.cache.blocks.set_cached(block)
         adm.committed = max(adm.committed, n)
 
-    def checkpoint(self, request: Hashable, boundary: int) -> Image | None:
+    def checkpoint(self, request: Hashable, boundary: int, *, event: Any = None) -> Image | None:
         """Keep an image of the request's state, which holds the state at ``boundary``
-        blocks, keyed by that prefix. None when one exists already or no units fit."""
+        blocks, keyed by that prefix. None when one exists already or no units fit.
+
+        The image is visible to lookups once its bytes are written: at once on the
+        CPU; on CUDA when ``event`` (by default one recorded right after the copy)
+        has completed. A caller copying on its own stream passes its own event."""
         adm = self.running(request)
         if self.spec is None:
             raise InvalidValueError("this cache keeps no images (it needs PAGE and STATE fields)")
@@ -342,15 +346,17 @@ class PrefixCache:
         units = blocks_b.allocate(self.spec.units_per_image)
         img = Image(key=key, boundary=b, units=units, state=ImageState.COPYING)
         self.cache.store(self.spec, [adm.slots[0]], [units])
-        if self.cache.device.type == "cuda":
-            img.event = torch.cuda.Event()
-            img.event.record()
+        if event is None and self.cache.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        img.event = event
         for u in units:
             blocks_b.set_cached(u)
             self._image_of_unit[u] = img
         self._images[key] = img
         self._copying.append(img)
         adm.images.append(img)  # held while the request runs, like its blocks
+        self.poll()
         self.metrics.images_written += 1
         self.metrics.image_bytes_written += self.spec.image_bytes
         return img

@@ -1,0 +1,259 @@
+"""The prefix cache's lookup contract, its edge cases, and a model-based random test."""
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+from conftest import plan_for
+
+from kvarena import EntryField, ModelCache, ServingOptions, model_cache, plan_cache
+from kvarena.prefix import CheckpointPolicy, ImageState, Namespace, PrefixCache
+from kvarena.prefix.keys import block_keys
+
+PAGE = [EntryField("k", 2, (4, 8), torch.bfloat16)]
+STATE = [
+    EntryField("ssm", 2, (2, 16), torch.float32),
+    EntryField("score", 1, (8,), torch.float32, fill=-math.inf, in_checkpoint=False),
+]
+BS = 4  # tokens per block
+
+
+def make(budget=64 * 1024, seqs=4, **kw) -> PrefixCache:
+    return PrefixCache(plan_for(PAGE, STATE, budget, seqs, block_size=BS), "cpu", **kw)
+
+
+def run(pc: PrefixCache, request, tokens, *, state_word=None):
+    """Admit, 'compute' (write the state, keep the policy's images), commit."""
+    adm = pc.admit(request, tokens)
+    for b in adm.checkpoints:
+        pc.cache.state_view("ssm")[:, adm.slots[0]].fill_(
+            float(b if state_word is None else state_word)
+        )
+        pc.checkpoint(request, b)
+    pc.commit(request, len(tokens))
+    return adm
+
+
+def test_keys_are_chained_and_namespaced():
+    tokens = np.arange(12)
+    pc = make()
+    keys = pc.keys(tokens)
+    assert len(keys) == 3 and len(set(keys)) == 3
+    # A block's key depends on every block before it.
+    other = pc.keys(np.concatenate([[99], tokens[1:]]))
+    assert all(a != b for a, b in zip(keys, other, strict=True))
+    assert pc.keys(tokens, extra=["lora-a"]) != keys
+    # Another layout (dtype), block size or rank is another namespace: no key matches.
+    plan = pc.cache.plan
+    ns = Namespace.of(plan)
+    assert Namespace.of(plan, tp_rank=0).digest == ns.digest
+    state16 = [EntryField("ssm", 2, (2, 16), torch.float16), STATE[1]]
+    other_plan = plan_for(PAGE, state16, 64 * 1024, 4, block_size=BS)
+    assert Namespace.of(other_plan).digest != ns.digest
+    assert block_keys(Namespace.of(other_plan).digest, tokens, BS) != keys
+
+
+def test_hit_needs_kv_and_an_image_at_exactly_that_boundary():
+    pc = make(policy=CheckpointPolicy(end=True, branch=False))
+    a = np.arange(40)
+    run(pc, "a", a)  # image at its end: 10 blocks
+    pc.finish("a")
+    # The same prompt again: at most len - 1 tokens, so the image at 40 cannot serve;
+    # the KV matches 9 blocks but no image lies at 36: the answer is 0, not 36.
+    hit = pc.lookup(a)
+    assert (hit.tokens, hit.matched_kv_tokens, hit.lost_tokens) == (0, 36, 36)
+    # A longer prompt resumes exactly at the image.
+    longer = np.concatenate([a, [7, 7, 7]])
+    hit = pc.lookup(longer)
+    assert hit.tokens == 40 and hit.image is not None and len(hit.blocks) == 10
+    adm = pc.admit("b", longer)
+    # The restored state is the one taken at that boundary, in the new request's own slot.
+    assert torch.all(pc.cache.state_view("ssm")[:, adm.slots[0]] == 10.0)
+    assert torch.all(pc.cache.state_view("score")[:, adm.slots[0]] == -math.inf)
+
+
+def test_a_hit_shorter_than_one_block_and_a_hit_at_the_first_block():
+    for policy, expect in (
+        (CheckpointPolicy(end=True, branch=False), 0),
+        (CheckpointPolicy(interval_tokens=4), 4),
+    ):
+        pc = make(policy=policy)
+        assert pc.lookup(np.arange(3)).tokens == 0  # no full block, nothing to hit
+        run(pc, "a", np.arange(8))
+        pc.finish("a")
+        assert pc.lookup(np.arange(3)).tokens == 0
+        # 5 tokens: at most 4 can hit, and only with an image kept at block 1.
+        hit = pc.lookup(np.arange(5))
+        assert (hit.tokens, hit.matched_kv_tokens) == (expect, 4)
+
+
+def test_branch_points_serve_a_shared_system_prompt():
+    # Each request: the same 24-token system prompt, then its own question.
+    def prompt(i):
+        return np.concatenate([np.arange(24), 1000 * (i + 1) + np.arange(10)])
+
+    hits = {}
+    for policy in (
+        CheckpointPolicy(end=True, branch=False),
+        CheckpointPolicy(end=True, branch=True),
+    ):
+        pc = make(policy=policy)
+        got = []
+        for i in range(5):
+            adm = run(pc, i, prompt(i))
+            got.append(adm.hit.tokens)
+            pc.finish(i)
+        hits[policy.branch] = got
+    # End-only never hits (each image lies past the shared part), as vLLM's align mode;
+    # with branch points the second request keeps an image at 24 and the rest hit it.
+    assert hits[False] == [0, 0, 0, 0, 0]
+    assert hits[True] == [0, 0, 24, 24, 24]
+
+
+def test_a_copying_image_is_not_visible():
+    pc = make()
+    a = np.arange(16)
+    adm = pc.admit("a", a)
+    pc.cache.state_view("ssm")[:, adm.slots[0]].fill_(3.0)
+
+    class Event:  # a copy on the caller's stream, not yet complete
+        done = False
+
+        def query(self):
+            return self.done
+
+    event = Event()
+    img = pc.checkpoint("a", 4, event=event)
+    pc.commit("a", 16)
+    pc.finish("a")
+    longer = np.arange(20)
+    assert pc.lookup(longer).tokens == 0  # the bytes are not known written yet
+    assert img.state is ImageState.COPYING
+    event.done = True
+    assert pc.lookup(longer).tokens == 16
+    assert img.state is ImageState.READY
+
+
+def test_an_image_evicted_between_lookup_and_admission_is_never_half_restored():
+    pc = make()
+    run(pc, "a", np.arange(16))
+    pc.finish("a")
+    longer = np.arange(20)
+    hit = pc.lookup(longer)
+    assert hit.tokens == 16 and hit.image is not None
+    # Memory pressure evicts the image (LRU) before the request is admitted.
+    for u in hit.image.units:
+        if pc.cache.blocks.is_evictable(u):
+            pc.cache.blocks.evict(u)
+            break
+    assert pc.metrics.evicted_images == 1
+    adm = pc.admit("b", longer)
+    assert adm.hit.tokens == 0 and adm.hit.image is None and adm.hit.lost_tokens == 16
+    pc.check_books()
+
+
+def test_running_blocks_and_images_are_never_evicted_and_moves_are_followed():
+    pc = make(budget=40 * 1024)
+    a = np.arange(32)
+    adm = run(pc, "a", a)
+    held = set(adm.blocks) | {u for img in adm.images for u in img.units}
+    # Fill the rest of the pool with other requests' cached blocks, then squeeze it.
+    for i in range(6):
+        try:
+            run(pc, f"x{i}", 10_000 * (i + 1) + np.arange(24))
+            pc.finish(f"x{i}")
+        except RuntimeError:
+            break
+    assert all(not pc.cache.blocks.is_free(b) for b in held)
+    move = pc.cache.grow_state(2)  # evicts and relocates through the prefix cache's books
+    pc.check_books()
+    remapped = [move.block_remap.get(b, b) for b in adm.blocks]
+    assert pc.running("a").blocks == remapped
+    pc.finish("a")
+    hit = pc.lookup(np.arange(40))
+    assert hit.tokens == 32 and list(hit.blocks) == remapped
+
+
+def test_refusals_take_nothing():
+    pc = make(budget=16 * 1024, seqs=1)
+    before = (pc.cache.blocks.num_free, pc.cache.slots.num_free)
+    with pytest.raises(RuntimeError, match="blocks"):
+        pc.admit("huge", np.arange(10_000))
+    assert (pc.cache.blocks.num_free, pc.cache.slots.num_free) == before
+    for bad in ([1.5, 2.0], ["a"], np.zeros((2, 2), dtype=np.int64), [-1]):
+        with pytest.raises(ValueError):
+            pc.admit("r", bad)
+    with pytest.raises(ValueError, match="interval"):
+        PrefixCache(
+            plan_for(PAGE, STATE, 64 * 1024, 4, block_size=BS),
+            "cpu",
+            policy=CheckpointPolicy(interval_tokens=6),
+        )
+    with pytest.raises(ValueError, match="unknown"):
+        CheckpointPolicy.parse("end,sometimes")
+    assert (
+        CheckpointPolicy.parse("end:512,interval:64,branch").describe()
+        == "end:512,interval:64,branch"
+    )
+
+
+def test_model_based_random_prompts_against_a_reference():
+    """Random prompts sharing random prefixes, random evictions and boundary moves:
+    every hit satisfies the contract (checked against a reference that knows every
+    block and image ever kept), every restored state equals the state taken at that
+    boundary, references return to zero and nothing leaks."""
+    rng = random.Random(11)
+    pc = make(
+        budget=96 * 1024, seqs=3, policy=CheckpointPolicy(end=True, interval_tokens=8, branch=True)
+    )
+    stems = [list(rng.randrange(50) for _ in range(rng.randint(0, 30))) for _ in range(6)]
+    for step in range(400):
+        tokens = np.array(
+            rng.choice(stems) + [rng.randrange(50) for _ in range(rng.randint(1, 20))]
+        )
+        keys = pc.keys(tokens)
+        limit = min(len(keys), (len(tokens) - 1) // BS)
+        try:
+            adm = pc.admit(step, tokens)
+        except RuntimeError:
+            continue
+        h = adm.hit.tokens // BS
+        # The contract, from the cache's own books: every hit block cached under its key,
+        # an image exactly at h, nothing longer would have worked.
+        assert adm.hit.tokens <= len(tokens) - 1 and h <= limit
+        if h:
+            assert torch.all(
+                pc.cache.state_view("ssm")[:, adm.slots[0]]
+                == float(int.from_bytes(keys[h - 1][:2], "little"))
+            )
+        for b in adm.checkpoints:
+            word = float(int.from_bytes(keys[b - 1][:2], "little"))
+            pc.cache.state_view("ssm")[:, adm.slots[0]].fill_(word)
+            pc.checkpoint(step, b)
+        pc.commit(step, len(tokens))
+        pc.finish(step)
+        if rng.random() < 0.1:
+            pc.cache.rebalance(waiting_requests=rng.randint(0, 3), blocks_needed=rng.randint(0, 20))
+        if rng.random() < 0.1 and pc.cache.blocks.evictable_blocks():
+            pc.cache.blocks.evict(rng.choice(pc.cache.blocks.evictable_blocks()))
+        pc.check_books()
+    b = pc.cache.blocks
+    assert b.num_live == 0 and pc.cache.slots.num_live == 0  # every reference returned
+    assert b.num_free + b.num_evictable == b.capacity
+    assert pc.metrics.hits > 20 and pc.metrics.images_read == pc.metrics.hits
+
+
+def test_presets_build_a_prefix_cache():
+    m = model_cache("qwen3-next-80b-a3b", ServingOptions(tp=8))
+    pc = PrefixCache(plan_cache(m, budget_bytes=256 << 20, max_seqs=2), "meta")
+    assert pc.spec is not None and pc.cache.buf.device.type == "meta"
+    llama = PrefixCache(
+        plan_cache(model_cache("llama-3.1-8b"), budget_bytes=1 << 30, max_seqs=2), "meta"
+    )
+    adm = llama.admit("a", np.arange(100))
+    llama.commit("a", 100)
+    llama.finish("a")
+    assert llama.lookup(np.arange(120)).tokens == 96 and adm.checkpoints == []
+    assert isinstance(m, ModelCache)
