@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_checkpoint.py
 	$(PY) benchmarks/bench_boundary.py
 	$(PY) benchmarks/bench_transfer.py
+	$(PY) benchmarks/bench_prefix.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .hypothesis

@@ -48,7 +48,8 @@ class _OneLineErrors(TyperGroup):
 
     def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
         try:
-            code = super().main(*args, standalone_mode=False, **kwargs)
+            kwargs["standalone_mode"] = False  # refusals come back here as exceptions
+            code = super().main(*args, **kwargs)
         except NoArgsIsHelpError as exc:
             sys.stdout.write(exc.format_message() + "\n")
             code = 2
@@ -64,7 +65,7 @@ class _OneLineErrors(TyperGroup):
         except Exception as exc:
             # A kvarena.Error names the value and the legal range; anything
             # else is still one line, with its type so a report can name it.
-            _one_line(exc if isinstance(exc, Error) else f"{type(exc).__name__}: {exc}")
+            _one_line(str(exc) if isinstance(exc, Error) else f"{type(exc).__name__}: {exc}")
             code = 2
         code = code if isinstance(code, int) else 0
         if standalone_mode:

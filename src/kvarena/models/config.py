@@ -54,7 +54,7 @@ class ConfigReader:
             return default
         return value
 
-    def int(self, key: str, *, lo: int = 1, hi: int = MAX_DIM, default: Any = _MISSING) -> int:
+    def integer(self, key: str, *, lo: int = 1, hi: int = MAX_DIM, default: Any = _MISSING) -> int:
         """An integer field in ``[lo, hi]``; absent or null takes ``default``."""
         value = self._raw(key, default)
         if value is default and default is not _MISSING:
@@ -78,14 +78,14 @@ class ConfigReader:
         """The first of ``keys`` that is present (configs name one thing several ways)."""
         for key in keys:
             if self.has(key):
-                return self.int(key, lo=lo, hi=hi)
+                return self.integer(key, lo=lo, hi=hi)
         if default is _MISSING:
             raise ConfigError(
                 f"{self.where}: the config lacks the field {keys[0]!r} (or {', '.join(map(repr, keys[1:]))})"
             )
         return default
 
-    def str(self, key: str, *, default: Any = _MISSING) -> str:
+    def string(self, key: str, *, default: Any = _MISSING) -> str:
         value = self._raw(key, default)
         if not isinstance(value, str):
             raise ConfigError(f"{self.where}: field {key!r} must be a string, got {value!r}")

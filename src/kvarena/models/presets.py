@@ -308,9 +308,9 @@ def detect_family(config: Mapping[str, Any]) -> str:
 
 def _model_dtype(c: ConfigReader) -> torch.dtype:
     """The dtype the model computes in: ``torch_dtype`` (or transformers 5's ``dtype``)."""
-    name = c.str("torch_dtype", default=None) if c.has("torch_dtype") else None
+    name = c.string("torch_dtype", default=None) if c.has("torch_dtype") else None
     if name is None:
-        name = c.str("dtype", default="bfloat16")
+        name = c.string("dtype", default="bfloat16")
     if name not in _DTYPES:
         raise ConfigError(f"{c.where}: torch_dtype {name!r} unsupported; legal: {sorted(_DTYPES)}")
     return _DTYPES[name]
@@ -423,8 +423,8 @@ def _model(
 def _head_dim(c: ConfigReader) -> int:
     """``head_dim`` when the config names it, else hidden size over attention heads."""
     if c.has("head_dim"):
-        return c.int("head_dim")
-    hidden, heads = c.int("hidden_size"), c.int("num_attention_heads")
+        return c.integer("head_dim")
+    hidden, heads = c.integer("hidden_size"), c.integer("num_attention_heads")
     if hidden % heads:
         raise ConfigError(
             f"{c.where}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}"
@@ -433,17 +433,17 @@ def _head_dim(c: ConfigReader) -> int:
 
 
 def _gqa(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
-    layers = c.int("num_hidden_layers", hi=MAX_LAYERS)
+    layers = c.integer("num_hidden_layers", hi=MAX_LAYERS)
     block = _block(o, 16)
     kv = _kv_dtype(o, _model_dtype(c))
-    heads = _kv_heads(c.int("num_key_value_heads"), o.tp)
+    heads = _kv_heads(c.integer("num_key_value_heads"), o.tp)
     page = _kv_fields(layers, block, heads, _head_dim(c), kv)
     return _model(name, "gqa", o, block, page, [], attention=layers, state_layers=0)
 
 
 def _gemma3(name: str, root: ConfigReader, o: ServingOptions) -> ModelCache:
     t = root.sub("text_config", optional=True) or root
-    layers = t.int("num_hidden_layers", hi=MAX_LAYERS)
+    layers = t.integer("num_hidden_layers", hi=MAX_LAYERS)
     if t.has("layer_types"):
         kinds = t.str_list("layer_types")
         if len(kinds) != layers:
@@ -452,12 +452,12 @@ def _gemma3(name: str, root: ConfigReader, o: ServingOptions) -> ModelCache:
             )
         full = kinds.count("full_attention")
     else:
-        pattern = t.int("sliding_window_pattern", hi=MAX_LAYERS, default=6)
+        pattern = t.integer("sliding_window_pattern", hi=MAX_LAYERS, default=6)
         full = layers // pattern  # every pattern-th layer is global
     local = layers - full
-    heads = _kv_heads(t.int("num_key_value_heads"), o.tp)
+    heads = _kv_heads(t.integer("num_key_value_heads"), o.tp)
     head_dim = _head_dim(t)
-    window = t.int("sliding_window")
+    window = t.integer("sliding_window")
     block = _block(o, 16)
     kv = _kv_dtype(o, _model_dtype(root))
     page = _kv_fields(full, block, heads, head_dim, kv)
@@ -477,7 +477,7 @@ def _gemma3(name: str, root: ConfigReader, o: ServingOptions) -> ModelCache:
 def _mla_row(
     c: ConfigReader, o: ServingOptions, model: torch.dtype
 ) -> tuple[tuple[int, ...], torch.dtype]:
-    latent, rope = c.int("kv_lora_rank"), c.int("qk_rope_head_dim")
+    latent, rope = c.integer("kv_lora_rank"), c.integer("qk_rope_head_dim")
     dtype = _kv_dtype(o, model, packed_mla=True)
     if o.kv_dtype == "fp8_ds_mla":
         # [latent fp8 | one fp32 scale per 128 | rope bf16]: 512 + 16 + 128 = 656 B.
@@ -486,9 +486,9 @@ def _mla_row(
 
 
 def _mla(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
-    layers = c.int("num_hidden_layers", hi=MAX_LAYERS)
+    layers = c.integer("num_hidden_layers", hi=MAX_LAYERS)
     if o.spec_tokens:
-        layers += c.int("num_nextn_predict_layers", lo=0, hi=MAX_LAYERS, default=0)
+        layers += c.integer("num_nextn_predict_layers", lo=0, hi=MAX_LAYERS, default=0)
     block = _block(o, 64)
     row, dtype = _mla_row(c, o, _model_dtype(c))
     page = [EntryField("kv", layers, (block, *row), dtype)]
@@ -498,7 +498,7 @@ def _mla(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
 def _qwen3_next_layers(c: ConfigReader) -> tuple[int, int]:
     """(attention layers, Gated DeltaNet layers) from ``layer_types`` (transformers 5)
     or ``full_attention_interval`` (the original config)."""
-    layers = c.int("num_hidden_layers", hi=MAX_LAYERS)
+    layers = c.integer("num_hidden_layers", hi=MAX_LAYERS)
     if c.has("layer_types"):
         kinds = c.str_list("layer_types")
         if len(kinds) != layers:
@@ -512,7 +512,7 @@ def _qwen3_next_layers(c: ConfigReader) -> tuple[int, int]:
             )
         attn = kinds.count("full_attention")
         return attn, layers - attn
-    interval = c.int("full_attention_interval", hi=MAX_LAYERS)
+    interval = c.integer("full_attention_interval", hi=MAX_LAYERS)
     attn = layers // interval  # every interval-th layer is full attention
     return attn, layers - attn
 
@@ -524,14 +524,14 @@ def _qwen3_next(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
     page = _kv_fields(
         attn,
         block,
-        _kv_heads(c.int("num_key_value_heads"), o.tp),
+        _kv_heads(c.integer("num_key_value_heads"), o.tp),
         _head_dim(c),
         _kv_dtype(o, model),
     )
-    nk, nv = c.int("linear_num_key_heads"), c.int("linear_num_value_heads")
-    dk, dv = c.int("linear_key_head_dim"), c.int("linear_value_head_dim")
+    nk, nv = c.integer("linear_num_key_heads"), c.integer("linear_num_value_heads")
+    dk, dv = c.integer("linear_key_head_dim"), c.integer("linear_value_head_dim")
     conv_dim = _split(2 * nk * dk + nv * dv, o.tp, "GDN conv dim")
-    kernel = c.int("linear_conv_kernel_dim", lo=2)
+    kernel = c.integer("linear_conv_kernel_dim", lo=2)
     state = [
         EntryField("conv_state", gdn, (kernel - 1, conv_dim), model),
         EntryField(
@@ -551,10 +551,10 @@ def _mamba2(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
     ssm = c.sub("ssm_cfg", optional=True) or ConfigReader({}, f"{c.where}.ssm_cfg")
     hidden = c.first_int(("hidden_size", "d_model"))
     layers = c.first_int(("num_hidden_layers", "n_layer"), hi=MAX_LAYERS)
-    expand = c.int("expand") if c.has("expand") else ssm.int("expand", default=2)
-    head_dim = c.int("head_dim") if c.has("head_dim") else ssm.int("headdim", default=64)
+    expand = c.integer("expand") if c.has("expand") else ssm.integer("expand", default=2)
+    head_dim = c.integer("head_dim") if c.has("head_dim") else ssm.integer("headdim", default=64)
     if c.has("num_heads"):
-        heads = c.int("num_heads")
+        heads = c.integer("num_heads")
     else:
         if expand * hidden % head_dim:
             raise ConfigError(
@@ -567,11 +567,13 @@ def _mamba2(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
         layers=layers,
         heads=heads,
         head_dim=head_dim,
-        state=c.int("state_size") if c.has("state_size") else ssm.int("d_state", default=128),
-        groups=c.int("n_groups") if c.has("n_groups") else ssm.int("ngroups", default=1),
-        kernel=c.int("conv_kernel", lo=2)
+        state=c.integer("state_size")
+        if c.has("state_size")
+        else ssm.integer("d_state", default=128),
+        groups=c.integer("n_groups") if c.has("n_groups") else ssm.integer("ngroups", default=1),
+        kernel=c.integer("conv_kernel", lo=2)
         if c.has("conv_kernel")
-        else ssm.int("d_conv", lo=2, default=4),
+        else ssm.integer("d_conv", lo=2, default=4),
         tp=o.tp,
         conv_dtype=model,
         ssm_dtype=_state_dtype(o, model),
@@ -590,7 +592,7 @@ def _mamba2(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
 
 
 def _nemotron_h(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
-    pattern = c.str("hybrid_override_pattern")
+    pattern = c.string("hybrid_override_pattern")
     if len(pattern) > MAX_LAYERS or set(pattern) - set("M*-E"):
         raise ConfigError(
             f"{c.where}: hybrid_override_pattern must be at most {MAX_LAYERS} of 'M' (Mamba2), "
@@ -602,17 +604,17 @@ def _nemotron_h(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
     page = _kv_fields(
         attn,
         block,
-        _kv_heads(c.int("num_key_value_heads"), o.tp),
+        _kv_heads(c.integer("num_key_value_heads"), o.tp),
         _head_dim(c),
         _kv_dtype(o, model),
     )
     state = _mamba2_fields(
         layers=mamba,
-        heads=c.int("mamba_num_heads"),
-        head_dim=c.int("mamba_head_dim"),
-        state=c.int("ssm_state_size"),
-        groups=c.int("n_groups"),
-        kernel=c.int("conv_kernel", lo=2),
+        heads=c.integer("mamba_num_heads"),
+        head_dim=c.integer("mamba_head_dim"),
+        state=c.integer("ssm_state_size"),
+        groups=c.integer("n_groups"),
+        kernel=c.integer("conv_kernel", lo=2),
         tp=o.tp,
         conv_dtype=model,
         ssm_dtype=_state_dtype(o, model),
@@ -639,8 +641,8 @@ def _kimi_linear(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
     block = _block(o, 64)
     row, dtype = _mla_row(c, o, model)
     page = [EntryField("kv", mla, (block, *row), dtype)]
-    heads, head_dim = lin.int("num_heads"), lin.int("head_dim")
-    kernel = lin.int("short_conv_kernel_size", lo=2)
+    heads, head_dim = lin.integer("num_heads"), lin.integer("head_dim")
+    kernel = lin.integer("short_conv_kernel_size", lo=2)
     state = [
         # Short convolutions over q, k and v: three heads x head_dim channels each.
         EntryField(
@@ -671,7 +673,7 @@ def _kimi_linear(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
 
 
 def _deepseek_v4(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
-    layers = c.int("num_hidden_layers", hi=MAX_LAYERS)
+    layers = c.integer("num_hidden_layers", hi=MAX_LAYERS)
     ratios = c.int_list("compress_ratios")[:layers]
     csa, hca = ratios.count(4), ratios.count(128)
     block = _block(o, 256)
@@ -679,8 +681,8 @@ def _deepseek_v4(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
         raise InvalidValueError(
             f"DeepSeek-V4 blocks must be a multiple of 128 tokens (one HCA row), got {block}"
         )
-    head_dim, k = c.int("head_dim", lo=65), o.spec_tokens
-    index_dim = c.int("index_head_dim")
+    head_dim, k = c.integer("head_dim", lo=65), o.spec_tokens
+    index_dim = c.integer("index_head_dim")
     model = _model_dtype(c)
     if o.kv_dtype in ("fp8", "fp8_ds_mla"):
         # 448 fp8 NoPE + 64 bf16 RoPE + 8 B of UE8M0 scales: 584 B per compressed row.
@@ -694,7 +696,7 @@ def _deepseek_v4(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
         EntryField("hca_kv", hca, (block // 128, *row), kv),
     ]
     f32, ninf = torch.float32, -math.inf
-    window = c.int("sliding_window") + k
+    window = c.integer("sliding_window") + k
     state = [
         # Compressor rings: coff * ratio rows (coff 2 for the overlapping ratio-4
         # CSA, 1 for HCA), each row kv + score of 2 * coff * head_dim / 2 fp32.
