@@ -365,7 +365,9 @@ class PrefixCache:
         """Return the request's references: cached blocks age in the LRU, the rest
         are free; its slots are free."""
         adm = self._running.pop(self.running(request).request)
-        for b in adm.blocks:
+        # Tail first: the LRU then evicts a prompt's last blocks before its first
+        # ones, which other prompts are likelier to share (a system prompt).
+        for b in reversed(adm.blocks):
             self.cache.blocks.release(b)
         for img in adm.images:
             img.writer_done = True
@@ -380,6 +382,13 @@ class PrefixCache:
         if key is not None:
             del self._block_of[key]
             self.metrics.evicted_blocks += 1
+            # The image at this block's boundary can no longer be resumed from (its
+            # last KV block is gone): give its units back now, not when they age out.
+            img = self._images.get(key)
+            if img is not None and img.state is ImageState.READY:
+                unit = img.units[0]
+                if self.cache.blocks.is_evictable(unit):
+                    self.cache.blocks.evict(unit)
         img = self._image_of_unit.pop(block, None)
         if img is not None and self._images.get(img.key) is img:
             del self._images[img.key]
