@@ -257,3 +257,20 @@ def test_presets_build_a_prefix_cache():
     llama.finish("a")
     assert llama.lookup(np.arange(120)).tokens == 96 and adm.checkpoints == []
     assert isinstance(m, ModelCache)
+
+
+def test_tails_age_first_and_an_image_goes_with_its_last_block():
+    pc = make(policy=CheckpointPolicy(end=True, branch=False))
+    adm = run(pc, "a", np.arange(24))  # 6 blocks, an image at 6
+    blocks = list(adm.blocks)
+    pc.finish("a")
+    b = pc.cache.blocks
+    lru = b.evictable_blocks()
+    # The prompt's tail is the first to go, its head (what others share) the last.
+    kv_order = [x for x in lru if x in blocks]
+    assert kv_order == blocks[::-1]
+    assert pc.images == 1
+    b.evict(blocks[-1])  # the image's last KV block: the image cannot be resumed from
+    assert pc.images == 0 and pc.metrics.evicted_images == 1
+    pc.check_books()
+    assert pc.lookup(np.arange(30)).tokens == 0
