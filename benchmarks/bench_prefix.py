@@ -128,10 +128,10 @@ def part2(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--memory-gib", type=int, default=80)
     parser.add_argument("--max-seqs", type=int, default=64)
-    parser.add_argument("--checkpoint", default="end:512,branch")
+    parser.add_argument("--checkpoint", default="end:512,interval:8192,branch")
     parser.add_argument(
         "--also", default="end,branch", help="another kvarena policy row ('' for none)"
     )

@@ -6,10 +6,12 @@ the same pool by :meth:`UnifiedCache.store`) is copied into the new request's
 own slot. The lookup returns the longest prefix that EVERY layer group can
 resume from:
 
-- a full-attention group needs every block up to the boundary;
-- a sliding-window group (paged windows, ``window_tokens``) needs the blocks
-  of the last window before it;
-- a state group needs a READY image taken exactly at that boundary.
+- a full-attention group (every paged layer: one kvarena block holds all of
+  them) needs every block up to the boundary;
+- a state group needs a READY image taken exactly at that boundary. Sliding
+  windows are such state here: kvarena keeps a window as a per-request ring
+  (Gemma-3's local layers, DeepSeek-V4's SWA), so "the blocks of the last
+  window" are the ring's bytes in the image.
 
 The groups' answers are combined by repeating until none shrinks; no boundary
 that satisfies every group means 0, never a partial restore; a hit is at most
@@ -114,7 +116,6 @@ class PrefixCache:
         device: torch.device | str,
         *,
         policy: CheckpointPolicy | None = None,
-        window_tokens: Sequence[int] = (),
         tp_rank: int = 0,
         unit_bytes: int | None = None,
     ) -> None:
@@ -126,7 +127,6 @@ class PrefixCache:
         if not isinstance(self.policy, CheckpointPolicy):
             raise InvalidValueError(f"policy must be a CheckpointPolicy, got {policy!r}")
         self.policy.check_block_size(plan.block_size)
-        self.windows = [check_count(w, "window_tokens", lo=1) for w in window_tokens]
         self.namespace = Namespace.of(plan, tp_rank=tp_rank)
         self.root = self.namespace.digest
         check_device(device)
@@ -186,10 +186,6 @@ class PrefixCache:
         for u in img.units:
             self.cache.blocks.release(u)
 
-    def _window_ok(self, keys: list[bytes], b: int, window: int) -> bool:
-        first = max(0, b - -(-window // self.block_size))
-        return all(k in self._block_of for k in keys[first:b])
-
     def _image_at(self, keys: list[bytes], b: int) -> Image | None:
         if b < 1:
             return None
@@ -206,9 +202,6 @@ class PrefixCache:
         cand = full if self.has_kv else limit
         while True:  # each group answers "the largest boundary <= cand I can resume from"
             new = cand
-            for w in self.windows:
-                while new > 0 and not self._window_ok(keys, new, w):
-                    new -= 1
             if self.has_state:
                 while new > 0 and self._image_at(keys, new) is None:
                     new -= 1
