@@ -63,7 +63,7 @@ def part1(args: argparse.Namespace) -> None:
         f"Qwen3-Next-80B-A3B TP {args.tp}, {args.memory_gib} GiB, max seqs {args.max_seqs}"
     )
     header = (
-        f"{'policy':<36} {'hit tokens':>12} {'hit %':>6} {'vs KV only':>10} {'lost tokens':>12} "
+        X {'hit %':>6} {'vs KV only':>10} {'lost tokens':>12} "
         f"{'images w/r':>12} {'evicted img':>11} {'admit µs':>9} {'wall s':>7}"
     )
     print(header)
@@ -72,7 +72,7 @@ def part1(args: argparse.Namespace) -> None:
         d = r.to_dict()
         m_ = r.metrics
         print(
-            f"{r.label:<36} {r.hit_tokens:>12,} {100 * d['hit_fraction']:>6.1f} "
+            f"{r.label:<40} {r.hit_tokens:>12,} {100 * d['hit_fraction']:>6.1f} "
             f"{r.hit_tokens / max(1, kv_only.hit_tokens):>9.2f}x {m_.get('lost_tokens', 0):>12,} "
             f"{m_.get('images_written', 0):>6,}/{m_.get('images_read', 0):<5,} "
             f"{m_.get('evicted_images', 0):>11,} {r.admission_us:>9,.0f} {r.wall_seconds:>7.1f}"
