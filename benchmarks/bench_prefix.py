@@ -63,7 +63,7 @@ def part1(args: argparse.Namespace) -> None:
         f"Qwen3-Next-80B-A3B TP {args.tp}, {args.memory_gib} GiB, max seqs {args.max_seqs}"
     )
     header = (
-        X {'hit %':>6} {'vs KV only':>10} {'lost tokens':>12} "
+        f"{'policy':<40} {'hit tokens':>12} {'hit %':>6} {'vs KV only':>10} {'lost tokens':>12} "
         f"{'images w/r':>12} {'evicted img':>11} {'admit µs':>9} {'wall s':>7}"
     )
     print(header)
