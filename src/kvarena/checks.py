@@ -85,6 +85,16 @@ def check_ids(values: Any, what: str, *, lo: int, hi: int) -> np.ndarray:
         return flat.astype(np.int64)
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
         raise InvalidValueError(f"{what} must be a sequence of ints, got {values!r}")
+    if isinstance(values, (list, tuple)) and values:
+        # Fast path: a list that numpy reads as plain integers (no bool, float,
+        # string or oversized int: those give another dtype and take the slow,
+        # item-by-item path, which names the offending item).
+        try:
+            fast = np.asarray(values)
+        except (ValueError, TypeError, OverflowError):
+            fast = None
+        if fast is not None and fast.ndim == 1 and fast.dtype.kind in "iu":
+            return check_ids(fast, what, lo=lo, hi=hi)
     ids = [check_int(v, f"{what}[{i}]") for i, v in enumerate(values)]
     for v in ids:
         if not lo <= v < hi:

@@ -124,9 +124,9 @@ class BlockAllocator:
         now, so it stays true across boundary moves.
         """
         ids = check_ids(blocks, what, lo=0, hi=self._capacity)
-        for b in ids.tolist():
-            if b in self._refs or (not writing and b in self._lru):
-                continue
+        refs, lru = self._refs, self._lru
+        bad = [b for b in ids.tolist() if b not in refs and (writing or b not in lru)]
+        for b in bad[:1]:
             state = "evictable" if b in self._lru else "free"
             need = "live (allocated)" if writing else "live or evictable"
             raise InvalidValueError(f"{what}: block {b} is {state}; it must be {need}")

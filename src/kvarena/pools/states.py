@@ -100,11 +100,11 @@ class StateAllocator:
         PAGE by a boundary move is refused, one gained from it is accepted.
         """
         ids = check_ids(slots, what, lo=self._first, hi=self._total)
-        for s in ids.tolist():
-            if s not in self._owner:
-                raise InvalidValueError(
-                    f"{what}: slot {s} is free; only slots a request holds can be copied"
-                )
+        owner = self._owner
+        for s in [s for s in ids.tolist() if s not in owner][:1]:
+            raise InvalidValueError(
+                f"{what}: slot {s} is free; only slots a request holds can be copied"
+            )
         return ids
 
     def allocate(self, request: Hashable) -> tuple[int, ...]:
