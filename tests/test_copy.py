@@ -233,3 +233,35 @@ def test_short_spans_move_in_one_pass_when_adjacent_on_one_side(units_per_image)
         assert torch.equal(back[lo : lo + image], state[lo : lo + image])
         written[lo : lo + image] = True
     assert (back.numpy()[~written] == 0x5A).all()
+
+
+@pytest.mark.parametrize("same_storage", [False, True])
+def test_large_batches_split_over_threads_move_exactly_the_spans(same_storage, monkeypatch):
+    from kvarena.copy import executor
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)  # more shares than cores
+    rng = np.random.default_rng(7)
+    n = 48 << 20
+    buf = torch.from_numpy(rng.integers(0, 256, n, dtype=np.uint8))
+    # Disjoint destinations in the upper half, sources in the lower half: long spans
+    # (one copy each) and short ones of several lengths (grouped rows), shuffled.
+    lengths = rng.choice(
+        [256, 4096, 16384, 200_000, 600_000], size=120, p=[0.3, 0.3, 0.2, 0.15, 0.05]
+    )
+    dst = np.cumsum(np.concatenate([[0], lengths[:-1] + 512])) + (n // 2)
+    src = rng.integers(0, n // 2 - (1 << 20), size=lengths.size)
+    order = rng.permutation(lengths.size)
+    batch = CopyBatch(src[order], dst[order], lengths[order])
+    assert batch.nbytes >= executor.PARALLEL_MIN_BYTES
+    before = buf.clone()
+    if same_storage:
+        stats = execute_batch(batch, buf, buf)
+        target, source = buf, before
+    else:
+        target = torch.zeros(n, dtype=torch.uint8)
+        stats = execute_batch(batch, buf, target)
+        source = before
+    expect = (before if same_storage else torch.zeros(n, dtype=torch.uint8)).clone()
+    for s, d, k in zip(src.tolist(), dst.tolist(), lengths.tolist(), strict=True):
+        expect[d : d + k] = source[s : s + k]
+    assert torch.equal(target, expect) and stats.spans == 120

@@ -24,6 +24,7 @@ destination span when both live in one storage. A refused batch writes nothing.
 from __future__ import annotations
 
 import itertools
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +43,14 @@ STAGING_BYTES = 1 << 20
 """Short spans move through staging chunks of about this many bytes (cache-sized)."""
 
 MIN_RUN = 4
+
+PARALLEL_MIN_BYTES = 4 << 20
+"""CPU batches of at least this many bytes are split over torch's threads.
+
+Measured on the 2-core CI machine (``benchmarks/bench_checkpoint.py``,
+``bench_boundary.py``): starting a thread costs tens of microseconds, about
+the time one core copies 0.5 MiB; at 4 MiB the second core's share pays for
+it several times over, below it the gain is lost in noise."""
 """Short spans adjacent on one side move in one pass once this many form a run."""
 
 
@@ -227,6 +236,100 @@ def _short_spans_torch(
     return 2
 
 
+def _copy_spans(
+    src_buf: torch.Tensor,
+    dst_buf: torch.Tensor,
+    src: np.ndarray,
+    dst: np.ndarray,
+    length: np.ndarray,
+    large_span_bytes: int,
+    path: str,
+    threaded: bool = False,
+) -> int:
+    """One share of a batch: long spans one copy each, short ones grouped by length.
+
+    ``threaded``: this share runs beside others, so long spans are copied by
+    numpy (one memcpy on this thread, GIL released) rather than by torch,
+    whose own thread team would oversubscribe the cores the shares already use.
+    """
+    ops = 0
+    large = length >= large_span_bytes
+    spans = zip(src[large].tolist(), dst[large].tolist(), length[large].tolist(), strict=True)
+    if threaded:
+        src_np, dst_np = src_buf.numpy(), dst_buf.numpy()
+        for s, d, n in spans:
+            dst_np[d : d + n] = src_np[s : s + n]
+            ops += 1
+    else:
+        for s, d, n in spans:
+            dst_buf[d : d + n].copy_(src_buf[s : s + n])
+            ops += 1
+    short = ~large
+    mover = _short_spans_cpu if path == "cpu" else _short_spans_torch
+    for value in np.unique(length[short]).tolist():
+        group = short & (length == value)
+        ops += mover(src_buf, dst_buf, src[group], dst[group], value)
+    return ops
+
+
+def _threads_for(path: str, nbytes: int, spans: int) -> int:
+    """Threads for a CPU batch: torch's intra-op count, for batches big enough to
+    pay for starting them (PARALLEL_MIN_BYTES) and with a span for each."""
+    if path != "cpu" or nbytes < PARALLEL_MIN_BYTES:
+        return 1
+    return max(1, min(torch.get_num_threads(), spans))
+
+
+def _in_threads(
+    threads: int,
+    src_buf: torch.Tensor,
+    dst_buf: torch.Tensor,
+    src: np.ndarray,
+    dst: np.ndarray,
+    length: np.ndarray,
+    large_span_bytes: int,
+    path: str,
+) -> int:
+    """Split the spans into ``threads`` contiguous shares of about equal bytes and
+    copy them concurrently. torch's ``copy_`` and numpy's row assignment release
+    the GIL while they move bytes, so the shares run on separate cores. The
+    spans are disjoint on the destination (validated), so shares never race."""
+    cum = np.cumsum(length)
+    cuts = np.searchsorted(cum, cum[-1] * np.arange(1, threads) / threads, side="left") + 1
+    bounds = [0, *sorted(set(int(c) for c in cuts if 0 < c < src.size)), src.size]
+    shares = list(itertools.pairwise(bounds))
+    results = [0] * len(shares)
+    errors: list[BaseException] = []
+
+    def work(i: int, a: int, b: int) -> None:
+        try:
+            results[i] = _copy_spans(
+                src_buf,
+                dst_buf,
+                src[a:b],
+                dst[a:b],
+                length[a:b],
+                large_span_bytes,
+                path,
+                threaded=True,
+            )
+        except BaseException as exc:  # re-raised in the caller's thread
+            errors.append(exc)
+
+    workers = [
+        threading.Thread(target=work, args=(i, a, b), daemon=True)
+        for i, (a, b) in enumerate(shares[1:], start=1)
+    ]
+    for w in workers:
+        w.start()
+    work(0, *shares[0])
+    for w in workers:
+        w.join()
+    if errors:
+        raise errors[0]
+    return sum(results)
+
+
 def execute_batch(
     batch: CopyBatch,
     src_buf: torch.Tensor,
@@ -270,18 +373,11 @@ def execute_batch(
         ops = triton_copy(src_buf, dst_buf, src, dst, length)
         return CopyStats(spans=spans, nbytes=nbytes, ops=ops, path="triton")
 
-    ops = 0
-    large = length >= large_span_bytes
-    for s, d, n in zip(
-        src[large].tolist(), dst[large].tolist(), length[large].tolist(), strict=True
-    ):
-        dst_buf[d : d + n].copy_(src_buf[s : s + n])
-        ops += 1
-    short = ~large
-    mover = _short_spans_cpu if path == "cpu" else _short_spans_torch
-    for value in np.unique(length[short]).tolist():
-        group = short & (length == value)
-        ops += mover(src_buf, dst_buf, src[group], dst[group], value)
+    threads = _threads_for(path, nbytes, src.size)
+    if threads > 1:
+        ops = _in_threads(threads, src_buf, dst_buf, src, dst, length, large_span_bytes, path)
+    else:
+        ops = _copy_spans(src_buf, dst_buf, src, dst, length, large_span_bytes, path)
     return CopyStats(spans=spans, nbytes=nbytes, ops=ops, path=path)
 
 

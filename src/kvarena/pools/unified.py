@@ -24,11 +24,10 @@ import torch
 
 from ..checkpoint import CheckpointSpec, PageUnits, restore, store
 from ..checks import check_bytes, check_choice, check_count, check_device, check_int
-from ..copy import CopyStats
+from ..copy import CopyBatch, CopyStats, execute_batch
 from ..errors import Error, InvalidValueError
 from ..layout import EntryMajorArena, LayerMajorArena
 from ..layout.regions import aligned_zeros
-from ..spans import coalesce
 from .blocks import BlockAllocator
 from .plan import CachePlan
 from .states import StateAllocator
@@ -302,20 +301,20 @@ class UnifiedCache:
             )
 
     def _copy(self, moves: list[tuple[int, int]], stride: int, base: int) -> tuple[int, int]:
-        """One contiguous copy of a whole stride per moved entry, or per run of
-        entries consecutive on both sides. A whole stride, not just the fields'
-        bytes: an image unit may use a block's tail. Sources lie in the
-        released range and targets outside it, so no copy reads bytes another
-        one wrote."""
+        """Relocate whole strides (not just the fields' bytes: an image unit may use a
+        block's tail) as ONE described batch, the checkpoints' machinery: runs
+        consecutive on both sides coalesce, long spans go one ``copy_`` each and
+        are split over the CPU's threads. Sources lie in the released range and
+        targets outside it, so no copy reads bytes another one writes (the batch
+        validation checks it again)."""
         if not moves:
             return 0, 0
         pairs = np.array(moves, dtype=np.int64)
-        src, dst, length = coalesce(
+        batch = CopyBatch(
             base + pairs[:, 0] * stride, base + pairs[:, 1] * stride, np.full(len(moves), stride)
         )
-        for s, d, n in zip(src.tolist(), dst.tolist(), length.tolist(), strict=True):
-            self.buf[d : d + n].copy_(self.buf[s : s + n])
-        return int(src.size), len(moves) * stride
+        stats = execute_batch(batch, self.buf, self.buf)
+        return stats.ops, stats.nbytes
 
     def add_move_listener(self, listener: Callable[[BoundaryMove], None]) -> None:
         """Call ``listener(move)`` after every completed boundary move (after the
