@@ -77,6 +77,14 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, cls=
 # Piped output (CI logs, files) gets wide tables instead of 80 folded columns.
 console = Console(width=None if sys.stdout.isatty() else 160)
 
+# The serving options, shared by every command that plans a cache.
+MaxSeqs = Annotated[int, typer.Option(help="requests in flight")]
+BlockSize = Annotated[int | None, typer.Option(help="tokens per PAGE block (family default)")]
+Tp = Annotated[int, typer.Option(help="tensor-parallel size")]
+KvDtype = Annotated[str, typer.Option(help=f"one of {', '.join(KV_DTYPES)}")]
+StateDtype = Annotated[str, typer.Option(help=f"one of {', '.join(STATE_DTYPES)}")]
+SpecTokens = Annotated[int, typer.Option(help="speculative tokens (rollback copies)")]
+
 ModelArg = Annotated[
     str, typer.Argument(help=f"a preset ({', '.join(PRESETS)}) or a config.json path")
 ]
@@ -227,23 +235,16 @@ def _render_plan(r: dict) -> None:
         console.print(f"note: {escape(note)}")
 
 
-@app.command()
-def plan(
-    model: ModelArg = "qwen3-next-80b-a3b",
-    memory: Annotated[str, typer.Option(help="cache budget, e.g. 40GiB")] = "40GiB",
-    max_seqs: Annotated[int, typer.Option(help="requests in flight")] = 64,
-    block_size: Annotated[
-        int | None, typer.Option(help="tokens per PAGE block (family default)")
-    ] = None,
-    tp: Annotated[int, typer.Option(help="tensor-parallel size")] = 1,
-    kv_dtype: Annotated[str, typer.Option(help=f"one of {', '.join(KV_DTYPES)}")] = "auto",
-    state_dtype: Annotated[str, typer.Option(help=f"one of {', '.join(STATE_DTYPES)}")] = "auto",
-    spec_tokens: Annotated[int, typer.Option(help="speculative tokens (rollback copies)")] = 0,
-    as_json: Annotated[
-        bool, typer.Option("--json", help=f"machine-readable output (schema {SCHEMA_VERSION})")
-    ] = False,
-) -> None:
-    """What a model's cache looks like and how much of it fits a budget."""
+def _serving(
+    memory: str,
+    max_seqs: int,
+    tp: int,
+    kv_dtype: str,
+    state_dtype: str,
+    block_size: int | None,
+    spec_tokens: int,
+) -> tuple[int, ServingOptions]:
+    """The budget and serving options every planning command takes, checked."""
     budget = parse_bytes(memory)
     check_count(max_seqs, "--max-seqs", lo=1, hi=MAX_SEQS)
     options = ServingOptions(
@@ -253,6 +254,25 @@ def plan(
         block_size=block_size,
         spec_tokens=spec_tokens,
     )
+    return budget, options
+
+
+@app.command()
+def plan(
+    model: ModelArg = "qwen3-next-80b-a3b",
+    memory: Annotated[str, typer.Option(help="cache budget, e.g. 40GiB")] = "40GiB",
+    max_seqs: MaxSeqs = 64,
+    block_size: BlockSize = None,
+    tp: Tp = 1,
+    kv_dtype: KvDtype = "auto",
+    state_dtype: StateDtype = "auto",
+    spec_tokens: SpecTokens = 0,
+    as_json: Annotated[
+        bool, typer.Option("--json", help=f"machine-readable output (schema {SCHEMA_VERSION})")
+    ] = False,
+) -> None:
+    """What a model's cache looks like and how much of it fits a budget."""
+    budget, options = _serving(memory, max_seqs, tp, kv_dtype, state_dtype, block_size, spec_tokens)
     plan_ = plan_cache(model_cache(model, options), budget_bytes=budget, max_seqs=max_seqs)
     report = plan_report(plan_)
     if as_json:
@@ -302,14 +322,12 @@ def replay(
         str, typer.Option(help="a preset or a config.json path")
     ] = "qwen3-next-80b-a3b",
     memory: Annotated[str, typer.Option(help="cache budget, e.g. 80GiB")] = "80GiB",
-    max_seqs: Annotated[int, typer.Option(help="requests in flight")] = 64,
-    block_size: Annotated[
-        int | None, typer.Option(help="tokens per PAGE block (family default)")
-    ] = None,
-    tp: Annotated[int, typer.Option(help="tensor-parallel size")] = 1,
-    kv_dtype: Annotated[str, typer.Option(help=f"one of {', '.join(KV_DTYPES)}")] = "auto",
-    state_dtype: Annotated[str, typer.Option(help=f"one of {', '.join(STATE_DTYPES)}")] = "auto",
-    spec_tokens: Annotated[int, typer.Option(help="speculative tokens (rollback copies)")] = 0,
+    max_seqs: MaxSeqs = 64,
+    block_size: BlockSize = None,
+    tp: Tp = 1,
+    kv_dtype: KvDtype = "auto",
+    state_dtype: StateDtype = "auto",
+    spec_tokens: SpecTokens = 0,
     checkpoint: Annotated[
         str, typer.Option(help="where states are kept: end, end:N, interval:N, branch (combined)")
     ] = "end,branch",
@@ -330,20 +348,12 @@ def replay(
     from .replay import replay as run
     from .report import vllm_unification
 
-    budget = parse_bytes(memory)
-    check_count(max_seqs, "--max-seqs", lo=1, hi=MAX_SEQS)
+    budget, options = _serving(memory, max_seqs, tp, kv_dtype, state_dtype, block_size, spec_tokens)
     if limit is not None:
         check_count(limit, "--limit", lo=1)
     for name, rate in (("--prefill-rate", prefill_rate), ("--decode-rate", decode_rate)):
         if not 0 < rate < 1e12:
             raise InvalidValueError(f"{name} must be a positive rate, got {rate}")
-    options = ServingOptions(
-        tp=tp,
-        kv_dtype=kv_dtype,
-        state_dtype=state_dtype,
-        block_size=block_size,
-        spec_tokens=spec_tokens,
-    )
     m = model_cache(model, options)
     cfg = ReplayConfig(
         budget_bytes=budget,
