@@ -11,8 +11,8 @@ The front door is the road an engine builder walks::
 
 Everything else lives in its subpackage: ``kvarena.layout`` (declarations,
 the walk, arenas), ``kvarena.copy`` (segmented copy plans and their
-execution), ``kvarena.pools`` (sizing, allocators), ``kvarena.transfer``
-(prefill -> decode on NIXL). The layout core of the design brief is also
+execution), ``kvarena.pools`` (sizing, allocators), ``kvarena.prefix`` (keys,
+policies, the prefix cache), ``kvarena.transfer`` (prefill -> decode on NIXL). The layout core of the design brief is also
 reachable here by name (``kvarena.EntryMajorArena``...), resolved lazily.
 """
 
@@ -35,6 +35,7 @@ from .pools import (
     UnifiedCache,
     plan_cache,
 )
+from .prefix import PrefixCache
 from .transfer import CacheGeometry, DecodeReceiver, PrefillSender, TransferError, TransferTimeout
 
 __version__ = "0.1.0"
@@ -57,6 +58,7 @@ __all__ = [
     "PageUnits",
     "PoolBudgetError",
     "PrefillSender",
+    "PrefixCache",
     "ServingOptions",
     "StateAllocationError",
     "TransferError",
