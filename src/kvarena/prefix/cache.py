@@ -30,7 +30,7 @@ listener, so no caller keeps books for the prefix cache.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -147,7 +147,6 @@ class PrefixCache:
         self._copying: list[Image] = []
         self._wanted: set[bytes] = set()  # branch points
         self._running: dict[Hashable, Admission] = {}
-        self._store_hook: Callable[[Admission, int], None] | None = None
 
     # -- queries ---------------------------------------------------------------------
     def keys(self, tokens: object, extra: Sequence[object] = ()) -> list[bytes]:
@@ -426,8 +425,3 @@ class PrefixCache:
             for u in img.units:
                 assert self._image_of_unit.get(u) is img and not b.is_free(u) and b.is_cached(u)
         assert not set(self._key_of) & set(self._image_of_unit)
-
-
-def expected_word(key: bytes) -> int:
-    """A stand-in model's bytes: one 8-byte word derived from a key (see the replay)."""
-    return int(np.frombuffer(key[:8], dtype=np.int64)[0])
