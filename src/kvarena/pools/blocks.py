@@ -270,6 +270,28 @@ class BlockAllocator:
             self._cached.add(new)
         self._free.push(old)
 
+    def move_many(self, moves: list[tuple[int, int]]) -> None:
+        """:meth:`move` for a whole relocation, checked once: every source live,
+        every target free and named once, before any book changes."""
+        olds = check_ids([o for o, _ in moves], "move_many: sources", lo=0, hi=self._capacity)
+        news = check_ids([n for _, n in moves], "move_many: targets", lo=0, hi=self._capacity)
+        bad = [o for o in olds.tolist() if o not in self._refs]
+        if bad:
+            raise InvalidValueError(f"block {bad[0]} is not live; only live blocks move")
+        targets = news.tolist()
+        bad = [n for n in targets if n not in self._free]
+        if bad or len(set(targets)) != len(targets) or set(targets) & set(olds.tolist()):
+            raise InvalidValueError(
+                f"move_many: targets must be distinct free blocks, got {targets[:8]}"
+            )
+        for old, new in zip(olds.tolist(), targets, strict=True):
+            self._free.take(new)
+            self._refs[new] = self._refs.pop(old)
+            if old in self._cached:
+                self._cached.discard(old)
+                self._cached.add(new)
+            self._free.push(old)
+
     def shrink(self, n: int) -> None:
         """Give up the ``n`` highest ids; every one of them must be free."""
         n = check_count(n, "BlockAllocator.shrink: n", hi=self._capacity)

@@ -368,8 +368,7 @@ class UnifiedCache:
             targets.sort()
             moves = list(zip(live, targets, strict=True))
             ops, copied = self._copy(moves, self.block_stride, 0)
-            for old, new in moves:
-                self.blocks.move(old, new)
+            self.blocks.move_many(moves)
             self.blocks.shrink(self.blocks.capacity - new_blocks)
             self.slots.grow(n)
         move = BoundaryMove(
