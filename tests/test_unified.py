@@ -343,3 +343,23 @@ def test_a_raw_store_over_the_cache_state_is_refused():
     # The fills were written on the plan's slots all the same.
     assert (c.state_view("score")[0, c.slots.first :] == -math.inf).all()
     assert not c.state_view("score")[0, : c.slots.first].any()
+
+
+def test_move_many_checks_every_move_before_changing_the_books():
+    a = BlockAllocator(8)
+    live = a.allocate(4)  # 0..3
+    a.release(3)  # 3 free again
+    books = (a.num_free, a.live_blocks())
+    for moves, words in (
+        ([(0, 5), (3, 6)], "block 3 is not live"),
+        ([(0, 5), (1, 5)], "distinct free blocks"),
+        ([(0, 1)], "distinct free blocks"),
+        ([(0, 9)], "out of range"),
+        ([(0, 5.0)], "must be an int"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            a.move_many(moves)
+        assert (a.num_free, a.live_blocks()) == books
+    a.move_many([(0, 6), (2, 7)])
+    assert a.live_blocks() == [1, 6, 7] and a.is_free(0) and a.is_free(2)
+    assert live == [0, 1, 2, 3]
