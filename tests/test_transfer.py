@@ -269,3 +269,42 @@ def test_pinning_is_all_or_nothing():
         assert sender.offered == []
     finally:
         sender.close()
+
+
+def test_a_client_recovers_after_a_silent_service():
+    import json
+    import threading
+
+    import zmq
+
+    from kvarena import TransferTimeout
+    from kvarena.transfer.service import PrefillClient
+
+    ctx = zmq.Context()
+    service = ctx.socket(zmq.ROUTER)
+    service.setsockopt(zmq.LINGER, 0)
+    port = service.bind_to_random_port("tcp://127.0.0.1")
+    client = PrefillClient(None, f"tcp://127.0.0.1:{port}", timeout_s=0.3)  # type: ignore[arg-type]
+    try:
+        with pytest.raises(TransferTimeout, match="did not answer 'status'"):
+            client.status("r")  # the service reads nothing: no answer
+
+        # The service answers from now on; the client's next calls must work (a stuck
+        # request/reply socket would refuse every later send).
+        def serve_until(wanted: str) -> None:
+            while True:
+                ident, _, raw = service.recv_multipart()
+                got = json.loads(raw)["request"]
+                service.send_multipart([ident, b"", json.dumps({"status": got}).encode()])
+                if got == wanted:
+                    return
+
+        for request in ("a", "b"):
+            t = threading.Thread(target=serve_until, args=(request,))
+            t.start()
+            assert client.status(request) == {"status": request}
+            t.join(timeout=5)
+    finally:
+        client.close()
+        service.close()
+        ctx.term()

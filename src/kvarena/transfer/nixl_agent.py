@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -29,6 +30,9 @@ from ..errors import Error, InvalidValueError, LayoutMismatchError
 from ..pools import UnifiedCache
 from .descriptors import plan_request
 from .geometry import CacheGeometry
+
+EVENT_HISTORY = 1024
+"""How many past failures and refused notifications a receiver remembers."""
 
 
 class TransferError(Error, RuntimeError):
@@ -166,11 +170,16 @@ class NixlEndpoint:
                 notif_msg=notif,
             )
             state = self.agent.transfer(handle)
+            pause = 20e-6
             while state == "PROC":
                 if time.perf_counter() > start + timeout_s:
                     raise TransferTimeout(
                         f"request {request!r}: {op} with {peer!r} not done after {timeout_s}s"
                     )
+                # Back off (20 us doubling to 1 ms): a waiting sender costs next to
+                # no CPU, and a short transfer still completes within microseconds.
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)
                 state = self.agent.check_xfer_state(handle)
             if state != "DONE":
                 raise TransferError(
@@ -324,8 +333,10 @@ class DecodeReceiver(NixlEndpoint):
         super().__init__(name, cache)
         self._pending: dict[str, _Pending] = {}
         self.ready: dict[str, _Pending] = {}
-        self.failed: list[tuple[str, str]] = []  # every failure so far, with its reason
-        self.refused: list[str] = []  # notifications for requests nobody expected
+        # The latest failures (with their reasons) and refused notifications: bounded,
+        # so a long-running receiver's memory does not grow with its history.
+        self.failed: deque[tuple[str, str]] = deque(maxlen=EVENT_HISTORY)
+        self.refused: deque[str] = deque(maxlen=EVENT_HISTORY)
 
     def expect(
         self, request: str, num_blocks: int, *, with_state: bool = True, timeout_s: float = 30.0

@@ -16,9 +16,10 @@ from collections.abc import Callable, Sequence
 
 import zmq
 
+from ..checks import check_timeout
 from ..errors import InvalidValueError
 from .geometry import CacheGeometry
-from .nixl_agent import DecodeReceiver, PrefillSender, ShipResult, TransferError
+from .nixl_agent import DecodeReceiver, PrefillSender, ShipResult, TransferError, TransferTimeout
 
 
 def _encode_hello(hello: dict) -> dict:
@@ -81,20 +82,42 @@ class PrefillClient:
 
     def __init__(self, sender: PrefillSender, endpoint: str, *, timeout_s: float = 30.0) -> None:
         self.sender = sender
-        self.timeout_s = timeout_s
+        self.timeout_s = check_timeout(timeout_s, "PrefillClient: timeout_s")
+        self.endpoint = endpoint
         self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.REQ)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(endpoint)
+        self._sock = self._open()
         self.peer: str | None = None
 
+    def _open(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoint)
+        return sock
+
+    def _reset(self) -> None:
+        """A request/reply socket that sent and got no answer is stuck mid-exchange
+        (every later send fails): replace it, so the client keeps serving."""
+        self._sock.close()
+        self._sock = self._open()
+
     def _call(self, msg: dict) -> dict:
-        self._sock.send(json.dumps(msg).encode())
-        if not self._sock.poll(int(self.timeout_s * 1000)):
+        try:
+            self._sock.send(json.dumps(msg).encode())
+            answered = self._sock.poll(int(self.timeout_s * 1000))
+            raw = self._sock.recv() if answered else None
+        except zmq.ZMQError as exc:
+            self._reset()
             raise TransferError(
-                f"decode service did not answer {msg['op']!r} within {self.timeout_s}s"
+                f"control channel to {self.endpoint} failed on {msg['op']!r}: {exc}; "
+                "the socket was reset, retry the call"
+            ) from None
+        if raw is None:
+            self._reset()
+            raise TransferTimeout(
+                f"decode service at {self.endpoint} did not answer {msg['op']!r} within "
+                f"{self.timeout_s}s; the socket was reset, the next call starts afresh"
             )
-        reply = json.loads(self._sock.recv())
+        reply = json.loads(raw)
         if "error" in reply:
             raise TransferError(f"decode service refused {msg['op']!r}: {reply['error']}")
         return reply
