@@ -164,7 +164,7 @@ def test_tcp_control_channel_between_a_prefill_client_and_a_decode_service():
     prefill = SideProcess("prefill", spec)
     try:
         assert decode.endpoint.startswith("tcp://127.0.0.1:")
-        assert prefill.call("tcp_connect", decode.endpoint) == "decode"
+        assert prefill.call("tcp_connect", decode.endpoint).startswith("decode#")
         for i, n in enumerate((3, 1, 6)):
             src = prefill.call("fill", f"r{i}", n, 50 + i)
             shipped = prefill.call("tcp_ship", f"r{i}")
@@ -308,3 +308,24 @@ def test_a_client_recovers_after_a_silent_service():
         client.close()
         service.close()
         ctx.term()
+
+
+def test_one_name_twice_and_a_restarted_peer_are_new_agents():
+    spec = random_spec(9)
+    decode = SideProcess("decode", spec)
+    first, second = SideProcess("prefill", spec), SideProcess("prefill", spec)
+    try:
+        peer, _ = connect_pair(first, decode)
+        assert connect_pair(second, decode)[0] == peer  # one decode agent for both
+        for i, side in enumerate((first, second)):
+            assert ship_request(side, decode, peer, f"r{i}", 3, seed=i)["byte_exact"]
+        # The decode side restarts under its name: reachable again, as a new agent.
+        assert decode.stop() == 0
+        decode = SideProcess("decode", spec)
+        again, _ = connect_pair(first, decode)
+        assert again != peer and again.startswith("decode#")
+        assert ship_request(first, decode, again, "again", 2, seed=9)["byte_exact"]
+    finally:
+        for side in (first, second, decode):
+            if side.process.is_alive():
+                side.stop()

@@ -18,6 +18,7 @@ descriptor is bounds-checked by :func:`plan_request` before it is posted.
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from collections import deque
 from collections.abc import Hashable, Sequence
@@ -80,13 +81,21 @@ class NixlEndpoint:
         # starts, so a caller's own setting wins.
         os.environ.setdefault("UCX_MODULES", "^ib")
         nixl_agent, nixl_agent_config = _nixl()
+        if not isinstance(name, str) or not name or "#" in name:
+            raise InvalidValueError(
+                f"an endpoint name is a non-empty str without '#', got {name!r}"
+            )
         self.name = name
+        # The agent's name on the wire is unique per process instance: a second
+        # process under the same name, or a restarted one, is another agent
+        # rather than a clash with the one its peers still know.
+        self.agent_name = f"{name}#{os.getpid()}.{secrets.token_hex(4)}"
         self.cache = cache
         self.mem_type = "DRAM" if cache.buf.device.type == "cpu" else "VRAM"
         config = nixl_agent_config(
             enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"]
         )
-        self.agent = nixl_agent(name, config)
+        self.agent = nixl_agent(self.agent_name, config)
         self._reg = self.agent.register_memory([cache.buf])
         self._peers: dict[str, _Peer] = {}
 
@@ -199,18 +208,23 @@ class NixlEndpoint:
                     pass
         return time.perf_counter() - start
 
-    def close(self) -> None:
-        for peer in self._peers.values():
-            for handle in (peer.local_prep, peer.remote_prep):
-                try:
-                    self.agent.release_dlist_handle(handle)
-                except Exception:
-                    pass
+    def _forget(self, name: str) -> None:
+        """Drop a peer: its prepared lists and NIXL's connection to it (best effort:
+        a peer that died may already be gone on NIXL's side)."""
+        peer = self._peers.pop(name)
+        for handle in (peer.local_prep, peer.remote_prep):
             try:
-                self.agent.remove_remote_agent(peer.name)
+                self.agent.release_dlist_handle(handle)
             except Exception:
                 pass
-        self._peers.clear()
+        try:
+            self.agent.remove_remote_agent(peer.name)
+        except Exception:
+            pass
+
+    def close(self) -> None:
+        for name in list(self._peers):
+            self._forget(name)
         self.agent.deregister_memory(self._reg)
 
 
