@@ -330,7 +330,7 @@ def replay(
     spec_tokens: SpecTokens = 0,
     checkpoint: Annotated[
         str, typer.Option(help="where states are kept: end, end:N, interval:N, branch (combined)")
-    ] = "end,branch",
+    ] = "end,interval:8192,branch",
     limit: Annotated[int | None, typer.Option(help="replay only the first N requests")] = None,
     prefill_rate: Annotated[float, typer.Option(help="prefill tokens per second")] = 20_000.0,
     decode_rate: Annotated[float, typer.Option(help="decode tokens per second per request")] = 50.0,
