@@ -185,6 +185,10 @@ def test_refusals_take_nothing():
     for bad in ([1.5, 2.0], ["a"], np.zeros((2, 2), dtype=np.int64), [-1]):
         with pytest.raises(ValueError):
             pc.admit("r", bad)
+    for request in (None, ["r"]):  # "no owner", unhashable: refused before any block is taken
+        with pytest.raises(ValueError, match="request id"):
+            pc.admit(request, np.arange(8))
+    assert (pc.cache.blocks.num_free, pc.cache.slots.num_free) == before
     with pytest.raises(ValueError, match="interval"):
         PrefixCache(
             plan_for(PAGE, STATE, 64 * 1024, 4, block_size=BS),

@@ -10,7 +10,7 @@ are never truncated into ids.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from typing import Any
 
 import numpy as np
@@ -64,25 +64,37 @@ def check_bytes(value: Any, what: str, *, lo: int = 0) -> int:
     return check_int(value, what, lo=lo, hi=MAX_BYTES)
 
 
+def integer_array(values: Any, what: str) -> np.ndarray:
+    """``values`` (an integer tensor, array or list) as an int64 array of its shape.
+
+    Floats, bools and strings are refused (an offset of 2.9 is never byte 2),
+    and so is an unsigned value above MAX_BYTES, which int64 would wrap.
+    """
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    try:
+        arr = np.asarray(values)
+    except (ValueError, TypeError, OverflowError):
+        raise InvalidValueError(f"{what} must hold integers, got {values!r}") from None
+    if arr.size and arr.dtype.kind not in "iu":
+        raise InvalidValueError(f"{what} must hold integers, got an array of {arr.dtype}")
+    if arr.size and arr.dtype.kind == "u" and int(arr.max()) > MAX_BYTES:
+        raise InvalidValueError(f"{what} holds a value above {MAX_BYTES}")
+    return arr.astype(np.int64)
+
+
 def check_ids(values: Any, what: str, *, lo: int, hi: int) -> np.ndarray:
     """Ids in ``[lo, hi)`` as an int64 array, from a sequence of ints or an integer array.
 
     Accepts Python ints, numpy integers, integer numpy arrays and integer
     tensors; refuses floats, bools and strings (a slot 2.9 is never slot 2).
     """
-    if isinstance(values, torch.Tensor):
-        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
-            raise InvalidValueError(f"{what} must hold integers, got a {values.dtype} tensor")
-        values = values.detach().cpu().numpy()
-    if isinstance(values, np.ndarray):
-        if values.dtype.kind not in "iu":
-            raise InvalidValueError(f"{what} must hold integers, got an array of {values.dtype}")
-        flat = values.reshape(-1)
-        # Range first, on the array's own type: a uint64 above 2**63 must not wrap.
-        bad = flat[(flat < lo) | (flat >= hi)] if flat.size else flat
+    if isinstance(values, (torch.Tensor, np.ndarray)):
+        flat = integer_array(values, what).reshape(-1)
+        bad = flat[(flat < lo) | (flat >= hi)]
         if bad.size:
             _out_of_range(what, int(bad[0]), lo, hi)
-        return flat.astype(np.int64)
+        return flat
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
         raise InvalidValueError(f"{what} must be a sequence of ints, got {values!r}")
     if isinstance(values, (list, tuple)) and values:
@@ -105,6 +117,19 @@ def check_ids(values: Any, what: str, *, lo: int, hi: int) -> np.ndarray:
 def _out_of_range(what: str, value: int, lo: int, hi: int) -> None:
     legal = f"{lo}..{hi - 1}" if hi > lo else "none (the range is empty)"
     raise InvalidValueError(f"{what}: id {value} is out of range; legal: {legal}")
+
+
+def check_request_id(request: Any) -> Hashable:
+    """A request id: any hashable value except None (which reads as "no owner")."""
+    if request is None:
+        raise InvalidValueError(
+            "request id None is refused: it reads as 'no owner'; use any other hashable id"
+        )
+    try:
+        hash(request)
+    except TypeError:
+        raise InvalidValueError(f"request id {request!r} is not hashable") from None
+    return request
 
 
 def check_choice(value: Any, what: str, choices: Iterable[Any]) -> Any:

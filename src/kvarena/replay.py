@@ -193,8 +193,7 @@ class _Replay:
         self.trace, self.cfg = trace, cfg
         plan = plan_cache(model, budget_bytes=cfg.budget_bytes, max_seqs=cfg.max_seqs)
         device = torch.device("cpu" if cfg.verify else "meta")
-        self.pc = PrefixCache(plan, device, policy=cfg.policy)
-        self.pc.enabled = cfg.reuse
+        self.pc = PrefixCache(plan, device, policy=cfg.policy, reuse=cfg.reuse)
         self.bs = plan.block_size
         self.result = ReplayResult(label=label)
         self.queue: deque[int] = deque()

@@ -15,9 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from ..checks import MAX_BYTES, check_bytes
+from ..checks import MAX_BYTES, check_bytes, integer_array
 from ..errors import InvalidValueError
 
 
@@ -119,16 +118,12 @@ class CopyBatch:
 
     def __post_init__(self) -> None:
         for name in ("src", "dst", "length"):
-            raw = getattr(self, name)
-            arr = raw.detach().cpu().numpy() if isinstance(raw, torch.Tensor) else np.asarray(raw)
-            if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+            arr = integer_array(getattr(self, name), f"CopyBatch {name}")
+            if arr.ndim != 1:
                 raise InvalidValueError(
-                    f"CopyBatch {name} must be a 1-D array of integers, got {arr.dtype} of "
-                    f"shape {list(arr.shape)}"
+                    f"CopyBatch {name} must be a 1-D array of integers, got shape {list(arr.shape)}"
                 )
-            if arr.size and arr.dtype.kind == "u" and int(arr.max()) > MAX_BYTES:
-                raise InvalidValueError(f"CopyBatch {name} holds a value above {MAX_BYTES}")
-            object.__setattr__(self, name, arr.astype(np.int64))
+            object.__setattr__(self, name, arr)
 
     @property
     def num_spans(self) -> int:
@@ -140,15 +135,7 @@ class CopyBatch:
 
 
 def _bases(bases: object, segments: int, what: str) -> np.ndarray:
-    raw = bases.detach().cpu().numpy() if isinstance(bases, torch.Tensor) else np.asarray(bases)
-    if raw.size and raw.dtype.kind not in "iu":
-        # A base of 2.9 is never byte 2: floats, bools and strings are refused.
-        raise InvalidValueError(
-            f"describe_batch: {what} must hold integer byte offsets, got {raw.dtype}"
-        )
-    if raw.size and raw.dtype.kind == "u" and int(raw.max()) > MAX_BYTES:
-        raise InvalidValueError(f"describe_batch: {what} holds an offset above {MAX_BYTES}")
-    arr = raw.astype(np.int64)
+    arr = integer_array(bases, f"describe_batch: {what} (byte offsets)")
     if arr.ndim != 2 or arr.shape[1] != segments:
         raise InvalidValueError(
             f"describe_batch: {what} must have shape [copies, {segments}] (one base per "

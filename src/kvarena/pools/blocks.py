@@ -253,26 +253,10 @@ class BlockAllocator:
         self.notify_evicted(None)
 
     # -- moving the boundary -------------------------------------------------
-    def move(self, old: int, new: int) -> None:
-        """Give live block ``old``'s references and cached mark to free block ``new``.
-
-        The caller copies the bytes; ``old`` becomes free.
-        """
-        old, new = self._check_id(old), self._check_id(new)
-        if old not in self._refs:
-            raise InvalidValueError(f"block {old} is not live; only live blocks move")
-        if new not in self._free:
-            raise InvalidValueError(f"block {new} is not free")
-        self._free.take(new)
-        self._refs[new] = self._refs.pop(old)
-        if old in self._cached:
-            self._cached.discard(old)
-            self._cached.add(new)
-        self._free.push(old)
-
     def move_many(self, moves: list[tuple[int, int]]) -> None:
-        """:meth:`move` for a whole relocation, checked once: every source live,
-        every target free and named once, before any book changes."""
+        """Give each live ``old`` block's references and cached mark to free block
+        ``new`` (the caller copies the bytes; ``old`` becomes free). Checked whole
+        first: every source live, every target free and named once."""
         olds = check_ids([o for o, _ in moves], "move_many: sources", lo=0, hi=self._capacity)
         news = check_ids([n for _, n in moves], "move_many: targets", lo=0, hi=self._capacity)
         bad = [o for o in olds.tolist() if o not in self._refs]

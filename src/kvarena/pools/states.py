@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checks import MAX_ENTRIES, check_count, check_ids
+from ..checks import MAX_ENTRIES, check_count, check_ids, check_request_id
 from ..errors import Error, InvalidValueError, UnknownNameError
 from .free_ids import FreeIds
 
@@ -24,19 +24,6 @@ class StateAllocationError(Error, RuntimeError):
     def __init__(self, wanted: int, free: int) -> None:
         self.wanted, self.free = wanted, free
         super().__init__(f"a request needs {wanted} state slots but only {free} are free")
-
-
-def _check_request(request: Any) -> Hashable:
-    """A request id: any hashable value except None (which reads as "no owner")."""
-    if request is None:
-        raise InvalidValueError(
-            "request id None is refused: it reads as 'no owner'; use any other hashable id"
-        )
-    try:
-        hash(request)
-    except TypeError:
-        raise InvalidValueError(f"request id {request!r} is not hashable") from None
-    return request
 
 
 class StateAllocator:
@@ -109,7 +96,7 @@ class StateAllocator:
 
     def allocate(self, request: Hashable) -> tuple[int, ...]:
         """The top-most ``entries_per_req`` free slots for ``request``."""
-        request = _check_request(request)
+        request = check_request_id(request)
         if request in self._slots:
             raise InvalidValueError(
                 f"request {request!r} already holds slots {self._slots[request]}"

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..checks import check_count, check_device
+from ..checks import check_count, check_device, check_request_id
 from ..errors import InvalidValueError
 from ..pools import BlockAllocationError, BoundaryMove, CachePlan, StateAllocationError
 from ..pools.unified import UnifiedCache
@@ -118,6 +118,7 @@ class PrefixCache:
         policy: CheckpointPolicy | None = None,
         tp_rank: int = 0,
         unit_bytes: int | None = None,
+        reuse: bool = True,
     ) -> None:
         if not isinstance(plan, CachePlan):
             raise InvalidValueError(
@@ -139,7 +140,9 @@ class PrefixCache:
             self.cache.checkpoint_spec(unit_bytes) if self.has_kv and self.has_state else None
         )
         self.metrics = PrefixMetrics()
-        self.enabled = True  # False: every lookup misses (prefix caching off, for comparisons)
+        if not isinstance(reuse, bool):
+            raise InvalidValueError(f"reuse must be a bool, got {reuse!r}")
+        self.enabled = reuse  # False: every lookup misses (prefix caching off, for comparisons)
         self._block_of: dict[bytes, int] = {}  # key -> cached block
         self._key_of: dict[int, bytes] = {}  # cached block -> key
         self._images: dict[bytes, Image] = {}  # boundary key -> image
@@ -242,6 +245,7 @@ class PrefixCache:
         if tok.size == 0:
             raise InvalidValueError("admit: a request needs at least one token")
         reserve = check_count(reserve_tokens, "reserve_tokens")
+        request = check_request_id(request)
         if request in self._running:
             raise InvalidValueError(f"request {request!r} is already running")
         keys = block_keys(self.root, tok, self.block_size, extra)
