@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH)
-	$(PY) -m pip install --quiet -e '.[dev,transfer]'
+	$(PY) -m pip install --quiet -e '.[dev,transfer,redis]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -10,7 +10,9 @@ are never truncated into ids.
 from __future__ import annotations
 
 import numbers
+import re
 from collections.abc import Hashable, Iterable
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
 import numpy as np
@@ -177,3 +179,48 @@ def check_timeout(value: Any, what: str) -> float:
     if not 0 < seconds <= MAX_TIMEOUT_S:
         raise InvalidValueError(f"{what} must be seconds in (0, {MAX_TIMEOUT_S:g}], got {value!r}")
     return seconds
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "kb": 10**3,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "mb": 10**6,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "gb": 10**9,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+    "tb": 10**12,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """``"40GiB"``, ``"40G"`` (binary), ``"40GB"`` (decimal), ``"1048576"`` -> bytes.
+
+    Exact: the number is read as a decimal, never through a float, so a large
+    byte count is not rounded; a size that is not a whole number of bytes or
+    exceeds 1 EiB is refused.
+    """
+    match = re.fullmatch(r"\s*([0-9]{0,30}\.?[0-9]{1,30})\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise InvalidValueError(
+            f"{text!r} is not a size; use e.g. 40GiB, 512MiB, 80GB or a byte count"
+        )
+    try:
+        exact = Decimal(match.group(1)) * _UNITS[unit]
+    except InvalidOperation:
+        raise InvalidValueError(f"{text!r} is not a size") from None
+    if exact != exact.to_integral_value():
+        raise InvalidValueError(f"{text!r} is not a whole number of bytes ({exact})")
+    value = int(exact)
+    if value > MAX_BYTES:
+        raise InvalidValueError(f"{text!r} exceeds the largest budget, {MAX_BYTES:,} bytes (1 EiB)")
+    if value <= 0:
+        raise InvalidValueError(f"{text!r} must be positive")
+    return value

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import sys
-from decimal import Decimal, InvalidOperation
 from typing import Annotated, Any
 
 import typer
@@ -24,7 +22,7 @@ try:  # typer >= 0.20 vendors click; older typer depends on it
 except ImportError:  # pragma: no cover - depends on the typer release
     from click.exceptions import ClickException, NoArgsIsHelpError  # type: ignore[no-redef]
 
-from .checks import MAX_BYTES, check_count, check_device
+from .checks import check_count, check_device, parse_bytes
 from .demo import DemoConfig, run_demo, state_fields
 from .errors import Error, InvalidValueError
 from .models import KV_DTYPES, PRESETS, STATE_DTYPES, ServingOptions, model_cache
@@ -89,49 +87,6 @@ ModelArg = Annotated[
     str, typer.Argument(help=f"a preset ({', '.join(PRESETS)}) or a config.json path")
 ]
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kib": 1 << 10,
-    "kb": 10**3,
-    "m": 1 << 20,
-    "mib": 1 << 20,
-    "mb": 10**6,
-    "g": 1 << 30,
-    "gib": 1 << 30,
-    "gb": 10**9,
-    "t": 1 << 40,
-    "tib": 1 << 40,
-    "tb": 10**12,
-}
-
-
-def parse_bytes(text: str) -> int:
-    """``"40GiB"``, ``"40G"`` (binary), ``"40GB"`` (decimal), ``"1048576"`` -> bytes.
-
-    Exact: the number is read as a decimal, never through a float, so a large
-    byte count is not rounded; a size that is not a whole number of bytes or
-    exceeds 1 EiB is refused.
-    """
-    match = re.fullmatch(r"\s*([0-9]{0,30}\.?[0-9]{1,30})\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise InvalidValueError(
-            f"{text!r} is not a size; use e.g. 40GiB, 512MiB, 80GB or a byte count"
-        )
-    try:
-        exact = Decimal(match.group(1)) * _UNITS[unit]
-    except InvalidOperation:
-        raise InvalidValueError(f"{text!r} is not a size") from None
-    if exact != exact.to_integral_value():
-        raise InvalidValueError(f"{text!r} is not a whole number of bytes ({exact})")
-    value = int(exact)
-    if value > MAX_BYTES:
-        raise InvalidValueError(f"{text!r} exceeds the largest budget, {MAX_BYTES:,} bytes (1 EiB)")
-    if value <= 0:
-        raise InvalidValueError(f"{text!r} must be positive")
-    return value
 
 
 def _fields_table(title: str, entry: dict) -> Table:

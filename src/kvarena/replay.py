@@ -43,7 +43,9 @@ from .models import ModelCache
 from .pools import BlockAllocationError, StateAllocationError, plan_cache
 from .prefix import CheckpointPolicy, PrefixCache
 from .prefix.cache import Admission
-from .prefix.keys import block_keys
+from .prefix.keys import Namespace, block_keys
+from .tiers import TierStack
+from .tiers.image import HEAD_BYTES
 
 MOONCAKE_BLOCK = 512
 """Tokens per ``hash_ids`` entry in the Mooncake traces."""
@@ -146,6 +148,7 @@ class ReplayConfig:
     decode_tokens_per_s: float = 50.0
     verify: bool = False
     reuse: bool = True
+    tiers: tuple[str, ...] = ()  # tier specs below the device (host:SIZE, disk:DIR:SIZE, redis://)
 
 
 @dataclass(kw_only=True)
@@ -165,7 +168,10 @@ class ReplayResult:
     admission_us: float = 0.0  # lookup + admission per request
     blocks: int = 0
     slots: int = 0
-    metrics: dict[str, int] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    verified_by_source: dict[str, int] = field(default_factory=dict)  # device or a tier's name
+    tiers: list[dict[str, Any]] = field(default_factory=list)
+    drained: int = 0  # objects written to the tiers at the end of the run
 
     @property
     def hit_tokens(self) -> int:
@@ -193,7 +199,16 @@ class _Replay:
         self.trace, self.cfg = trace, cfg
         plan = plan_cache(model, budget_bytes=cfg.budget_bytes, max_seqs=cfg.max_seqs)
         device = torch.device("cpu" if cfg.verify else "meta")
-        self.pc = PrefixCache(plan, device, policy=cfg.policy, reuse=cfg.reuse)
+        # A host tier's unit is one KV block's image, so a block takes exactly one.
+        unit = HEAD_BYTES + len(Namespace.of(plan).to_json()) + plan.block_bytes
+        self.tiers = TierStack.from_specs(cfg.tiers, unit_bytes=unit)
+        try:
+            self.pc = PrefixCache(
+                plan, device, policy=cfg.policy, reuse=cfg.reuse, tiers=self.tiers
+            )
+        except BaseException:
+            self.tiers.close()
+            raise
         self.bs = plan.block_size
         self.result = ReplayResult(label=label)
         self.queue: deque[int] = deque()
@@ -205,6 +220,7 @@ class _Replay:
     def _verify_hit(self, adm: Admission) -> None:
         h = adm.hit.tokens // self.bs
         c = self.pc.cache
+        by = self.result.verified_by_source
         for i in range(h if self.pc.has_kv else 0):
             ok = bool(
                 (
@@ -213,7 +229,10 @@ class _Replay:
             )
             self.result.verified_blocks += 1
             self.result.mismatches += not ok
+            by[adm.hit.sources[i]] = by.get(adm.hit.sources[i], 0) + 1
         if h and adm.slots and self.pc.spec is not None:
+            src = f"{adm.hit.image_source} (states)"
+            by[src] = by.get(src, 0) + 1
             raw = c.slot_bytes_of(adm.slots[0])
             word = _state_word(adm.keys[h - 1])
             ok = all(
@@ -290,6 +309,12 @@ class _Replay:
         return None
 
     def run(self) -> ReplayResult:
+        try:
+            return self._run()
+        finally:
+            self.tiers.close()
+
+    def _run(self) -> ReplayResult:
         wall = time.perf_counter()
         arrivals = deque(range(len(self.trace)))
         now = 0.0
@@ -317,6 +342,15 @@ class _Replay:
         r.admission_us = 1e6 * self.admit_seconds / max(1, r.admitted)
         r.blocks, r.slots = self.pc.cache.num_blocks, self.pc.cache.num_slots
         r.metrics = self.pc.metrics.to_dict()
+        if self.tiers:
+            # The run ends as a server shutting down: what the device still caches
+            # goes down too, so the next run over the same disk or store starts warm.
+            r.drained = self.pc.drain()
+            r.tiers = self.tiers.report()
+            m = self.pc.metrics
+            for row in r.tiers:
+                row["hit_tokens"] = m.tier_hit_tokens.get(str(row["tier"]), 0)
+                row["images_read"] = m.tier_images_read.get(str(row["tier"]), 0)
         return r
 
 
@@ -366,6 +400,11 @@ def compare(
     same model's KV with no state at all (what a pure-attention model of the
     same KV size would hit); and the infinite-cache bound.
     """
+    if cfg.tiers:
+        raise InvalidValueError(
+            "compare runs several policies over one trace; with tiers they would share (and "
+            "warm) the same disk and store. Replay with --tier without --compare"
+        )
     rows = [replay(model, trace, cfg, label=f"kvarena ({cfg.policy.describe()})")]
     if model.state_fields and model.page_fields:
         align = replace(cfg, policy=CheckpointPolicy(end=True, branch=False))

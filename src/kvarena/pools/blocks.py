@@ -7,7 +7,12 @@ a prefix-cached key becomes *evictable* instead of free: it keeps its bytes
 for a future prefix hit, and is reclaimed in least-recently-used order, with
 a callback so the prefix cache can forget its key.
 
-The callback runs after the operation that evicted has completed, never in
+A second hook, ``before_evict``, sees each batch of victims BEFORE anything
+changes, while their bytes are still theirs: the place to write them to a
+lower tier. It runs before the operation's first change, so if it raises the
+operation is refused whole (nothing evicted, nothing allocated).
+
+The ``on_evict`` callback runs after the operation that evicted has completed, never in
 the middle of it: an ``on_evict`` that raises cannot leave an allocation or a
 boundary move half done. The operation completes, every callback runs, and
 then the callbacks' failures are raised together as
@@ -16,6 +21,7 @@ then the callbacks' failures are raised together as
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -60,7 +66,13 @@ class BlockAllocator:
     cached, in the LRU). ``free + live + evictable == capacity`` always.
     """
 
-    def __init__(self, capacity: int, on_evict: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        on_evict: Callable[[int], None] | None = None,
+        *,
+        before_evict: Callable[[list[int]], None] | None = None,
+    ) -> None:
         self._capacity = check_count(capacity, "BlockAllocator: capacity", hi=MAX_ENTRIES)
         self._free = FreeIds(range(self._capacity))
         self._refs: dict[int, int] = {}
@@ -69,6 +81,9 @@ class BlockAllocator:
         if on_evict is not None and not callable(on_evict):
             raise InvalidValueError(f"on_evict must be callable, got {on_evict!r}")
         self._on_evict = on_evict
+        if before_evict is not None and not callable(before_evict):
+            raise InvalidValueError(f"before_evict must be callable, got {before_evict!r}")
+        self._before_evict = before_evict
         self._evicted: list[int] = []  # evicted by the operation in progress
         self._holds = 0  # > 0 while an enclosing operation defers the callbacks
 
@@ -141,8 +156,9 @@ class BlockAllocator:
         n = check_count(n, "allocate: n")
         if n > self.num_free + self.num_evictable:
             raise BlockAllocationError(n, self.num_free, self.num_evictable)
-        while self.num_free < n:
-            self._evict(next(iter(self._lru)))
+        short = n - self.num_free
+        if short > 0:
+            self.evict_many(list(itertools.islice(self._lru, short)), notify=False)
         blocks = [self._free.pop() for _ in range(n)]
         for b in blocks:
             self._refs[b] = 1
@@ -246,11 +262,24 @@ class BlockAllocator:
 
     def evict(self, block: int) -> None:
         """Evict one specific evictable block now."""
-        block = self._check_id(block)
-        if block not in self._lru:
-            raise InvalidValueError(f"block {block} is not evictable")
-        self._evict(block)
-        self.notify_evicted(None)
+        self.evict_many([block])
+
+    def evict_many(self, blocks: list[int], *, notify: bool = True) -> None:
+        """Evict these evictable blocks now: all checked first, ``before_evict``
+        sees them together while their bytes are intact, then each is evicted."""
+        ids = [self._check_id(b) for b in blocks]
+        bad = [b for b in ids if b not in self._lru]
+        if bad or len(set(ids)) != len(ids):
+            raise InvalidValueError(
+                f"evict: blocks must be distinct and evictable, got {ids[:8]}"
+                + (f" (block {bad[0]} is not evictable)" if bad else "")
+            )
+        if ids and self._before_evict is not None:
+            self._before_evict(ids)
+        for b in ids:
+            self._evict(b)
+        if notify:
+            self.notify_evicted(None)
 
     # -- moving the boundary -------------------------------------------------
     def move_many(self, moves: list[tuple[int, int]]) -> None:

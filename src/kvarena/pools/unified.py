@@ -84,6 +84,7 @@ class UnifiedCache:
         device: torch.device | str,
         *,
         on_evict: Callable[[int], None] | None = None,
+        before_evict: Callable[[list[int]], None] | None = None,
         page_layout: str = "entry_major",
     ) -> None:
         if not isinstance(plan, CachePlan):
@@ -142,7 +143,7 @@ class UnifiedCache:
                 self.page_fields, blocks, self.device, buf=self.buf[: self.block_bytes * blocks]
             )
             self.pages.fill_entries(slice(None))
-        self.blocks = BlockAllocator(blocks, on_evict=on_evict)
+        self.blocks = BlockAllocator(blocks, on_evict=on_evict, before_evict=before_evict)
         self._listeners: list[Callable[[BoundaryMove], None]] = []
 
     @classmethod
@@ -152,10 +153,17 @@ class UnifiedCache:
         device: torch.device | str,
         *,
         on_evict: Callable[[int], None] | None = None,
+        before_evict: Callable[[list[int]], None] | None = None,
         page_layout: str = "entry_major",
     ) -> UnifiedCache:
-        """The cache a plan promised: ``num_blocks == plan.blocks``, ``num_slots == plan.state_slots``."""
-        return cls(plan, device, on_evict=on_evict, page_layout=page_layout)
+        """The cache a plan promised: ``num_blocks == plan.blocks``, ``num_slots == plan.state_slots``.
+
+        ``on_evict(block)`` runs after each operation that evicted, per block;
+        ``before_evict(blocks)`` before it, while the victims still hold their
+        bytes (see :class:`BlockAllocator`)."""
+        return cls(
+            plan, device, on_evict=on_evict, before_evict=before_evict, page_layout=page_layout
+        )
 
     # -- geometry --------------------------------------------------------------
     @property
@@ -358,13 +366,12 @@ class UnifiedCache:
         evicted = list(evictable)
         # Eviction callbacks run once the move is complete (see BlockAllocator).
         with self.blocks.deferred_callbacks():
-            for b in evictable:
-                self.blocks.evict(b)
             targets = room_free[: len(live)]
-            for b in room_evict[: len(live) - len(targets)]:
-                self.blocks.evict(b)
-                evicted.append(b)
-                targets.append(b)
+            taken = room_evict[: len(live) - len(targets)]
+            # One batch, before any byte moves: before_evict sees every victim intact.
+            self.blocks.evict_many([*evictable, *taken])
+            evicted.extend(taken)
+            targets.extend(taken)
             targets.sort()
             moves = list(zip(live, targets, strict=True))
             ops, copied = self._copy(moves, self.block_stride, 0)

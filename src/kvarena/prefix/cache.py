@@ -13,6 +13,15 @@ resume from:
   (Gemma-3's local layers, DeepSeek-V4's SWA), so "the blocks of the last
   window" are the ring's bytes in the image.
 
+With tiers below the device (:mod:`kvarena.tiers`), a block or an image the
+device lacks may come from the first tier holding it: the same contract, the
+same groups, over the union of the levels. A tier object is checked in full
+(checksum, namespace, key, span, length) before a byte of it is copied; one
+that fails is deleted, counted, and the answer is recomputed without it.
+Evictions write back: the allocator's ``before_evict`` hands each batch of
+victims — KV blocks and image units, while their bytes are intact — to the
+top tier, whose own evictions flow down.
+
 The groups' answers are combined by repeating until none shrinks; no boundary
 that satisfies every group means 0, never a partial restore; a hit is at most
 ``len(tokens) - 1`` tokens (something must be computed to produce logits).
@@ -30,6 +39,7 @@ listener, so no caller keeps books for the prefix cache.
 from __future__ import annotations
 
 import enum
+import warnings
 from collections.abc import Hashable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -41,8 +51,30 @@ from ..checks import check_count, check_device, check_request_id
 from ..errors import InvalidValueError
 from ..pools import BlockAllocationError, BoundaryMove, CachePlan, StateAllocationError
 from ..pools.unified import UnifiedCache
+from ..tiers import Tier, TierStack
+from ..tiers.image import (
+    Expected,
+    ImageKind,
+    ImageMismatch,
+    TierObject,
+    decode,
+    encode,
+    object_name,
+)
 from .keys import Namespace, as_tokens, block_keys
 from .policy import CheckpointPolicy
+
+
+def _host_view(t: torch.Tensor) -> memoryview:
+    """A uint8 tensor's bytes as a host memoryview (a device tensor is copied once)."""
+    return memoryview(t.detach().cpu().contiguous().numpy())  # type: ignore[arg-type]
+
+
+def _host_bytes(data: memoryview) -> torch.Tensor:
+    """A read-only host buffer as a uint8 tensor to copy FROM (never written)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch warns on read-only buffers
+        return torch.frombuffer(data, dtype=torch.uint8)
 
 
 class ImageState(enum.Enum):
@@ -60,15 +92,18 @@ class Image:
     state: ImageState
     event: Any = None  # a CUDA event while COPYING on a device; None on CPU
     writer_done: bool = False  # the request that wrote it finished: its references go
+    tiered: bool = False  # written back to the tiers already
 
 
 @dataclass(frozen=True, kw_only=True)
 class PrefixHit:
     tokens: int  # hit tokens: blocks x block_size, at most len(tokens) - 1
-    blocks: tuple[int, ...]  # the hit's KV blocks, in order
-    image: Image | None  # the image restored into the new slot (None without state)
+    blocks: tuple[int, ...]  # the hit's device KV blocks, in order; -1 where a tier serves it
+    image: Image | None  # the device image restored into the new slot
     matched_kv_tokens: int  # tokens of KV matched by the full-attention group
     lost_tokens: int  # matched KV given up for want of a checkpoint
+    sources: tuple[str, ...] = ()  # per hit block: "device" or the tier that serves it
+    image_source: str | None = None  # "device", a tier's name, or None (no state restored)
 
 
 @dataclass(kw_only=True)
@@ -86,8 +121,13 @@ class PrefixMetrics:
     images_skipped: int = 0  # wanted but no room for the units
     evicted_blocks: int = 0
     evicted_images: int = 0
+    tier_blocks_written: int = 0  # KV blocks written back to the tiers
+    tier_images_written: int = 0
+    tier_hit_tokens: dict[str, int] = field(default_factory=dict)  # hit tokens by tier
+    tier_images_read: dict[str, int] = field(default_factory=dict)
+    tier_rejected: dict[str, int] = field(default_factory=dict)  # bad objects by reason
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -119,6 +159,7 @@ class PrefixCache:
         tp_rank: int = 0,
         unit_bytes: int | None = None,
         reuse: bool = True,
+        tiers: TierStack | Sequence[Tier] | None = None,
     ) -> None:
         if not isinstance(plan, CachePlan):
             raise InvalidValueError(
@@ -131,7 +172,13 @@ class PrefixCache:
         self.namespace = Namespace.of(plan, tp_rank=tp_rank)
         self.root = self.namespace.digest
         check_device(device)
-        self.cache = UnifiedCache.from_plan(plan, device, on_evict=self._evicted)
+        self.tiers = tiers if isinstance(tiers, TierStack) else TierStack(tiers or ())
+        self.cache = UnifiedCache.from_plan(
+            plan,
+            device,
+            on_evict=self._evicted,
+            before_evict=self._evicting if self.tiers else None,
+        )
         self.cache.add_move_listener(self._moved)
         self.block_size = plan.block_size
         self.has_kv = bool(plan.page_fields)
@@ -143,7 +190,10 @@ class PrefixCache:
         if not isinstance(reuse, bool):
             raise InvalidValueError(f"reuse must be a bool, got {reuse!r}")
         self.enabled = reuse  # False: every lookup misses (prefix caching off, for comparisons)
+        self._ns = self.namespace.to_json()
+        self._elided = self.cache.device.type == "meta"  # no bytes: tier images are headers
         self._block_of: dict[bytes, int] = {}  # key -> cached block
+        self._depth: dict[bytes, int] = {}  # key -> its block's index in the prompt
         self._key_of: dict[int, bytes] = {}  # cached block -> key
         self._images: dict[bytes, Image] = {}  # boundary key -> image
         self._image_of_unit: dict[int, Image] = {}
@@ -194,31 +244,80 @@ class PrefixCache:
         img = self._images.get(keys[b - 1])
         return img if img is not None and img.state is ImageState.READY else None
 
-    def _answer(self, tokens: np.ndarray, keys: list[bytes]) -> PrefixHit:
+    def _answer(
+        self, tokens: np.ndarray, keys: list[bytes], skip: frozenset[str] = frozenset()
+    ) -> PrefixHit:
         limit = min(len(keys), max(0, (tokens.size - 1) // self.block_size))
         if not self.enabled:
             limit = 0
         full = 0
         while full < limit and keys[full] in self._block_of:
             full += 1
+        tier_kv: dict[int, int] = {}  # block index -> tier serving it
+        tier_state: dict[int, int] = {}  # boundary -> tier serving its image
+        if self.tiers and limit:
+            full = self._locate(keys, full, limit, skip, tier_kv, tier_state)
         cand = full if self.has_kv else limit
         while True:  # each group answers "the largest boundary <= cand I can resume from"
             new = cand
             if self.has_state:
-                while new > 0 and self._image_at(keys, new) is None:
+                while new > 0 and self._image_at(keys, new) is None and new not in tier_state:
                     new -= 1
             if new == cand:
                 break
             cand = new
         image = self._image_at(keys, cand) if self.has_state else None
+        names = self.tiers.names
+        image_source = None
+        if self.has_state and cand:
+            image_source = "device" if image is not None else names[tier_state[cand]]
         matched = full if self.has_kv else cand
+        kv = range(cand) if self.has_kv else range(0)
         return PrefixHit(
             tokens=cand * self.block_size,
-            blocks=tuple(self._block_of[k] for k in keys[:cand]) if self.has_kv else (),
+            blocks=tuple(-1 if i in tier_kv else self._block_of[keys[i]] for i in kv),
             image=image,
             matched_kv_tokens=matched * self.block_size,
             lost_tokens=(matched - cand) * self.block_size,
+            sources=tuple(names[tier_kv[i]] if i in tier_kv else "device" for i in kv),
+            image_source=image_source,
         )
+
+    def _locate(
+        self,
+        keys: list[bytes],
+        full: int,
+        limit: int,
+        skip: frozenset[str],
+        tier_kv: dict[int, int],
+        tier_state: dict[int, int],
+    ) -> int:
+        """Extend the device's KV run with blocks the tiers hold, and find the
+        boundaries whose image a tier holds; one batched probe per tier."""
+        kv_at = (
+            [i for i in range(full, limit) if keys[i] not in self._block_of] if self.has_kv else []
+        )
+        st_at = (
+            [b for b in range(1, limit + 1) if self._image_at(keys, b) is None]
+            if self.has_state and self.spec is not None
+            else []
+        )
+        names = [object_name(ImageKind.KV_BLOCK, keys[i]) for i in kv_at]
+        names += [object_name(ImageKind.STATE, keys[b - 1]) for b in st_at]
+        where = self.tiers.locate(names)
+        for j, i in enumerate(kv_at):
+            if where[j] is not None and names[j] not in skip:
+                tier_kv[i] = where[j]  # type: ignore[assignment]
+        off = len(kv_at)
+        for j, b in enumerate(st_at):
+            if where[off + j] is not None and names[off + j] not in skip:
+                tier_state[b] = where[off + j]  # type: ignore[assignment]
+        if self.has_kv:
+            while full < limit and (keys[full] in self._block_of or full in tier_kv):
+                full += 1
+        for i in [i for i in tier_kv if i >= full]:
+            del tier_kv[i]
+        return full
 
     def lookup(self, tokens: object, extra: Sequence[object] = ()) -> PrefixHit:
         """The longest prefix of ``tokens`` every group can resume from (takes nothing)."""
@@ -251,28 +350,31 @@ class PrefixCache:
         keys = block_keys(self.root, tok, self.block_size, extra)
         self.metrics.lookups += 1
         hit = self._answer(tok, keys)
+        total = -(-(tok.size + reserve) // self.block_size) if self.has_kv else 0
+        self._check_room(hit, total)
+        payloads: dict[str, memoryview] = {}
+        if any(s != "device" for s in hit.sources) or hit.image_source not in (None, "device"):
+            hit, payloads = self._load(tok, keys, hit)
+            self._check_room(hit, total)
         h = hit.tokens // self.block_size
         blocks_b = self.cache.blocks
-        need = (-(-(tok.size + reserve) // self.block_size) - h) if self.has_kv else 0
-        held = [*hit.blocks, *(hit.image.units if hit.image else ())]
-        evictable_held = sum(1 for b in held if blocks_b.is_evictable(b))
-        if need > blocks_b.num_free + blocks_b.num_evictable - evictable_held:
-            raise BlockAllocationError(
-                need, blocks_b.num_free, blocks_b.num_evictable - evictable_held
-            )
-        if self.has_state and self.cache.slots.num_free < self.cache.slots.entries_per_req:
-            raise StateAllocationError(self.cache.slots.entries_per_req, self.cache.slots.num_free)
-        for b in held:
+        device_blocks = [b for b in hit.blocks if b >= 0]
+        for b in [*device_blocks, *(hit.image.units if hit.image else ())]:
             blocks_b.retain(b)
-        new = blocks_b.allocate(need)
+        new = blocks_b.allocate(total - len(device_blocks))
         slots = self.cache.allocate_state(request) if self.has_state else ()
+        blocks = self._take_hit_blocks(keys, hit, new, payloads)
         if hit.image is not None and self.spec is not None:
             self.cache.restore(self.spec, [hit.image.units], [slots[0]])
-            self.metrics.images_read += 1
-            self.metrics.image_bytes_read += self.spec.image_bytes
-        if hit.image is not None:
             for u in hit.image.units:
                 blocks_b.release(u)  # restored: the image ages in the LRU again
+        elif hit.image_source is not None and self.spec is not None:  # from a tier
+            self._restore_payload(payloads[object_name(ImageKind.STATE, keys[h - 1])], slots[0])
+            src = hit.image_source
+            self.metrics.tier_images_read[src] = self.metrics.tier_images_read.get(src, 0) + 1
+        if hit.image_source is not None and self.spec is not None:
+            self.metrics.images_read += 1
+            self.metrics.image_bytes_read += self.spec.image_bytes
         checkpoints: list[int] = []
         if self.has_state and self.spec is not None and self.enabled:
             checkpoints = self.policy.boundaries(tok.size, self.block_size, h)
@@ -294,7 +396,7 @@ class PrefixCache:
             tokens=tok,
             keys=keys,
             hit=hit,
-            blocks=[*hit.blocks, *new],
+            blocks=blocks,
             slots=tuple(slots),
             checkpoints=checkpoints,
             committed=h,
@@ -302,6 +404,207 @@ class PrefixCache:
         )
         self._running[request] = adm
         return adm
+
+    def _check_room(self, hit: PrefixHit, total: int) -> None:
+        """Refuse (nothing taken) unless the blocks and a slot for this hit fit."""
+        blocks_b = self.cache.blocks
+        need = total - sum(1 for b in hit.blocks if b >= 0)
+        held = [b for b in hit.blocks if b >= 0] + (hit.image.units if hit.image else [])
+        evictable_held = sum(1 for b in held if blocks_b.is_evictable(b))
+        if need > blocks_b.num_free + blocks_b.num_evictable - evictable_held:
+            raise BlockAllocationError(
+                need, blocks_b.num_free, blocks_b.num_evictable - evictable_held
+            )
+        if self.has_state and self.cache.slots.num_free < self.cache.slots.entries_per_req:
+            raise StateAllocationError(self.cache.slots.entries_per_req, self.cache.slots.num_free)
+
+    # -- tiers -------------------------------------------------------------------------
+    def _expected(self, kind: ImageKind, keys: list[bytes], b: int) -> Expected:
+        """What the image of block ``b`` (KV) or of boundary ``b`` (STATE) must be."""
+        bs = self.block_size
+        if kind is ImageKind.KV_BLOCK:
+            return Expected(
+                kind=kind,
+                key=keys[b],
+                namespace=self._ns,
+                start=b * bs,
+                end=(b + 1) * bs,
+                payload_bytes=self.cache.block_bytes,
+                elided=self._elided,
+            )
+        return Expected(
+            kind=kind,
+            key=keys[b - 1],
+            namespace=self._ns,
+            start=0,
+            end=b * bs,
+            payload_bytes=self.spec.image_bytes if self.spec else 0,
+            elided=self._elided,
+        )
+
+    def _load(
+        self, tok: np.ndarray, keys: list[bytes], hit: PrefixHit
+    ) -> tuple[PrefixHit, dict[str, memoryview]]:
+        """Fetch and check every tier object ``hit`` uses; an object that fails
+        is deleted and counted, and the answer recomputed without it."""
+        tier_of = {n: i for i, n in enumerate(self.tiers.names)}
+        good: dict[str, memoryview] = {}
+        skip: set[str] = set()
+        while True:
+            wanted: dict[int, list[tuple[str, Expected]]] = {}
+            for i, src in enumerate(hit.sources):
+                if src != "device":
+                    name = object_name(ImageKind.KV_BLOCK, keys[i])
+                    wanted.setdefault(tier_of[src], []).append(
+                        (name, self._expected(ImageKind.KV_BLOCK, keys, i))
+                    )
+            if hit.image_source not in (None, "device"):
+                b = hit.tokens // self.block_size
+                name = object_name(ImageKind.STATE, keys[b - 1])
+                wanted.setdefault(tier_of[hit.image_source], []).append(  # type: ignore[index]
+                    (name, self._expected(ImageKind.STATE, keys, b))
+                )
+            failed = False
+            for t, items in wanted.items():
+                todo = [(n, e) for n, e in items if n not in good]
+                for (name, exp), data in zip(
+                    todo, self.tiers.fetch(t, [n for n, _ in todo]), strict=True
+                ):
+                    if data is None:
+                        failed = True
+                        skip.add(name)
+                        continue
+                    try:
+                        good[name] = decode(data, exp)
+                    except ImageMismatch as exc:
+                        r = self.metrics.tier_rejected
+                        r[exc.reason] = r.get(exc.reason, 0) + 1
+                        self.tiers.drop(t, [name])
+                        failed = True
+                        skip.add(name)
+            if not failed:
+                return hit, good
+            hit = self._answer(tok, keys, frozenset(skip))
+
+    def _take_hit_blocks(
+        self, keys: list[bytes], hit: PrefixHit, new: list[int], payloads: dict[str, memoryview]
+    ) -> list[int]:
+        """The request's blocks: the device's hit blocks (retained), then tier
+        blocks copied into new ones and cached at once, then the rest."""
+        out: list[int] = []
+        fresh = iter(new)
+        for i, b in enumerate(hit.blocks):
+            if b >= 0:
+                out.append(b)
+                continue
+            blk = next(fresh)
+            if not self._elided:
+                src = _host_bytes(payloads[object_name(ImageKind.KV_BLOCK, keys[i])])
+                self.cache.block_bytes_of(blk).copy_(src)
+            self._cache_block(keys[i], i, blk)
+            out.append(blk)
+            name = hit.sources[i]
+            self.metrics.tier_hit_tokens[name] = (
+                self.metrics.tier_hit_tokens.get(name, 0) + self.block_size
+            )
+        out.extend(fresh)
+        return out
+
+    def _restore_payload(self, payload: memoryview, slot: int) -> None:
+        """A state image's bytes (its checkpoint ranges, in order) into ``slot``."""
+        if self._elided or self.spec is None:
+            return
+        src = _host_bytes(payload)
+        raw = self.cache.slot_bytes_of(slot)
+        pos = 0
+        for o, n in self.spec.ranges:
+            raw[o : o + n].copy_(src[pos : pos + n])
+            pos += n
+
+    def _cache_block(self, key: bytes, index: int, block: int) -> None:
+        self._block_of[key] = block
+        self._key_of[block] = key
+        self._depth[key] = index
+        self.cache.blocks.set_cached(block)
+
+    def _kv_object(self, key: bytes, block: int) -> TierObject:
+        i = self._depth[key]
+        payload = None if self._elided else (_host_view(self.cache.block_bytes_of(block)),)
+        return encode(
+            kind=ImageKind.KV_BLOCK,
+            namespace=self._ns,
+            key=key,
+            start=i * self.block_size,
+            end=(i + 1) * self.block_size,
+            payload=payload,
+            payload_bytes=self.cache.block_bytes,
+        )
+
+    def _state_object(self, img: Image) -> TierObject:
+        spec = self.spec
+        assert spec is not None
+        parts: list[memoryview] | None = None
+        if not self._elided:
+            parts, left = [], spec.image_bytes
+            stride = self.cache.block_stride
+            for u in img.units:
+                n = min(spec.unit_bytes, left)
+                parts.append(_host_view(self.cache.buf[u * stride : u * stride + n]))
+                left -= n
+        return encode(
+            kind=ImageKind.STATE,
+            namespace=self._ns,
+            key=img.key,
+            start=0,
+            end=img.boundary * self.block_size,
+            payload=parts,
+            payload_bytes=spec.image_bytes,
+        )
+
+    def _evicting(self, blocks: list[int]) -> None:
+        """The allocator's ``before_evict``: write the victims' KV and images back."""
+        objects: list[TierObject] = []
+        for b in blocks:
+            key = self._key_of.get(b)
+            if key is not None:
+                objects.append(self._kv_object(key, b))
+                self.metrics.tier_blocks_written += 1
+            img = self._image_of_unit.get(b)
+            if (
+                img is not None
+                and not img.tiered
+                and img.state is ImageState.READY
+                and self._images.get(img.key) is img
+            ):
+                img.tiered = True
+                objects.append(self._state_object(img))
+                self.metrics.tier_images_written += 1
+        if objects:
+            self.tiers.write_back(objects)
+
+    def drain(self, batch: int = 256) -> int:
+        """Write every cached block and READY image back to the tiers without
+        evicting anything (a server shutting down, so the next one starts warm);
+        the number of objects written."""
+        if not self.tiers:
+            return 0
+        self.poll()
+        objects: list[TierObject] = []
+        n = 0
+        for key, block in list(self._block_of.items()):
+            objects.append(self._kv_object(key, block))
+            if len(objects) >= batch:
+                self.tiers.write_back(objects)
+                n, objects = n + len(objects), []
+        for img in list(self._images.values()):
+            if img.state is ImageState.READY and not img.tiered:
+                img.tiered = True
+                objects.append(self._state_object(img))
+                if len(objects) >= batch:
+                    self.tiers.write_back(objects)
+                    n, objects = n + len(objects), []
+        self.tiers.write_back(objects)
+        return n + len(objects)
 
     def commit(self, request: Hashable, tokens: int) -> None:
         """The request has computed its first ``tokens`` prompt tokens: register the
@@ -315,9 +618,7 @@ class PrefixCache:
         for i in range(adm.committed, n):
             key, block = adm.keys[i], adm.blocks[i]
             if key not in self._block_of:
-                self._block_of[key] = block
-                self._key_of[block] = key
-                self.cache.blocks.set_cached(block)
+                self._cache_block(key, i, block)
         adm.committed = max(adm.committed, n)
 
     def checkpoint(self, request: Hashable, boundary: int, *, event: Any = None) -> Image | None:
@@ -377,6 +678,7 @@ class PrefixCache:
         key = self._key_of.pop(block, None)
         if key is not None:
             del self._block_of[key]
+            del self._depth[key]
             self.metrics.evicted_blocks += 1
             # The image at this block's boundary can no longer be resumed from (its
             # last KV block is gone): give its units back now, not when they age out.
@@ -422,7 +724,7 @@ class PrefixCache:
         """Every cached key maps a block the allocator holds (live or evictable), every
         image's units are cached, and no two keys share a block (for tests)."""
         b = self.cache.blocks
-        assert len(self._block_of) == len(self._key_of)
+        assert len(self._block_of) == len(self._key_of) == len(self._depth)
         for k, blk in self._block_of.items():
             assert self._key_of[blk] == k and not b.is_free(blk) and b.is_cached(blk)
         for img in self._images.values():

@@ -59,10 +59,10 @@ class Namespace:
             tp_size=plan.model.options.tp,
         )
 
-    @property
-    def digest(self) -> bytes:
-        """The root of every key chain in this namespace."""
-        doc = json.dumps(
+    def to_json(self) -> bytes:
+        """The namespace as canonical JSON: hashed into the key root, and written
+        verbatim into every tier image's header (one source for both)."""
+        return json.dumps(
             {
                 "format": "kvarena-prefix/1",
                 "model": self.model,
@@ -75,7 +75,11 @@ class Namespace:
             sort_keys=True,
             separators=(",", ":"),
         ).encode()
-        return hashlib.blake2b(doc, digest_size=KEY_BYTES).digest()
+
+    @property
+    def digest(self) -> bytes:
+        """The root of every key chain in this namespace."""
+        return hashlib.blake2b(self.to_json(), digest_size=KEY_BYTES).digest()
 
 
 def as_tokens(tokens: object, what: str = "tokens") -> np.ndarray:

@@ -1,0 +1,41 @@
+"""Tiers below the device — host memory, local disk, a shared Redis store — and
+the one image format they all hold (checksummed, namespaced, verified on load)."""
+
+from .base import Tier, TierError, TierMetrics, TierWarning
+from .disk import DiskTier
+from .host import HostTier
+from .image import (
+    Expected,
+    ImageHeader,
+    ImageKind,
+    ImageMismatch,
+    TierObject,
+    decode,
+    encode,
+    object_name,
+    read_header,
+)
+from .redis_tier import RedisTier
+from .stack import SPEC_FORMS, TierStack, parse_tier
+
+__all__ = [
+    "SPEC_FORMS",
+    "DiskTier",
+    "Expected",
+    "HostTier",
+    "ImageHeader",
+    "ImageKind",
+    "ImageMismatch",
+    "RedisTier",
+    "Tier",
+    "TierError",
+    "TierMetrics",
+    "TierObject",
+    "TierStack",
+    "TierWarning",
+    "decode",
+    "encode",
+    "object_name",
+    "parse_tier",
+    "read_header",
+]

@@ -1,0 +1,195 @@
+"""The interface every tier below the device speaks, and the books they share.
+
+A tier stores named, opaque objects (images, see :mod:`.image`): batched
+put/get/contains/delete, a capacity in bytes and least-recently-used eviction.
+A put that needs room evicts the oldest objects and hands them back, so the
+stack above can write them to the next tier down (host -> disk -> shared
+store). Nothing here interprets the bytes: checking what comes back is the
+loader's job, with the image's header.
+
+Tiers fail like the things they stand on — a disk fills up, a store goes
+away — and serving must go on: an I/O failure is a miss (get/contains) or a
+dropped write (put), counted, with ONE warning until the tier works again; a
+full disk disables the tier's writes with a message, and reads go on.
+"""
+
+from __future__ import annotations
+
+import abc
+import warnings
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from ..errors import Error
+from .image import TierObject
+
+
+class TierError(Error, RuntimeError):
+    """A tier that cannot be opened or used as asked (bad directory, unreachable URL)."""
+
+
+class TierWarning(UserWarning):
+    """A tier failed mid-run; serving goes on (lookups miss, writes are dropped)."""
+
+
+@dataclass(kw_only=True)
+class TierMetrics:
+    puts: int = 0
+    put_bytes: int = 0
+    gets: int = 0
+    get_bytes: int = 0
+    hits: int = 0  # gets that found the object
+    misses: int = 0
+    deletes: int = 0
+    evictions: int = 0  # objects evicted for room (handed to the next tier down)
+    skipped: int = 0  # puts not taken: too large, already held, or writes disabled
+    failures: int = 0  # I/O errors survived (each a miss or a dropped write)
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class Tier(abc.ABC):
+    """One storage level: named objects, a byte capacity, LRU."""
+
+    kind: str = "tier"
+
+    def __init__(self) -> None:
+        self.metrics = TierMetrics()
+        self.disabled: str | None = None  # why writes stopped, if they did
+        self._warned = False
+
+    # -- the interface -------------------------------------------------------------
+    @abc.abstractmethod
+    def put_many(self, objects: Sequence[TierObject]) -> list[TierObject]:
+        """Store each object (an existing name is refreshed, not rewritten); return
+        the objects evicted to make room, oldest first, for the next tier down."""
+
+    @abc.abstractmethod
+    def get_many(self, names: Sequence[str]) -> list[bytes | bytearray | None]:
+        """Each object's stored bytes, or None; a hit refreshes it in the LRU."""
+
+    @abc.abstractmethod
+    def contains_many(self, names: Sequence[str]) -> list[bool]:
+        """Whether each object is held now (touches nothing)."""
+
+    @abc.abstractmethod
+    def delete_many(self, names: Sequence[str]) -> int:
+        """Delete each object held; the count deleted."""
+
+    @property
+    @abc.abstractmethod
+    def capacity_bytes(self) -> int:
+        """The logical bytes this tier holds at most (0: the server decides)."""
+
+    @property
+    @abc.abstractmethod
+    def used_bytes(self) -> int:
+        """Logical bytes held now."""
+
+    @abc.abstractmethod
+    def __len__(self) -> int: ...
+
+    @abc.abstractmethod
+    def describe(self) -> str:
+        """One line: the kind and where (``disk /var/cache/kv, 64 GiB``)."""
+
+    def close(self) -> None:  # noqa: B027 (a no-op unless the tier holds something open)
+        """Release what the tier holds open (files, sockets); objects stay where durable."""
+
+    @property
+    def cascades(self) -> bool:
+        """Whether this tier's evictions should go to the next tier down (a shared
+        store evicts on its server and cannot hand anything back)."""
+        return True
+
+    # -- failure handling shared by every tier ------------------------------------
+    def _failed(self, op: str, exc: BaseException) -> None:
+        self.metrics.failures += 1
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                TierWarning(
+                    f"{self.describe()}: {op} failed ({type(exc).__name__}: {exc}); "
+                    "lookups miss and serving continues (warned once until it recovers)"
+                ),
+                stacklevel=3,
+            )
+
+    def _worked(self) -> None:
+        self._warned = False
+
+    def _disable(self, why: str) -> None:
+        if self.disabled is None:
+            self.disabled = why
+            warnings.warn(
+                TierWarning(f"{self.describe()}: writes disabled: {why}; serving continues"),
+                stacklevel=3,
+            )
+
+
+class IndexedTier(Tier):
+    """A tier that keeps its own index: name -> logical bytes, in LRU order."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        super().__init__()
+        self._capacity = capacity_bytes
+        self._index: OrderedDict[str, int] = OrderedDict()
+        self._used = 0
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def contains_many(self, names: Sequence[str]) -> list[bool]:
+        index = self._index
+        return [n in index for n in names]
+
+    def names(self) -> list[str]:
+        """Held objects, least recently used first."""
+        return list(self._index)
+
+    def _admit(self, obj: TierObject) -> bool:
+        """Whether ``obj`` should be written: not held already (held: refreshed),
+        not larger than the whole tier, writes not disabled."""
+        if obj.name in self._index:
+            self._index.move_to_end(obj.name)
+            self.metrics.skipped += 1
+            return False
+        if obj.logical_bytes > self._capacity or self.disabled is not None:
+            self.metrics.skipped += 1
+            return False
+        return True
+
+    def _victims(self, need: int) -> list[str]:
+        """The oldest names whose removal leaves ``need`` logical bytes of room."""
+        room = self._capacity - self._used
+        out = []
+        for name, size in self._index.items():
+            if room >= need:
+                break
+            out.append(name)
+            room += size
+        return out
+
+    def _added(self, name: str, logical: int) -> None:
+        self._index[name] = logical
+        self._used += logical
+        self.metrics.puts += 1
+        self.metrics.put_bytes += logical
+
+    def _removed(self, name: str) -> None:
+        self._used -= self._index.pop(name)
+
+    def _hit(self, name: str, nbytes: int) -> None:
+        self._index.move_to_end(name)
+        self.metrics.hits += 1
+        self.metrics.get_bytes += nbytes

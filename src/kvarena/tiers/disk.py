@@ -1,0 +1,204 @@
+"""The disk tier: a directory of image files, each visible only once complete.
+
+A put writes a temporary file (``.NAME.PID.RANDOM.tmp``), fsyncs it and
+renames it to ``NAME.kvi``; rename is atomic within a filesystem, so a reader
+sees either nothing or the whole object, and a writer killed mid-write leaves
+only a temporary file, which the next start removes (when its writer's pid is
+gone). The directory's fsync after the rename is left out: a crash may lose
+the newest objects (a miss), never expose a partial one.
+
+The index (name -> logical bytes, least recently used first by mtime) lives
+in memory and is rebuilt from the files' headers on start, so a second run —
+or a restarted server — hits what the first left. A header that does not read
+as an image is deleted at once; checksums are checked on every load (by the
+loader), not at start, which would read every byte.
+
+A full disk (ENOSPC, EDQUOT, EFBIG) disables the tier's writes with one
+message; reads go on.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..checks import check_bytes
+from .base import IndexedTier, TierError
+from .image import HEAD_BYTES, MAX_NAMESPACE_BYTES, ImageMismatch, TierObject, read_header
+
+SUFFIX = ".kvi"
+TMP_SUFFIX = ".tmp"
+_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class DiskTier(IndexedTier):
+    kind = "disk"
+
+    def __init__(self, directory: str | os.PathLike[str], capacity_bytes: int) -> None:
+        super().__init__(check_bytes(capacity_bytes, "disk tier: capacity_bytes", lo=1))
+        self.dir = Path(directory)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            entries = list(os.scandir(self.dir))
+        except OSError as exc:
+            raise TierError(f"disk tier {self.dir}: cannot use the directory ({exc})") from None
+        self.dropped_on_start = 0  # unreadable objects and dead writers' temporaries removed
+        self._rebuild(entries)
+
+    def describe(self) -> str:
+        return f"disk {self.dir} {self._capacity:,} B"
+
+    def _path(self, name: str) -> Path:
+        return self.dir / (name + SUFFIX)
+
+    def _rebuild(self, entries: list[os.DirEntry[str]]) -> None:
+        found: list[tuple[int, str, int]] = []
+        for e in entries:
+            if e.name.endswith(TMP_SUFFIX) and e.name.startswith("."):
+                parts = e.name.split(".")
+                pid = int(parts[-3]) if len(parts) >= 4 and parts[-3].isdigit() else 0
+                if pid and _pid_alive(pid) and pid != os.getpid():
+                    continue  # another live process is writing it
+                self._unlink(e.path)
+                continue
+            if not e.name.endswith(SUFFIX) or not e.is_file(follow_symlinks=False):
+                continue
+            name = e.name[: -len(SUFFIX)]
+            try:
+                with open(e.path, "rb") as fh:
+                    head = read_header(fh.read(HEAD_BYTES + MAX_NAMESPACE_BYTES))
+                st = e.stat()
+                if st.st_size != head.stored_bytes:
+                    raise ImageMismatch("truncated", "file size differs from its header")
+            except (OSError, ImageMismatch):
+                self._unlink(e.path)
+                continue
+            found.append((st.st_mtime_ns, name, head.logical_bytes))
+        found.sort()
+        for _, name, logical in found:
+            self._index[name] = logical
+            self._used += logical
+        # A directory that holds more than this tier's capacity (a smaller capacity
+        # this run) sheds its oldest objects now.
+        for name in self._victims(0):
+            self._delete(name)
+
+    def _unlink(self, path: str | Path) -> None:
+        try:
+            os.unlink(path)
+            self.dropped_on_start += 1
+        except OSError:
+            pass
+
+    def _delete(self, name: str) -> None:
+        self._removed(name)
+        try:
+            os.unlink(self._path(name))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            self._failed("delete", exc)
+
+    def _write(self, obj: TierObject) -> bool:
+        tmp = self.dir / f".{obj.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                views = [memoryview(p).cast("B") for p in obj.parts]
+                while views:
+                    n = os.writev(fd, views)
+                    while views and n >= views[0].nbytes:
+                        n -= views[0].nbytes
+                        views.pop(0)
+                    if views and n:
+                        views[0] = views[0][n:]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, self._path(obj.name))
+        except OSError as exc:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            if exc.errno in _FULL:
+                self._disable(f"the disk is full ({os.strerror(exc.errno or 0)})")
+            else:
+                self._failed("write", exc)
+            return False
+        self._worked()
+        return True
+
+    def _read(self, name: str) -> bytearray | None:
+        try:
+            with open(self._path(name), "rb", buffering=0) as fh:
+                size = os.fstat(fh.fileno()).st_size
+                out = bytearray(size)
+                view = memoryview(out)
+                got = 0
+                while got < size:
+                    n = fh.readinto(view[got:])
+                    if not n:
+                        break
+                    got += n
+                return out if got == size else out[:got]
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            self._failed("read", exc)
+            return None
+
+    def put_many(self, objects: Sequence[TierObject]) -> list[TierObject]:
+        evicted: list[TierObject] = []
+        for obj in objects:
+            if not self._admit(obj):
+                continue
+            for old in self._victims(obj.logical_bytes):
+                data = self._read(old)
+                if data is not None:
+                    evicted.append(TierObject(old, (bytes(data),), self._index[old]))
+                self._delete(old)
+                self.metrics.evictions += 1
+            if self._write(obj):
+                self._added(obj.name, obj.logical_bytes)
+        return evicted
+
+    def get_many(self, names: Sequence[str]) -> list[bytes | bytearray | None]:
+        out: list[bytes | bytearray | None] = []
+        for name in names:
+            self.metrics.gets += 1
+            data = self._read(name) if name in self._index else None
+            if data is None:
+                if name in self._index:  # removed behind our back: forget it
+                    self._removed(name)
+                self.metrics.misses += 1
+            else:
+                self._hit(name, len(data))
+                try:
+                    os.utime(self._path(name))  # the LRU order survives a restart
+                except OSError:
+                    pass
+            out.append(data)
+        return out
+
+    def delete_many(self, names: Sequence[str]) -> int:
+        n = 0
+        for name in names:
+            if name in self._index:
+                self._delete(name)
+                n += 1
+        self.metrics.deletes += n
+        return n

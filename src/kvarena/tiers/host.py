@@ -1,0 +1,160 @@
+"""The host tier: one allocation of host memory, carved into units.
+
+One buffer, allocated once (pinned where the cache is on CUDA, so device
+copies into and out of it run at DMA speed), split into fixed units; an object
+takes as many units as its logical size needs, lowest free ids first, so it
+usually lands in one contiguous run and moves with one copy. Its own
+allocator (:class:`~kvarena.pools.free_ids.FreeIds`) and LRU: no per-object
+Python allocation while serving.
+
+A unit count sized by logical bytes means an elided image (bookkeeping
+replays) holds the room its payload would, while writing only its header: the
+buffer is an anonymous mapping, so pages never written cost no memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from ..checks import check_bytes
+from ..errors import InvalidValueError
+from ..layout.regions import aligned_zeros
+from ..pools.free_ids import FreeIds
+from .base import IndexedTier
+from .image import TierObject
+
+DEFAULT_UNIT_BYTES = 64 << 10
+
+
+def _runs(units: list[int]) -> list[tuple[int, int]]:
+    """Consecutive runs of ``units`` as (first, count)."""
+    out: list[tuple[int, int]] = []
+    for u in units:
+        if out and out[-1][0] + out[-1][1] == u:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((u, 1))
+    return out
+
+
+class HostTier(IndexedTier):
+    kind = "host"
+
+    def __init__(
+        self, capacity_bytes: int, *, unit_bytes: int = DEFAULT_UNIT_BYTES, pin_memory: bool = False
+    ) -> None:
+        capacity = check_bytes(capacity_bytes, "host tier: capacity_bytes", lo=1)
+        unit = check_bytes(unit_bytes, "host tier: unit_bytes", lo=1)
+        if unit > capacity:
+            raise InvalidValueError(
+                f"host tier: capacity {capacity:,} B is smaller than one unit ({unit:,} B)"
+            )
+        if not isinstance(pin_memory, bool):
+            raise InvalidValueError(f"host tier: pin_memory must be a bool, got {pin_memory!r}")
+        units = capacity // unit
+        super().__init__(units * unit)
+        self.unit_bytes = unit
+        self.num_units = units
+        if pin_memory:
+            self._buf = torch.empty(units * unit, dtype=torch.uint8, pin_memory=True)
+        else:
+            self._buf = aligned_zeros(units * unit, 4096, torch.device("cpu"))
+        self._np = self._buf.numpy()
+        self._free = FreeIds(range(units))
+        self._units: dict[str, list[int]] = {}
+        self._stored: dict[str, int] = {}
+        self.pinned = pin_memory
+
+    def describe(self) -> str:
+        return f"host {self._capacity:,} B ({self.num_units:,} units of {self.unit_bytes:,} B)"
+
+    def _units_for(self, logical: int) -> int:
+        return -(-logical // self.unit_bytes)
+
+    def _read(self, name: str) -> bytearray:
+        n = self._stored[name]
+        out = bytearray(n)
+        dst = np.frombuffer(out, dtype=np.uint8)
+        pos = 0
+        for first, count in _runs(self._units[name]):
+            take = min(count * self.unit_bytes, n - pos)
+            if take <= 0:
+                break
+            start = first * self.unit_bytes
+            dst[pos : pos + take] = self._np[start : start + take]
+            pos += take
+        return out
+
+    def _write(self, units: list[int], parts: Sequence[bytes | memoryview]) -> None:
+        runs = _runs(units)
+        r, run_pos = 0, 0  # run index, bytes written into it
+        for part in parts:
+            src = np.frombuffer(part, dtype=np.uint8)
+            pos = 0
+            while pos < src.size:
+                first, count = runs[r]
+                room = count * self.unit_bytes - run_pos
+                take = min(room, src.size - pos)
+                start = first * self.unit_bytes + run_pos
+                self._np[start : start + take] = src[pos : pos + take]
+                pos += take
+                run_pos += take
+                if run_pos == count * self.unit_bytes:
+                    r, run_pos = r + 1, 0
+
+    def _drop(self, name: str) -> None:
+        for u in self._units.pop(name):
+            self._free.push(u)
+        del self._stored[name]
+        self._removed(name)
+
+    def put_many(self, objects: Sequence[TierObject]) -> list[TierObject]:
+        evicted: list[TierObject] = []
+        for obj in objects:
+            if not self._admit(obj):
+                continue
+            need = self._units_for(obj.logical_bytes)
+            while len(self._free) < need:
+                old = next(iter(self._index))
+                evicted.append(TierObject(old, (bytes(self._read(old)),), self._index[old]))
+                self._drop(old)
+                self.metrics.evictions += 1
+            units = sorted(self._free.pop() for _ in range(need))
+            self._write(units, obj.parts)
+            self._units[obj.name] = units
+            self._stored[obj.name] = obj.stored_bytes
+            self._added(obj.name, obj.logical_bytes)
+        return evicted
+
+    def get_many(self, names: Sequence[str]) -> list[bytes | bytearray | None]:
+        out: list[bytes | bytearray | None] = []
+        for name in names:
+            self.metrics.gets += 1
+            if name not in self._units:
+                self.metrics.misses += 1
+                out.append(None)
+                continue
+            data = self._read(name)
+            self._hit(name, len(data))
+            out.append(data)
+        return out
+
+    def delete_many(self, names: Sequence[str]) -> int:
+        n = 0
+        for name in names:
+            if name in self._units:
+                self._drop(name)
+                n += 1
+        self.metrics.deletes += n
+        return n
+
+    def check_books(self) -> None:
+        """Every unit is free or held by exactly one object (for tests)."""
+        held = [u for us in self._units.values() for u in us]
+        assert len(held) == len(set(held))
+        assert len(held) + len(self._free) == self.num_units
+        assert not set(held) & {u for u in range(self.num_units) if u in self._free}
+        assert self._used == sum(self._index.values())

@@ -1,0 +1,244 @@
+"""One image format for every object kvarena keeps below the device.
+
+A KV block and a state checkpoint image leave the device the same way: a
+fixed 64-byte header, the prefix cache's namespace (the canonical JSON that is
+also hashed into every key's root), then the payload. The header names what
+the bytes are — kind, key, token span, payload length — and carries an xxh3-64
+checksum of the header (checksum field zeroed), the namespace and the payload.
+
+Why all of it: a tier outlives the process that wrote it and may be shared by
+many. Another model, another layout, another dtype or another TP rank must
+never be able to hand us its bytes (sglang #24758, #33268; LMCache #4385). The
+key alone already differs across namespaces, but a file renamed, a store
+shared under a wrong prefix, or a torn write would still be taken; so a load
+checks every field against what the caller expects and any difference is a
+miss, never a copy.
+
+xxh3-64 (the ``xxhash`` package) is the checksum: it runs at memory bandwidth
+on one core (``benchmarks/bench_tiers.py`` prints it beside CRC32), where a
+load's other work — a file read, a network hop — is far slower.
+
+An *elided* image is the same header with the payload left out: what a cache
+on torch's ``meta`` device (bookkeeping replays) writes, since it holds no
+bytes. Its header still declares the payload's length, which is what tier
+capacities count; a cache that holds bytes refuses it.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+from ..errors import Error
+
+MAGIC = b"KVARENA\x89"
+FORMAT_VERSION = 1
+FLAG_ELIDED = 1
+
+_HEAD = struct.Struct("<8sHBBIQQQ16sQ")
+"""magic, version, kind, flags, namespace length, span start, span end,
+payload length, key, checksum — 64 bytes, little-endian, no padding."""
+HEAD_BYTES = _HEAD.size
+_CHECKSUM_AT = HEAD_BYTES - 8
+KEY_BYTES = 16
+MAX_NAMESPACE_BYTES = 1 << 16
+
+
+class ImageKind(enum.IntEnum):
+    KV_BLOCK = 1  # one KV block's field bytes (every paged layer of it)
+    STATE = 2  # one checkpoint image: a state's checkpoint ranges, in order
+
+    @property
+    def prefix(self) -> str:
+        return "kv" if self is ImageKind.KV_BLOCK else "st"
+
+
+def object_name(kind: ImageKind, key: bytes) -> str:
+    """A tier's name for an object: its kind and its key (which embeds the namespace)."""
+    return f"{kind.prefix}-{key.hex()}"
+
+
+class ImageMismatch(Error, ValueError):
+    """An object that is not what the caller asked for; ``reason`` is one word
+    (``truncated``, ``magic``, ``version``, ``checksum``, ``kind``, ``namespace``,
+    ``key``, ``span``, ``length``, ``elided``). The caller counts it as a miss."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        self.reason = reason
+        super().__init__(f"{reason}: {message}")
+
+
+@dataclass(frozen=True, eq=False)
+class TierObject:
+    """What a tier stores: a name, the bytes (in parts, written in order, never
+    joined unless a tier must) and the logical size its capacity counts."""
+
+    name: str
+    parts: tuple[bytes | memoryview, ...]
+    logical_bytes: int
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(memoryview(p).nbytes for p in self.parts)
+
+    def to_bytes(self) -> bytes:
+        return (
+            self.parts[0]
+            if len(self.parts) == 1 and isinstance(self.parts[0], bytes)
+            else (b"".join(self.parts))
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImageHeader:
+    version: int
+    kind: int
+    elided: bool
+    namespace: bytes
+    start: int
+    end: int
+    payload_bytes: int
+    key: bytes
+    checksum: int
+
+    @property
+    def head_bytes(self) -> int:
+        return HEAD_BYTES + len(self.namespace)
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.head_bytes + (0 if self.elided else self.payload_bytes)
+
+    @property
+    def logical_bytes(self) -> int:
+        return self.head_bytes + self.payload_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class Expected:
+    """What a load must find, every field of it."""
+
+    kind: ImageKind
+    key: bytes
+    namespace: bytes
+    start: int
+    end: int
+    payload_bytes: int
+    elided: bool  # True: the loading cache holds no bytes (meta); False: a payload is needed
+
+
+def encode(
+    *,
+    kind: ImageKind,
+    namespace: bytes,
+    key: bytes,
+    start: int,
+    end: int,
+    payload: Sequence[bytes | memoryview] | None,
+    payload_bytes: int,
+) -> TierObject:
+    """An image of ``payload`` (its parts in order; None: elided) as a tier object."""
+    if len(key) != KEY_BYTES or len(namespace) > MAX_NAMESPACE_BYTES or not 0 <= start <= end:
+        raise ImageMismatch("header", f"key of {len(key)} bytes, span {start}..{end}")
+    parts = tuple(payload) if payload is not None else ()
+    if payload is not None and sum(memoryview(p).nbytes for p in parts) != payload_bytes:
+        raise ImageMismatch("length", f"payload parts do not add up to {payload_bytes} bytes")
+    flags = FLAG_ELIDED if payload is None else 0
+    head = bytearray(
+        _HEAD.pack(
+            MAGIC,
+            FORMAT_VERSION,
+            int(kind),
+            flags,
+            len(namespace),
+            start,
+            end,
+            payload_bytes,
+            key,
+            0,
+        )
+    )
+    h = xxhash.xxh3_64(bytes(head))
+    h.update(namespace)
+    for p in parts:
+        h.update(p)
+    struct.pack_into("<Q", head, _CHECKSUM_AT, h.intdigest())
+    return TierObject(
+        name=object_name(kind, key),
+        parts=(bytes(head) + namespace, *parts),
+        logical_bytes=HEAD_BYTES + len(namespace) + payload_bytes,
+    )
+
+
+def read_header(data: bytes | bytearray | memoryview) -> ImageHeader:
+    """The header of an image (its first ``HEAD_BYTES`` + namespace bytes); the
+    checksum is not checked here (a tier rebuilding its index reads headers only)."""
+    view = memoryview(data)
+    if view.nbytes < HEAD_BYTES:
+        raise ImageMismatch("truncated", f"{view.nbytes} bytes, a header has {HEAD_BYTES}")
+    magic, version, kind, flags, ns_len, start, end, payload, key, checksum = _HEAD.unpack_from(
+        view
+    )
+    if magic != MAGIC:
+        raise ImageMismatch("magic", "not a kvarena image")
+    if version != FORMAT_VERSION:
+        raise ImageMismatch("version", f"format {version}, this build reads {FORMAT_VERSION}")
+    if ns_len > MAX_NAMESPACE_BYTES or view.nbytes < HEAD_BYTES + ns_len:
+        raise ImageMismatch("truncated", "the namespace is cut short")
+    return ImageHeader(
+        version=version,
+        kind=kind,
+        elided=bool(flags & FLAG_ELIDED),
+        namespace=bytes(view[HEAD_BYTES : HEAD_BYTES + ns_len]),
+        start=start,
+        end=end,
+        payload_bytes=payload,
+        key=key,
+        checksum=checksum,
+    )
+
+
+def checksum_of(data: bytes | bytearray | memoryview) -> int:
+    """xxh3-64 of a stored image with its checksum field read as zero."""
+    view = memoryview(data)
+    h = xxhash.xxh3_64(bytes(view[:_CHECKSUM_AT]))
+    h.update(b"\x00" * 8)
+    h.update(view[HEAD_BYTES:])
+    return h.intdigest()
+
+
+def decode(data: bytes | bytearray | memoryview, expect: Expected) -> memoryview:
+    """The payload of ``data`` if it is exactly the image ``expect`` describes,
+    else :class:`ImageMismatch`. The checksum comes first: a flipped bit anywhere
+    is named as such, not as whichever field it happened to land in."""
+    view = memoryview(data).cast("B")
+    head = read_header(view)
+    if view.nbytes != head.stored_bytes:
+        raise ImageMismatch(
+            "truncated", f"{view.nbytes} bytes stored, the header declares {head.stored_bytes}"
+        )
+    if checksum_of(view) != head.checksum:
+        raise ImageMismatch("checksum", "header or payload changed since it was written")
+    if head.kind != int(expect.kind):
+        raise ImageMismatch("kind", f"kind {head.kind}, expected {int(expect.kind)}")
+    if head.namespace != expect.namespace:
+        raise ImageMismatch(
+            "namespace", f"written by {head.namespace[:200]!r}, expected {expect.namespace[:200]!r}"
+        )
+    if head.key != expect.key:
+        raise ImageMismatch("key", f"key {head.key.hex()}, expected {expect.key.hex()}")
+    if (head.start, head.end) != (expect.start, expect.end):
+        raise ImageMismatch(
+            "span", f"tokens {head.start}..{head.end}, expected {expect.start}..{expect.end}"
+        )
+    if head.payload_bytes != expect.payload_bytes:
+        raise ImageMismatch(
+            "length", f"{head.payload_bytes} payload bytes, expected {expect.payload_bytes}"
+        )
+    if head.elided and not expect.elided:
+        raise ImageMismatch("elided", "written by a cache with no bytes (meta device)")
+    return view[head.head_bytes :]

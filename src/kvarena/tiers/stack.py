@@ -1,0 +1,141 @@
+"""Tiers in order, and the spec strings that name them.
+
+The stack is consulted in order on a device miss (the first tier holding an
+object serves it) and written at its top: the device's evictions go to the
+first tier, whose evictions go to the next, and so on down. Objects stay in
+a tier when they are promoted to the device (the tiers are inclusive), so a
+block evicted again costs nothing where it is still held.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from ..checks import parse_bytes
+from ..errors import InvalidValueError
+from .base import Tier
+from .disk import DiskTier
+from .host import DEFAULT_UNIT_BYTES, HostTier
+from .image import TierObject
+from .redis_tier import RedisTier
+
+SPEC_FORMS = "host:SIZE, disk:DIR:SIZE, redis://HOST:PORT[/DB], redis+cluster://HOST:PORT"
+
+
+def parse_tier(
+    spec: str, *, unit_bytes: int = DEFAULT_UNIT_BYTES, pin_memory: bool = False
+) -> Tier:
+    """A tier from its spec string (the CLI's ``--tier``); opens it."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise InvalidValueError(f"tier {spec!r}: use {SPEC_FORMS}")
+    text = spec.strip()
+    if text.startswith(("redis://", "rediss://", "unix://")):
+        return RedisTier(text)
+    if text.startswith("redis+cluster://"):
+        return RedisTier("redis://" + text[len("redis+cluster://") :], cluster=True)
+    kind, _, rest = text.partition(":")
+    if kind == "host" and rest:
+        return HostTier(parse_bytes(rest), unit_bytes=unit_bytes, pin_memory=pin_memory)
+    if kind == "disk":
+        m = re.fullmatch(r"(.+):([^:]+)", rest)
+        if m:
+            return DiskTier(m.group(1), parse_bytes(m.group(2)))
+    raise InvalidValueError(f"tier {spec!r}: use {SPEC_FORMS}")
+
+
+class TierStack:
+    """Tiers consulted in order; written at the top, evictions flowing down."""
+
+    def __init__(self, tiers: Sequence[Tier]) -> None:
+        tiers = list(tiers)
+        for t in tiers:
+            if not isinstance(t, Tier):
+                raise InvalidValueError(f"a tier stack holds Tier objects, got {t!r}")
+        self.tiers = tiers
+        self.names = self._names(tiers)
+
+    @classmethod
+    def from_specs(
+        cls, specs: Sequence[str], *, unit_bytes: int = DEFAULT_UNIT_BYTES, pin_memory: bool = False
+    ) -> TierStack:
+        """Tiers opened from spec strings, in order; if one fails, those already
+        opened are closed again and the error names the spec."""
+        if isinstance(specs, str):
+            raise InvalidValueError(f"tier specs must be a list of strings, got {specs!r}")
+        opened: list[Tier] = []
+        try:
+            for spec in specs:
+                opened.append(parse_tier(spec, unit_bytes=unit_bytes, pin_memory=pin_memory))
+        except BaseException:
+            for t in opened:
+                t.close()
+            raise
+        return cls(opened)
+
+    @staticmethod
+    def _names(tiers: list[Tier]) -> list[str]:
+        out: list[str] = []
+        for t in tiers:
+            name, n = t.kind, 2
+            while name in out:
+                name, n = f"{t.kind}{n}", n + 1
+            out.append(name)
+        return out
+
+    def __len__(self) -> int:
+        return len(self.tiers)
+
+    def __bool__(self) -> bool:
+        return bool(self.tiers)
+
+    def locate(self, names: Sequence[str]) -> list[int | None]:
+        """For each name, the index of the first tier holding it (None: nowhere);
+        one batched call per tier, over the names still unplaced."""
+        where: list[int | None] = [None] * len(names)
+        todo = list(range(len(names)))
+        for i, tier in enumerate(self.tiers):
+            if not todo:
+                break
+            found = tier.contains_many([names[j] for j in todo])
+            rest = []
+            for j, hit in zip(todo, found, strict=True):
+                if hit:
+                    where[j] = i
+                else:
+                    rest.append(j)
+            todo = rest
+        return where
+
+    def fetch(self, tier: int, names: Sequence[str]) -> list[bytes | bytearray | None]:
+        return self.tiers[tier].get_many(names)
+
+    def drop(self, tier: int, names: Sequence[str]) -> None:
+        self.tiers[tier].delete_many(names)
+
+    def write_back(self, objects: Sequence[TierObject]) -> None:
+        """Store objects at the top; each tier's evictions go to the next one down."""
+        batch = list(objects)
+        for tier in self.tiers:
+            if not batch:
+                break
+            evicted = tier.put_many(batch)
+            batch = evicted if tier.cascades else []
+
+    def close(self) -> None:
+        for t in self.tiers:
+            t.close()
+
+    def report(self) -> list[dict[str, object]]:
+        return [
+            {
+                "tier": name,
+                "where": t.describe(),
+                "objects": len(t),
+                "used_bytes": t.used_bytes,
+                "capacity_bytes": t.capacity_bytes,
+                "disabled": t.disabled,
+                **t.metrics.to_dict(),
+            }
+            for name, t in zip(self.names, self.tiers, strict=True)
+        ]
