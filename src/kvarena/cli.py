@@ -295,6 +295,14 @@ def replay(
     compare: Annotated[
         bool, typer.Option("--compare", help="also vLLM align, no state reuse, KV only, infinite")
     ] = False,
+    tier: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--tier",
+            help="a tier below the device, in order (repeat): host:SIZE, disk:DIR:SIZE, "
+            "redis://HOST:PORT",
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """Replay a request trace through the real prefix cache and pools."""
@@ -317,7 +325,13 @@ def replay(
         prefill_tokens_per_s=prefill_rate,
         decode_tokens_per_s=decode_rate,
         verify=verify,
+        tiers=tuple(tier or ()),
     )
+    if compare and cfg.tiers:
+        raise InvalidValueError(
+            "--compare and --tier together would run every policy over the same tiers; "
+            "use one or the other"
+        )
     requests = load_trace(trace, limit=limit)
     if compare:
         v = vllm_unification(m, budget, max_seqs)
@@ -338,6 +352,7 @@ def replay(
             "block_size": m.block_size,
             "checkpoint": cfg.policy.describe(),
             "verify": verify,
+            "tiers": list(cfg.tiers),
             "results": [r.to_dict() for r in rows],
         }
         typer.echo(json.dumps(doc, indent=2))
@@ -387,6 +402,54 @@ def _render_replay(model: str, budget: int, rows: list) -> None:
             f"{r.mismatches:,}",
         )
     console.print(table)
+    for r in rows:
+        if r.tiers:
+            _render_tiers(r)
+
+
+def _render_tiers(r: Any) -> None:
+    table = Table(title="tiers (in lookup order)", title_justify="left")
+    for col in (
+        "tier",
+        "where",
+        "hit tokens",
+        "images read",
+        "verified",
+        "objects",
+        "used / capacity",
+        "puts",
+        "evictions",
+        "failures",
+        "seconds",
+        "state",
+    ):
+        table.add_column(col, justify="left" if col in ("tier", "where", "state") else "right")
+    for row in r.tiers:
+        cap = row["capacity_bytes"]
+        table.add_row(
+            escape(str(row["tier"])),
+            escape(str(row["where"])),
+            f"{row['hit_tokens']:,}",
+            f"{row['images_read']:,}",
+            f"{r.verified_by_source.get(row['tier'], 0):,}",
+            f"{row['objects']:,}",
+            f"{row['used_bytes']:,} / " + (f"{cap:,}" if cap else "server's"),
+            f"{row['puts']:,}",
+            f"{row['evictions']:,}",
+            f"{row['failures']:,}",
+            f"{row['seconds']:,.1f}",
+            escape(f"writes disabled: {row['disabled']}" if row["disabled"] else "ok"),
+        )
+    console.print(table)
+    rejected = r.metrics.get("tier_rejected") or {}
+    device = r.metrics.get("hit_tokens", 0) - sum(row["hit_tokens"] for row in r.tiers)
+    console.print(
+        f"hit tokens from the device: {device:,}; written back: "
+        f"{r.metrics.get('tier_blocks_written', 0):,} blocks, "
+        f"{r.metrics.get('tier_images_written', 0):,} images; drained at the end: {r.drained:,}; "
+        "rejected on load: "
+        + (", ".join(f"{k} {v}" for k, v in sorted(rejected.items())) if rejected else "none")
+    )
 
 
 def main() -> None:

@@ -62,9 +62,12 @@ class Tier(abc.ABC):
 
     # -- the interface -------------------------------------------------------------
     @abc.abstractmethod
-    def put_many(self, objects: Sequence[TierObject]) -> list[TierObject]:
+    def put_many(
+        self, objects: Sequence[TierObject], *, want_evicted: bool = True
+    ) -> list[TierObject]:
         """Store each object (an existing name is refreshed, not rewritten); return
-        the objects evicted to make room, oldest first, for the next tier down."""
+        the objects evicted to make room, oldest first, for the next tier down
+        (none, and none read back, when ``want_evicted`` is False: nothing below)."""
 
     @abc.abstractmethod
     def get_many(self, names: Sequence[str]) -> list[bytes | bytearray | None]:

@@ -111,7 +111,9 @@ class HostTier(IndexedTier):
         del self._stored[name]
         self._removed(name)
 
-    def put_many(self, objects: Sequence[TierObject]) -> list[TierObject]:
+    def put_many(
+        self, objects: Sequence[TierObject], *, want_evicted: bool = True
+    ) -> list[TierObject]:
         evicted: list[TierObject] = []
         for obj in objects:
             if not self._admit(obj):
@@ -119,7 +121,8 @@ class HostTier(IndexedTier):
             need = self._units_for(obj.logical_bytes)
             while len(self._free) < need:
                 old = next(iter(self._index))
-                evicted.append(TierObject(old, (bytes(self._read(old)),), self._index[old]))
+                if want_evicted:
+                    evicted.append(TierObject(old, (bytes(self._read(old)),), self._index[old]))
                 self._drop(old)
                 self.metrics.evictions += 1
             units = sorted(self._free.pop() for _ in range(need))

@@ -110,7 +110,9 @@ class RedisTier(Tier):
         self._worked()
         return list(result)
 
-    def put_many(self, objects: Sequence[TierObject]) -> list[TierObject]:
+    def put_many(
+        self, objects: Sequence[TierObject], *, want_evicted: bool = True
+    ) -> list[TierObject]:
         if not objects:
             return []
 

@@ -10,6 +10,7 @@ block evicted again costs nothing where it is still held.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Sequence
 
 from ..checks import parse_bytes
@@ -54,6 +55,8 @@ class TierStack:
                 raise InvalidValueError(f"a tier stack holds Tier objects, got {t!r}")
         self.tiers = tiers
         self.names = self._names(tiers)
+        # Wall time spent in each tier (probe, fetch, write-back), for reports.
+        self.seconds = [0.0] * len(tiers)
 
     @classmethod
     def from_specs(
@@ -97,7 +100,9 @@ class TierStack:
         for i, tier in enumerate(self.tiers):
             if not todo:
                 break
+            start = time.perf_counter()
             found = tier.contains_many([names[j] for j in todo])
+            self.seconds[i] += time.perf_counter() - start
             rest = []
             for j, hit in zip(todo, found, strict=True):
                 if hit:
@@ -108,7 +113,11 @@ class TierStack:
         return where
 
     def fetch(self, tier: int, names: Sequence[str]) -> list[bytes | bytearray | None]:
-        return self.tiers[tier].get_many(names)
+        start = time.perf_counter()
+        try:
+            return self.tiers[tier].get_many(names)
+        finally:
+            self.seconds[tier] += time.perf_counter() - start
 
     def drop(self, tier: int, names: Sequence[str]) -> None:
         self.tiers[tier].delete_many(names)
@@ -116,11 +125,14 @@ class TierStack:
     def write_back(self, objects: Sequence[TierObject]) -> None:
         """Store objects at the top; each tier's evictions go to the next one down."""
         batch = list(objects)
-        for tier in self.tiers:
+        for i, tier in enumerate(self.tiers):
             if not batch:
                 break
-            evicted = tier.put_many(batch)
-            batch = evicted if tier.cascades else []
+            start = time.perf_counter()
+            below = i + 1 < len(self.tiers) and tier.cascades
+            evicted = tier.put_many(batch, want_evicted=below)
+            self.seconds[i] += time.perf_counter() - start
+            batch = evicted
 
     def close(self) -> None:
         for t in self.tiers:
@@ -135,7 +147,8 @@ class TierStack:
                 "used_bytes": t.used_bytes,
                 "capacity_bytes": t.capacity_bytes,
                 "disabled": t.disabled,
+                "seconds": round(sec, 6),
                 **t.metrics.to_dict(),
             }
-            for name, t in zip(self.names, self.tiers, strict=True)
+            for name, t, sec in zip(self.names, self.tiers, self.seconds, strict=True)
         ]

@@ -1,0 +1,354 @@
+"""The tier image format and the host and disk tiers: round trips, LRU books,
+restarts, and the disk faults (a writer killed mid-write, a full disk)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvarena.errors import Error, InvalidValueError
+from kvarena.tiers import (
+    DiskTier,
+    Expected,
+    HostTier,
+    ImageKind,
+    ImageMismatch,
+    TierObject,
+    TierStack,
+    TierWarning,
+    decode,
+    encode,
+    parse_tier,
+    read_header,
+)
+from kvarena.tiers.image import HEAD_BYTES
+
+NS = b'{"model":"m","page":"p","state":"s"}'
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def image(kind=ImageKind.KV_BLOCK, key=b"k" * 16, span=(0, 16), payload=(b"abc", b"defg")):
+    n = sum(len(p) for p in payload) if payload is not None else 7
+    obj = encode(
+        kind=kind,
+        namespace=NS,
+        key=key,
+        start=span[0],
+        end=span[1],
+        payload=payload,
+        payload_bytes=n,
+    )
+    exp = Expected(
+        kind=kind,
+        key=key,
+        namespace=NS,
+        start=span[0],
+        end=span[1],
+        payload_bytes=n,
+        elided=payload is None,
+    )
+    return obj, exp
+
+
+# -- the image format ------------------------------------------------------------------
+@given(
+    kind=st.sampled_from(list(ImageKind)),
+    key=st.binary(min_size=16, max_size=16),
+    start=st.integers(0, 1 << 40),
+    length=st.integers(0, 1 << 20),
+    parts=st.lists(st.binary(max_size=300), max_size=4),
+    ns=st.binary(max_size=200),
+)
+def test_image_round_trip_and_header(kind, key, start, length, parts, ns):
+    total = sum(len(p) for p in parts)
+    obj = encode(
+        kind=kind,
+        namespace=ns,
+        key=key,
+        start=start,
+        end=start + length,
+        payload=parts,
+        payload_bytes=total,
+    )
+    data = obj.to_bytes()
+    assert len(data) == obj.stored_bytes == obj.logical_bytes == HEAD_BYTES + len(ns) + total
+    exp = Expected(
+        kind=kind,
+        key=key,
+        namespace=ns,
+        start=start,
+        end=start + length,
+        payload_bytes=total,
+        elided=False,
+    )
+    assert bytes(decode(data, exp)) == b"".join(parts)
+    head = read_header(data)
+    assert (head.kind, head.key, head.start, head.end, head.payload_bytes, head.namespace) == (
+        int(kind),
+        key,
+        start,
+        start + length,
+        total,
+        ns,
+    )
+
+
+@given(bit=st.integers(0, (HEAD_BYTES + len(NS) + 7) * 8 - 1))
+def test_every_flipped_bit_is_a_mismatch(bit):
+    obj, exp = image()
+    data = bytearray(obj.to_bytes())
+    data[bit // 8] ^= 1 << (bit % 8)
+    with pytest.raises(ImageMismatch) as err:
+        decode(data, exp)
+    assert err.value.reason in ("checksum", "magic", "version", "truncated")
+
+
+@given(cut=st.integers(0, HEAD_BYTES + len(NS) + 6))
+def test_every_truncation_is_a_mismatch(cut):
+    obj, exp = image()
+    with pytest.raises(ImageMismatch, match="truncated"):
+        decode(obj.to_bytes()[:cut], exp)
+
+
+@pytest.mark.parametrize(
+    "field, value, reason",
+    [
+        ("kind", ImageKind.STATE, "kind"),
+        ("namespace", b'{"model":"other"}', "namespace"),
+        ("key", b"x" * 16, "key"),
+        ("start", 16, "span"),
+        ("payload_bytes", 8, "length"),
+    ],
+)
+def test_each_expected_field_is_checked(field, value, reason):
+    from dataclasses import replace
+
+    obj, exp = image()
+    with pytest.raises(ImageMismatch) as err:
+        decode(obj.to_bytes(), replace(exp, **{field: value}))
+    assert err.value.reason == reason and isinstance(err.value, Error)
+
+
+def test_elided_images_load_only_into_caches_without_bytes():
+    obj, exp = image(payload=None)
+    assert obj.stored_bytes == HEAD_BYTES + len(NS) and obj.logical_bytes == obj.stored_bytes + 7
+    assert bytes(decode(obj.to_bytes(), exp)) == b""
+    from dataclasses import replace
+
+    with pytest.raises(ImageMismatch, match="elided"):
+        decode(obj.to_bytes(), replace(exp, elided=False))
+
+
+# -- the host tier ---------------------------------------------------------------------
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from("pgd"), st.integers(0, 15), st.integers(1, 900)), max_size=80
+    ),
+    unit=st.sampled_from([64, 100, 256]),
+)
+def test_host_tier_matches_an_lru_model(ops, unit):
+    tier = HostTier(2048, unit_bytes=unit)
+    model: OrderedDict[str, bytes] = OrderedDict()
+    cap_units = 2048 // unit
+
+    def units(n: int) -> int:
+        return -(-n // unit)
+
+    for op, i, size in ops:
+        name = f"o{i}"
+        if op == "p":
+            data = bytes([i]) * size
+            evicted = tier.put_many([TierObject(name, (data[:7], data[7:]), size)])
+            if name in model:
+                model.move_to_end(name)
+                assert evicted == []
+                continue
+            if units(size) > cap_units:
+                assert evicted == [] and name not in model
+                continue
+            expect = []
+            while sum(units(len(v)) for v in model.values()) + units(size) > cap_units:
+                old, v = model.popitem(last=False)
+                expect.append((old, v))
+            assert [(e.name, e.to_bytes()) for e in evicted] == expect
+            model[name] = data
+        elif op == "g":
+            got = tier.get_many([name])[0]
+            assert (bytes(got) if got is not None else None) == model.get(name)
+            if name in model:
+                model.move_to_end(name)
+        else:
+            assert tier.delete_many([name]) == (name in model)
+            model.pop(name, None)
+        tier.check_books()
+        assert tier.names() == list(model)
+        assert tier.used_bytes == sum(len(v) for v in model.values())
+
+
+def test_host_tier_refuses_nonsense_at_the_door():
+    for kwargs, words in (
+        ({"capacity_bytes": 0}, "capacity_bytes"),
+        ({"capacity_bytes": 100, "unit_bytes": 200}, "smaller than one unit"),
+        ({"capacity_bytes": 1 << 20, "pin_memory": 1}, "pin_memory"),
+    ):
+        with pytest.raises(InvalidValueError, match=words):
+            HostTier(**kwargs)
+
+
+# -- the disk tier ---------------------------------------------------------------------
+def test_disk_tier_round_trip_restart_and_lru(tmp_path):
+    objs = [image(key=bytes([i]) * 16, payload=(bytes([i]) * 100,))[0] for i in range(5)]
+    size = objs[0].logical_bytes
+    tier = DiskTier(tmp_path, 3 * size)
+    evicted = tier.put_many(objs[:3])
+    assert evicted == [] and len(tier) == 3
+    tier.get_many([objs[0].name])  # objs[0] is now the most recent
+    evicted = tier.put_many(objs[3:4])
+    assert [e.name for e in evicted] == [objs[1].name]
+    assert evicted[0].to_bytes() == objs[1].to_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        o.name + ".kvi" for o in (objs[0], objs[2], objs[3])
+    )
+    # A restart rebuilds the index from the headers, in the same LRU order.
+    again = DiskTier(tmp_path, 3 * size)
+    assert again.names() == tier.names() and again.used_bytes == 3 * size
+    assert [bytes(d) for d in again.get_many([o.name for o in objs[2:4]])] == [
+        o.to_bytes() for o in objs[2:4]
+    ]
+    # A smaller capacity on restart sheds the oldest objects.
+    small = DiskTier(tmp_path, size)
+    assert small.names() == [objs[3].name]
+
+
+def test_disk_tier_drops_unreadable_files_and_dead_writers_temporaries(tmp_path):
+    good = image()[0]
+    DiskTier(tmp_path, 1 << 20).put_many([good])
+    (tmp_path / "st-junk.kvi").write_bytes(b"not an image")
+    short = bytearray(good.to_bytes())[:-2]
+    (tmp_path / "kv-short.kvi").write_bytes(short)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    stale = tmp_path / f".kv-x.{int(dead.stdout)}.abcd.tmp"
+    stale.write_bytes(b"partial")
+    live = tmp_path / f".kv-y.{os.getppid()}.abcd.tmp"  # a live writer's file stays
+    live.write_bytes(b"in progress")
+    tier = DiskTier(tmp_path, 1 << 20)
+    assert tier.names() == [good.name] and tier.dropped_on_start == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([good.name + ".kvi", live.name])
+
+
+def _child(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": SRC}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+
+
+def test_a_writer_killed_mid_write_leaves_no_visible_object(tmp_path):
+    # The kernel kills the writer (SIGXFSZ) the moment its file passes 1 MiB: a
+    # real death in the middle of a write, at a byte position fixed in advance.
+    done = _child(
+        """
+        import os, resource, signal, sys
+        from kvarena.tiers import DiskTier, TierObject
+        signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python ignores it; the kernel kills
+        from kvarena.tiers import ImageKind, encode
+        tier = DiskTier(sys.argv[1], 1 << 30)
+        small = encode(kind=ImageKind.KV_BLOCK, namespace=b"ns", key=b"s" * 16, start=0, end=16,
+                       payload=[b"s" * 1000], payload_bytes=1000)
+        tier.put_many([small])
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+        tier.put_many([TierObject("kv-big", (os.urandom(4 << 20),), 4 << 20)])
+        print("survived")
+        """,
+        str(tmp_path),
+    )
+    assert done.returncode == -signal.SIGXFSZ, done.stderr
+    temps = [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    assert len(temps) == 1 and temps[0].stat().st_size == 1 << 20  # cut mid-object
+    assert not (tmp_path / "kv-big.kvi").exists()
+    tier = DiskTier(tmp_path, 1 << 30)
+    small = "kv-" + (b"s" * 16).hex()
+    assert tier.names() == [small] and tier.get_many(["kv-big"]) == [None]
+    assert [p.name for p in tmp_path.iterdir()] == [small + ".kvi"]  # the temporary is gone
+
+
+def test_a_full_disk_disables_writes_and_reads_go_on(tmp_path):
+    out = _child(
+        """
+        import json, os, resource, signal, sys, warnings
+        from kvarena.tiers import DiskTier, TierObject, TierWarning
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # (Python's default) the write fails: EFBIG
+        tier = DiskTier(sys.argv[1], 1 << 30)
+        tier.put_many([TierObject("kv-a", (b"a" * 1000,), 1000)])
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            tier.put_many([TierObject("kv-big", (b"b" * (2 << 20),), 2 << 20)])
+            tier.put_many([TierObject("kv-c", (b"c" * 10,), 10)])  # refused: disabled
+        got = tier.get_many(["kv-a", "kv-big", "kv-c"])
+        print(json.dumps({
+            "disabled": tier.disabled,
+            "warnings": [str(w.message) for w in seen if issubclass(w.category, TierWarning)],
+            "got": [None if g is None else len(g) for g in got],
+            "files": sorted(os.listdir(sys.argv[1])),
+            "names": tier.names(),
+        }))
+        """,
+        str(tmp_path),
+    )
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert "full" in doc["disabled"] and len(doc["warnings"]) == 1
+    assert "writes disabled" in doc["warnings"][0]
+    assert doc["got"] == [1000, None, None]
+    assert doc["files"] == ["kv-a.kvi"] and doc["names"] == ["kv-a"]  # no partial object
+
+
+def test_tier_specs_are_checked(tmp_path):
+    assert isinstance(parse_tier("host:1MiB"), HostTier)
+    disk = parse_tier(f"disk:{tmp_path}/d:2GiB")
+    assert isinstance(disk, DiskTier) and disk.capacity_bytes == 2 << 30
+    for bad in ("host", "host:lots", "disk:/x", "tape:1GiB", "", "disk:/x:0"):
+        with pytest.raises(InvalidValueError):
+            parse_tier(bad)
+    # A stack opened from specs closes what it opened when a later spec fails.
+    with pytest.raises(InvalidValueError, match="tape"):
+        TierStack.from_specs(["host:1MiB", "tape:1GiB"])
+    stack = TierStack([HostTier(1 << 20), HostTier(1 << 20)])
+    assert stack.names == ["host", "host2"]
+
+
+def test_stack_cascades_evictions_down(tmp_path):
+    objs = [image(key=bytes([i]) * 16, payload=(bytes([i]) * 100,))[0] for i in range(4)]
+    size = objs[0].logical_bytes
+    host = HostTier(2 * size, unit_bytes=size)
+    disk = DiskTier(tmp_path, 10 * size)
+    stack = TierStack([host, disk])
+    stack.write_back(objs)
+    assert host.names() == [o.name for o in objs[2:]]
+    assert disk.names() == [o.name for o in objs[:2]]
+    assert stack.locate([o.name for o in objs] + ["kv-none"]) == [1, 1, 0, 0, None]
+    assert bytes(stack.fetch(1, [objs[0].name])[0]) == objs[0].to_bytes()
+
+
+def test_tier_warnings_are_a_category():
+    assert issubclass(TierWarning, UserWarning)
