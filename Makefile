@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean venv test-triton
+.PHONY: demo test lint bench clean venv test-triton redis-server
 
 venv: $(STAMP)
 
@@ -21,7 +21,16 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/kvarena demo
 
-test: $(STAMP)
+# The shared tier's tests run against a real redis-server: Debian's package,
+# installed here when missing (they fail under CI without it, skip elsewhere).
+redis-server:
+	@command -v redis-server >/dev/null || { \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	    redis-server >/dev/null; } || echo "could not install redis-server (Debian's package)"
+
+test: $(STAMP) redis-server
 	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(PY) -m pytest -q
 
@@ -36,6 +45,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_boundary.py
 	$(PY) benchmarks/bench_transfer.py
 	$(PY) benchmarks/bench_prefix.py
+	$(PY) benchmarks/bench_tiers.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .hypothesis

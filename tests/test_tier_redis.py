@@ -1,0 +1,96 @@
+"""The shared tier against a real redis-server: round trips, the prefix cache
+over it, two servers sharing one store, and the store going away mid-run."""
+
+from __future__ import annotations
+
+import warnings
+
+from test_replay import SMALL, synthetic_lines
+from test_tier_prefix import compute, make, prompts
+
+from kvarena.prefix import CheckpointPolicy
+from kvarena.replay import ReplayConfig, parse_trace, replay
+from kvarena.tiers import ImageKind, RedisTier, TierStack, TierWarning, encode, parse_tier
+
+
+def test_redis_tier_round_trip(redis_server):
+    tier = parse_tier(redis_server.url)
+    assert isinstance(tier, RedisTier) and tier.capacity_bytes == 256 << 20
+    objs = [
+        encode(
+            kind=ImageKind.KV_BLOCK,
+            namespace=b"ns",
+            key=bytes([i]) * 16,
+            start=0,
+            end=16,
+            payload=[bytes([i]) * (1000 + i)],
+            payload_bytes=1000 + i,
+        )
+        for i in range(20)
+    ]
+    assert tier.put_many(objs) == []  # the server evicts, nothing comes back
+    names = [o.name for o in objs]
+    assert tier.contains_many([*names, "kv-none"]) == [True] * 20 + [False]
+    got = tier.get_many([*names, "kv-none"])
+    assert [bytes(g) for g in got[:-1]] == [o.to_bytes() for o in objs] and got[-1] is None
+    assert tier.delete_many(names[:5]) == 5
+    assert tier.contains_many(names[:6]) == [False] * 5 + [True]
+    tier.close()
+
+
+def test_two_servers_share_one_store(redis_server):
+    """What one server evicted into the store, another (a fresh cache) hits."""
+    ps = prompts(8)
+    first = make(TierStack([parse_tier(redis_server.url)]))
+    for i, p in enumerate(ps):
+        compute(first, i, p)
+    first.drain()
+    second = make(TierStack([parse_tier(redis_server.url)]))
+    for i, p in enumerate(ps):
+        adm = compute(second, i, p)  # compute checks every restored byte
+        assert adm.hit.tokens == 32 and set(adm.hit.sources) == {"redis"}
+    assert second.metrics.tier_hit_tokens["redis"] == 8 * 32
+    assert second.metrics.tier_rejected == {}
+
+
+def test_the_store_going_away_costs_misses_and_one_warning(redis_server):
+    pc = make(TierStack([RedisTier(redis_server.url, timeout_s=0.5)]))
+    ps = prompts(10)
+    for i, p in enumerate(ps):
+        compute(pc, i, p)
+    tier = pc.tiers.tiers[0]
+    assert len(tier) > 0 and "redis" in pc.lookup(ps[0]).sources
+    redis_server.stop()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for i, p in enumerate(ps):
+            adm = compute(pc, f"down{i}", p)  # serving goes on, every hit still right
+            assert "redis" not in adm.hit.sources
+    ours = [w for w in seen if issubclass(w.category, TierWarning)]
+    assert len(ours) == 1 and "redis" in str(ours[0].message)
+    assert tier.metrics.failures > 1
+    # The store comes back (empty: it kept nothing): writes and hits work again.
+    redis_server.start()
+    puts = tier.metrics.puts
+    fresh = prompts(10, seed=1)
+    for i, p in enumerate(fresh):
+        compute(pc, f"up{i}", p)
+    assert tier.metrics.puts > puts
+    hit = pc.lookup(fresh[0])
+    assert hit.tokens == 32 and "redis" in hit.sources
+
+
+def test_replay_over_redis_verifies_and_a_second_run_hits(redis_server):
+    trace = parse_trace(synthetic_lines(7, conversations=30))
+    cfg = ReplayConfig(
+        budget_bytes=2 << 20,
+        max_seqs=2,
+        verify=True,
+        tiers=(redis_server.url,),
+        policy=CheckpointPolicy.parse("end,end:512,branch"),
+    )
+    first = replay(SMALL, trace, cfg)
+    assert first.mismatches == 0 and first.metrics["tier_hit_tokens"].get("redis", 0) > 0
+    assert first.verified_by_source.get("redis", 0) > 0
+    second = replay(SMALL, trace, cfg)
+    assert second.mismatches == 0 and second.hit_tokens > first.hit_tokens
