@@ -70,7 +70,7 @@ class Tier(abc.ABC):
         (none, and none read back, when ``want_evicted`` is False: nothing below)."""
 
     @abc.abstractmethod
-    def get_many(self, names: Sequence[str]) -> list[bytes | bytearray | None]:
+    def get_many(self, names: Sequence[str]) -> list[bytes | bytearray | memoryview | None]:
         """Each object's stored bytes, or None; a hit refreshes it in the LRU."""
 
     @abc.abstractmethod

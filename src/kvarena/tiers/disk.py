@@ -71,6 +71,7 @@ class DiskTier(IndexedTier):
         # guarantee — nothing is renamed into view before its bytes are durable.
         self._syncfs = _find_syncfs() if batch_sync else None
         self.dir = Path(directory)
+        self._prefix = os.path.join(str(self.dir), "")
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             entries = list(os.scandir(self.dir))
@@ -82,8 +83,8 @@ class DiskTier(IndexedTier):
     def describe(self) -> str:
         return f"disk {self.dir} {self._capacity:,} B"
 
-    def _path(self, name: str) -> Path:
-        return self.dir / (name + SUFFIX)
+    def _path(self, name: str) -> str:
+        return self._prefix + name + SUFFIX
 
     def _rebuild(self, entries: list[os.DirEntry[str]]) -> None:
         found: list[tuple[int, str, int]] = []
@@ -184,19 +185,15 @@ class DiskTier(IndexedTier):
             return False
         return True
 
-    def _read(self, name: str) -> bytearray | None:
+    def _read(self, name: str, *, touch: bool = False) -> bytes | None:
+        """The file's bytes (None if it is gone); ``touch`` stamps its mtime, so the
+        LRU order survives a restart."""
         try:
-            with open(self._path(name), "rb", buffering=0) as fh:
-                size = os.fstat(fh.fileno()).st_size
-                out = bytearray(size)
-                view = memoryview(out)
-                got = 0
-                while got < size:
-                    n = fh.readinto(view[got:])
-                    if not n:
-                        break
-                    got += n
-                return out if got == size else out[:got]
+            with open(self._prefix + name + SUFFIX, "rb", buffering=0) as fh:
+                data = fh.read()
+                if touch:
+                    os.utime(fh.fileno())
+                return data
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -217,7 +214,7 @@ class DiskTier(IndexedTier):
             for old in self._victims(obj.logical_bytes):
                 data = self._read(old) if want_evicted else None
                 if data is not None:
-                    evicted.append(TierObject(old, (bytes(data),), self._index[old]))
+                    evicted.append(TierObject(old, (data,), self._index[old]))
                 self._delete(old)
                 self.metrics.evictions += 1
             tmp = self._write_tmp(obj)
@@ -242,21 +239,17 @@ class DiskTier(IndexedTier):
             self._worked()
         return evicted
 
-    def get_many(self, names: Sequence[str]) -> list[bytes | bytearray | None]:
-        out: list[bytes | bytearray | None] = []
+    def get_many(self, names: Sequence[str]) -> list[bytes | bytearray | memoryview | None]:
+        out: list[bytes | bytearray | memoryview | None] = []
         for name in names:
             self.metrics.gets += 1
-            data = self._read(name) if name in self._index else None
+            data = self._read(name, touch=True) if name in self._index else None
             if data is None:
                 if name in self._index:  # removed behind our back: forget it
                     self._removed(name)
                 self.metrics.misses += 1
             else:
                 self._hit(name, len(data))
-                try:
-                    os.utime(self._path(name))  # the LRU order survives a restart
-                except OSError:
-                    pass
             out.append(data)
         return out
 

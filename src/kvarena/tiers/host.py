@@ -74,10 +74,11 @@ class HostTier(IndexedTier):
     def _units_for(self, logical: int) -> int:
         return -(-logical // self.unit_bytes)
 
-    def _read(self, name: str) -> bytearray:
+    def _read(self, name: str) -> memoryview:
+        """A copy of the object's bytes (never a view of the units: a later put may
+        reuse them while the caller still holds what it got)."""
         n = self._stored[name]
-        out = bytearray(n)
-        dst = np.frombuffer(out, dtype=np.uint8)
+        dst = np.empty(n, dtype=np.uint8)  # every byte is written below: no zeroing pass
         pos = 0
         for first, count in _runs(self._units[name]):
             take = min(count * self.unit_bytes, n - pos)
@@ -86,7 +87,7 @@ class HostTier(IndexedTier):
             start = first * self.unit_bytes
             dst[pos : pos + take] = self._np[start : start + take]
             pos += take
-        return out
+        return memoryview(dst)  # type: ignore[arg-type]
 
     def _write(self, units: list[int], parts: Sequence[bytes | memoryview]) -> None:
         runs = _runs(units)
@@ -122,7 +123,7 @@ class HostTier(IndexedTier):
             while len(self._free) < need:
                 old = next(iter(self._index))
                 if want_evicted:
-                    evicted.append(TierObject(old, (bytes(self._read(old)),), self._index[old]))
+                    evicted.append(TierObject(old, (self._read(old),), self._index[old]))
                 self._drop(old)
                 self.metrics.evictions += 1
             units = sorted(self._free.pop() for _ in range(need))
@@ -132,8 +133,8 @@ class HostTier(IndexedTier):
             self._added(obj.name, obj.logical_bytes)
         return evicted
 
-    def get_many(self, names: Sequence[str]) -> list[bytes | bytearray | None]:
-        out: list[bytes | bytearray | None] = []
+    def get_many(self, names: Sequence[str]) -> list[bytes | bytearray | memoryview | None]:
+        out: list[bytes | bytearray | memoryview | None] = []
         for name in names:
             self.metrics.gets += 1
             if name not in self._units:

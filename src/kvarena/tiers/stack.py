@@ -112,7 +112,7 @@ class TierStack:
             todo = rest
         return where
 
-    def fetch(self, tier: int, names: Sequence[str]) -> list[bytes | bytearray | None]:
+    def fetch(self, tier: int, names: Sequence[str]) -> list[bytes | bytearray | memoryview | None]:
         start = time.perf_counter()
         try:
             return self.tiers[tier].get_many(names)

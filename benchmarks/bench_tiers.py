@@ -1,0 +1,405 @@
+"""Tier put/get throughput beside the raw operation on the same bytes, and the checksum's cost.
+
+python benchmarks/bench_tiers.py [--sizes 16KiB,256KiB,2MiB,40MiB] [--round-mib 64] [--rounds 3]
+
+For each object size, one round moves about ``--round-mib`` of objects:
+
+- disk put: encode (header + xxh3-64 over the payload) and DiskTier.put_many
+  (temporary files, one syncfs for the batch, renames) vs a plain file write
+  of the same payloads, with an fsync each (the same durability) and without
+  (page cache only: what the tier cannot promise);
+- disk get: DiskTier.get_many + decode (the checksum and every header field
+  checked) vs a plain open/read of the same bytes;
+- redis put/get: RedisTier (one pipeline of SETs / GETs, images) + decode vs
+  a plain pipeline of SET / GET of the payloads on the same connection kind,
+  against a real redis-server started here on a free localhost port;
+- host put/get: HostTier vs one numpy copy of the same bytes;
+- disk get twice: from the page cache (just written) and from the disk (each
+  file's pages dropped first with posix_fadvise DONTNEED, on both sides);
+- checksum: xxh3-64 (the format's) and zlib's CRC32 over the payloads, and
+  the checksum's share of a disk load, cold and warm.
+
+Methods run interleaved, every round (benchmarks/_timing.py), so the ratios
+are fair on a noisy machine. Ratios are kvarena / raw: 1.0 is the raw speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+import xxhash
+from _timing import side_by_side
+
+from kvarena.checks import parse_bytes
+from kvarena.tiers import DiskTier, Expected, HostTier, ImageKind, RedisTier, decode, encode
+
+NS = b'{"bench":"kvarena"}'
+CPU = torch.device("cpu")
+
+
+def images(payloads: list[bytes], tag: int) -> tuple[list, list[Expected]]:
+    objs, exps = [], []
+    for i, p in enumerate(payloads):
+        key = tag.to_bytes(8, "little") + i.to_bytes(8, "little")
+        objs.append(
+            encode(
+                kind=ImageKind.KV_BLOCK,
+                namespace=NS,
+                key=key,
+                start=0,
+                end=16,
+                payload=[p],
+                payload_bytes=len(p),
+            )
+        )
+        exps.append(
+            Expected(
+                kind=ImageKind.KV_BLOCK,
+                namespace=NS,
+                key=key,
+                start=0,
+                end=16,
+                payload_bytes=len(p),
+                elided=False,
+            )
+        )
+    return objs, exps
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def next(self) -> int:
+        self.n += 1
+        return self.n
+
+
+def bench_disk(payloads: list[bytes], root: Path, rounds: int) -> dict[str, float]:
+    tier = DiskTier(root / "tier", 1 << 40)
+    raw = root / "raw"
+    raw.mkdir()
+    tags = Counter()
+
+    def tier_put() -> None:
+        objs, _ = images(payloads, tags.next())
+        tier.put_many(objs, want_evicted=False)
+        tier.delete_many([o.name for o in objs])
+
+    def raw_put(sync: bool) -> None:
+        t = tags.next()
+        paths = []
+        for i, p in enumerate(payloads):
+            path = raw / f"{t}-{i}"
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            os.write(fd, p)
+            if sync:
+                os.fsync(fd)
+            os.close(fd)
+            paths.append(path)
+        for path in paths:
+            os.unlink(path)
+
+    put = side_by_side(
+        {
+            "kvarena": tier_put,
+            "raw write+fsync": lambda: raw_put(True),
+            "raw write": lambda: raw_put(False),
+        },
+        rounds,
+        CPU,
+    )
+    # Loads: the same objects, read back and checked; the raw side reads the
+    # same bytes from plain files.
+    objs, exps = images(payloads, 0)
+    tier.put_many(objs, want_evicted=False)
+    for i, p in enumerate(payloads):
+        (raw / f"r{i}").write_bytes(p)
+    names = [o.name for o in objs]
+
+    def tier_get() -> list[memoryview]:
+        return [
+            decode(data, exp)  # type: ignore[arg-type]
+            for data, exp in zip(tier.get_many(names), exps, strict=True)
+        ]
+
+    def raw_get() -> list[bytes]:
+        out = []  # kept, like a tier's batch: the caller holds the bytes until it copies them
+        for i in range(len(payloads)):
+            with open(raw / f"r{i}", "rb", buffering=0) as fh:
+                out.append(fh.read())
+        return out
+
+    def drop_cache(paths: list[Path]) -> None:
+        """Evict the files' pages (clean after the syncs), so the next read hits the disk."""
+        for path in paths:
+            fd = os.open(path, os.O_RDONLY)
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+
+    tier_files = [Path(tier._path(n)) for n in names]
+    raw_files = [raw / f"r{i}" for i in range(len(payloads))]
+
+    def tier_cold() -> list[memoryview]:
+        drop_cache(tier_files)
+        return tier_get()
+
+    def raw_cold() -> list[bytes]:
+        drop_cache(raw_files)
+        return raw_get()
+
+    def checksum_only() -> None:
+        for p in payloads:
+            xxhash.xxh3_64_intdigest(p)
+
+    get = side_by_side(
+        {
+            "kvarena": tier_get,
+            "raw": raw_get,
+            "xxh3": checksum_only,
+            "kvarena cold": tier_cold,
+            "raw cold": raw_cold,
+        },
+        rounds,
+        CPU,
+    )
+    return {
+        "put": put["kvarena"],
+        "put_raw_sync": put["raw write+fsync"],
+        "put_raw": put["raw write"],
+        "get": get["kvarena"],
+        "get_raw": get["raw"],
+        "xxh3": get["xxh3"],
+        "get_cold": get["kvarena cold"],
+        "get_raw_cold": get["raw cold"],
+    }
+
+
+def start_redis(workdir: str) -> tuple[subprocess.Popen[bytes], int] | None:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        return None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            workdir,
+            "--maxmemory",
+            "4gb",
+            "--maxmemory-policy",
+            "allkeys-lru",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    import redis
+
+    client = redis.Redis(port=port)
+    for _ in range(200):
+        try:
+            client.ping()
+            return proc, port
+        except redis.exceptions.ConnectionError:
+            time.sleep(0.05)
+    proc.kill()
+    return None
+
+
+def bench_redis(payloads: list[bytes], port: int, rounds: int) -> dict[str, float]:
+    import redis
+
+    url = f"redis://127.0.0.1:{port}/0"
+    tier = RedisTier(url, timeout_s=60)
+    client = redis.Redis.from_url(url, socket_timeout=60)
+    tags = Counter()
+
+    def tier_put() -> None:
+        objs, _ = images(payloads, tags.next())
+        tier.put_many(objs)
+        tier.delete_many([o.name for o in objs])
+
+    def raw_put() -> None:
+        t = tags.next()
+        pipe = client.pipeline(transaction=False)
+        for i, p in enumerate(payloads):
+            pipe.set(f"raw:{t}:{i}", p)
+        pipe.execute()
+        pipe = client.pipeline(transaction=False)
+        for i in range(len(payloads)):
+            pipe.unlink(f"raw:{t}:{i}")
+        pipe.execute()
+
+    put = side_by_side({"kvarena": tier_put, "raw": raw_put}, rounds, CPU)
+    objs, exps = images(payloads, 0)
+    tier.put_many(objs)
+    pipe = client.pipeline(transaction=False)
+    for i, p in enumerate(payloads):
+        pipe.set(f"rawget:{i}", p)
+    pipe.execute()
+    names = [o.name for o in objs]
+
+    def tier_get() -> list[memoryview]:
+        return [
+            decode(data, exp)  # type: ignore[arg-type]
+            for data, exp in zip(tier.get_many(names), exps, strict=True)
+        ]
+
+    def raw_get() -> None:
+        pipe = client.pipeline(transaction=False)
+        for i in range(len(payloads)):
+            pipe.get(f"rawget:{i}")
+        pipe.execute()
+
+    get = side_by_side({"kvarena": tier_get, "raw": raw_get}, rounds, CPU)
+    client.flushall()
+    return {
+        "put": put["kvarena"],
+        "put_raw": put["raw"],
+        "get": get["kvarena"],
+        "get_raw": get["raw"],
+    }
+
+
+def bench_host(payloads: list[bytes], rounds: int) -> dict[str, float]:
+    size = len(payloads[0])
+    total = len(payloads) * size
+    unit = images(payloads[:1], 0)[0][0].logical_bytes
+    tier = HostTier(unit * len(payloads), unit_bytes=unit)
+    dst = np.empty(total, dtype=np.uint8)
+    srcs = [np.frombuffer(p, dtype=np.uint8) for p in payloads]
+    tags = Counter()
+    objs, exps = images(payloads, 0)
+
+    def tier_put() -> None:
+        objs_t, _ = images(payloads, tags.next())
+        tier.put_many(objs_t, want_evicted=False)
+        tier.delete_many([o.name for o in objs_t])
+
+    def raw_copy() -> None:
+        for i, s in enumerate(srcs):
+            dst[i * size : (i + 1) * size] = s
+
+    put = side_by_side({"kvarena": tier_put, "raw": raw_copy}, rounds, CPU)
+    tier.put_many(objs, want_evicted=False)
+    names = [o.name for o in objs]
+
+    def tier_get() -> list[memoryview]:
+        return [
+            decode(data, exp)  # type: ignore[arg-type]
+            for data, exp in zip(tier.get_many(names), exps, strict=True)
+        ]
+
+    get = side_by_side({"kvarena": tier_get, "raw": raw_copy}, rounds, CPU)
+    return {
+        "put": put["kvarena"],
+        "put_raw": put["raw"],
+        "get": get["kvarena"],
+        "get_raw": get["raw"],
+    }
+
+
+def checksums(payloads: list[bytes], rounds: int) -> dict[str, float]:
+    return side_by_side(
+        {
+            "xxh3-64": lambda: [xxhash.xxh3_64_intdigest(p) for p in payloads],
+            "crc32 (zlib)": lambda: [zlib.crc32(p) for p in payloads],
+        },
+        rounds,
+        CPU,
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="16KiB,256KiB,2MiB,40MiB")
+    ap.add_argument("--round-mib", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dir", default=None, help="where the disk tier writes (default: a temp dir)")
+    args = ap.parse_args()
+    sizes = [parse_bytes(s) for s in args.sizes.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="kvarena-bench-tiers-", dir=args.dir))
+    redis = start_redis(str(work))
+    if redis is None:
+        print("redis-server not found: the Redis rows are skipped", file=sys.stderr)
+    rng = np.random.default_rng(0)
+    print(
+        f"{args.round_mib} MiB per round, median of {args.rounds} interleaved rounds; "
+        "GB/s, and kvarena / raw (1.00 = the raw operation's speed)"
+    )
+    header = f"{'object':>8} {'path':<12} {'kvarena':>8} {'raw':>8} {'ratio':>6}  raw is"
+    print(header)
+    try:
+        for size in sizes:
+            count = max(2, (args.round_mib << 20) // size)
+            payloads = [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for _ in range(count)]
+            total = count * size
+            label = f"{size >> 10} KiB" if size < 1 << 20 else f"{size >> 20} MiB"
+
+            def row(
+                path: str,
+                ours: float,
+                raw: float,
+                what: str,
+                label: str = label,
+                total: int = total,
+            ) -> None:
+                gb = total / 1e9
+                print(
+                    f"{label:>8} {path:<12} {gb / ours:8.2f} {gb / raw:8.2f} {raw / ours:6.2f}  "
+                    f"{what}"
+                )
+
+            root = work / f"disk-{size}"
+            root.mkdir()
+            d = bench_disk(payloads, root, args.rounds)
+            shutil.rmtree(root, ignore_errors=True)
+            row("disk put", d["put"], d["put_raw_sync"], "write + fsync per file")
+            row("disk put", d["put"], d["put_raw"], "write, no fsync (not durable)")
+            row("disk get", d["get"], d["get_raw"], "open + read, from the page cache")
+            row("disk get", d["get_cold"], d["get_raw_cold"], "open + read, from the disk")
+            if redis is not None:
+                r = bench_redis(payloads, redis[1], args.rounds)
+                row("redis put", r["put"], r["put_raw"], "pipelined SET")
+                row("redis get", r["get"], r["get_raw"], "pipelined GET")
+            h = bench_host(payloads, args.rounds)
+            row("host put", h["put"], h["put_raw"], "numpy copy")
+            row("host get", h["get"], h["get_raw"], "numpy copy")
+            c = checksums(payloads, args.rounds)
+            print(
+                f"{label:>8} {'checksum':<12} xxh3-64 {total / c['xxh3-64'] / 1e9:.1f} GB/s, "
+                f"crc32 {total / c['crc32 (zlib)'] / 1e9:.1f} GB/s; xxh3 is "
+                f"{100 * d['xxh3'] / d['get_cold']:.1f}% of a load from the disk, "
+                f"{100 * d['xxh3'] / d['get']:.1f}% from the page cache"
+            )
+    finally:
+        if redis is not None:
+            redis[0].kill()
+            redis[0].wait()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
