@@ -19,6 +19,12 @@ For each object size, one round moves about ``--round-mib`` of objects:
 - checksum: xxh3-64 (the format's) and zlib's CRC32 over the payloads, and
   the checksum's share of a disk load, cold and warm.
 
+``--trace`` instead replays ../shared/traces/mooncake_synthetic_trace.jsonl
+(bookkeeping mode: tier objects are headers that stand for their payloads'
+bytes) for Qwen3-Next-80B-A3B at TP 8 with a device budget far below the
+trace's history: no tiers, host, host + disk, and the infinite-cache bound,
+and prints the fraction of the infinite cache's hit tokens each recovers.
+
 Methods run interleaved, every round (benchmarks/_timing.py), so the ratios
 are fair on a noisy machine. Ratios are kvarena / raw: 1.0 is the raw speed.
 """
@@ -26,6 +32,7 @@ are fair on a noisy machine. Ratios are kvarena / raw: 1.0 is the raw speed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import socket
@@ -332,8 +339,54 @@ def checksums(payloads: list[bytes], rounds: int) -> dict[str, float]:
     )
 
 
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+
+
+def trace_recovery(args: argparse.Namespace, work: Path) -> None:
+    from kvarena import ServingOptions, model_cache
+    from kvarena.prefix import CheckpointPolicy
+    from kvarena.replay import ReplayConfig, infinite_bound, load_trace, replay
+
+    trace = load_trace(TRACE, limit=args.limit)
+    m = model_cache("qwen3-next-80b-a3b", ServingOptions(tp=8))
+    inf = infinite_bound(trace, m.block_size).metrics["hit_tokens"]
+    base = ReplayConfig(
+        budget_bytes=parse_bytes(args.device),
+        max_seqs=64,
+        policy=CheckpointPolicy.parse("end:512,interval:8192,branch"),
+    )
+    setups = [
+        ("device only", ()),
+        (f"+ host {args.host}", (f"host:{args.host}",)),
+        (
+            f"+ host {args.host} + disk {args.disk}",
+            (f"host:{args.host}", f"disk:{work}/disk:{args.disk}"),
+        ),
+    ]
+    print(f"Qwen3-Next-80B-A3B TP 8, device {args.device}, {len(trace):,} requests")
+    print(f"{'setup':<34} {'hit tokens':>12} {'of infinite':>11} {'from tiers':>12} {'wall s':>7}")
+    for label, tiers in setups:
+        r = replay(m, trace, dataclasses.replace(base, tiers=tiers), label=label)
+        from_tiers = sum(r.metrics.get("tier_hit_tokens", {}).values())
+        print(
+            f"{label:<34} {r.hit_tokens:>12,} {r.hit_tokens / inf:>10.1%} {from_tiers:>12,} "
+            f"{r.wall_seconds:>7.1f}"
+        )
+        for row in r.tiers:
+            print(
+                f"    {row['tier']:<8} hit tokens {row['hit_tokens']:>12,}  puts {row['puts']:>9,}  "
+                f"objects {row['objects']:>9,}  {row['seconds']:.1f} s"
+            )
+    print(f"{'infinite cache':<34} {inf:>12,} {1:>10.1%}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", action="store_true", help="the shared-trace recovery run instead")
+    ap.add_argument("--device", default="16GiB", help="--trace: the device budget")
+    ap.add_argument("--host", default="16GiB", help="--trace: the host tier")
+    ap.add_argument("--disk", default="1TiB", help="--trace: the disk tier (headers on disk)")
+    ap.add_argument("--limit", type=int, default=None, help="--trace: the first N requests")
     ap.add_argument("--sizes", default="16KiB,256KiB,2MiB,40MiB")
     ap.add_argument("--round-mib", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
@@ -341,6 +394,12 @@ def main() -> None:
     args = ap.parse_args()
     sizes = [parse_bytes(s) for s in args.sizes.split(",")]
     work = Path(tempfile.mkdtemp(prefix="kvarena-bench-tiers-", dir=args.dir))
+    if args.trace:
+        try:
+            trace_recovery(args, work)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return
     redis = start_redis(str(work))
     if redis is None:
         print("redis-server not found: the Redis rows are skipped", file=sys.stderr)

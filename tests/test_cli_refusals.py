@@ -79,6 +79,10 @@ BAD_ARGS = [
     (["plan", "--bogus"], "--bogus"),
     (["demo", "llama-3.1-8b"], "keeps no per-request state"),
     (["demo", "--requests", "0"], "--requests must be an int"),
+    (["replay", "/dev/null", "--tier", "tape:1GiB"], "tier 'tape:1GiB': use host:SIZE"),
+    (["replay", "/dev/null", "--tier", "host:lots"], "'lots' is not a size"),
+    (["replay", "/dev/null", "--tier", "disk:/proc/kvarena:1GiB"], "cannot use the directory"),
+    (["replay", "/dev/null", "--tier", "host:1MiB", "--compare"], "--compare and --tier"),
 ]
 if not torch.cuda.is_available():
     BAD_ARGS.append((["demo", "--device", "cuda"], "no CUDA device"))

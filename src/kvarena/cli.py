@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import warnings
 from typing import Annotated, Any
 
 import typer
@@ -452,7 +453,13 @@ def _render_tiers(r: Any) -> None:
     )
 
 
+def _one_line_warning(message: Warning | str, category: type[Warning], *args: Any, **kw: Any) -> str:
+    return f"kvarena: warning: {message}\n"
+
+
 def main() -> None:
+    # A tier that fails mid-run warns once and serving goes on: one line, like a refusal.
+    warnings.formatwarning = _one_line_warning
     app()
 
 
