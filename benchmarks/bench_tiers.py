@@ -35,11 +35,8 @@ import argparse
 import dataclasses
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 import zlib
 from pathlib import Path
 
@@ -49,6 +46,7 @@ import xxhash
 from _timing import side_by_side
 
 from kvarena.checks import parse_bytes
+from kvarena.testing.redis_server import RedisServer, find_redis_server
 from kvarena.tiers import DiskTier, Expected, HostTier, ImageKind, RedisTier, decode, encode
 
 NS = b'{"bench":"kvarena"}'
@@ -192,47 +190,6 @@ def bench_disk(payloads: list[bytes], root: Path, rounds: int) -> dict[str, floa
         "get_cold": get["kvarena cold"],
         "get_raw_cold": get["raw cold"],
     }
-
-
-def start_redis(workdir: str) -> tuple[subprocess.Popen[bytes], int] | None:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        return None
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [
-            binary,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            workdir,
-            "--maxmemory",
-            "4gb",
-            "--maxmemory-policy",
-            "allkeys-lru",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    import redis
-
-    client = redis.Redis(port=port)
-    for _ in range(200):
-        try:
-            client.ping()
-            return proc, port
-        except redis.exceptions.ConnectionError:
-            time.sleep(0.05)
-    proc.kill()
-    return None
 
 
 def bench_redis(payloads: list[bytes], port: int, rounds: int) -> dict[str, float]:
@@ -400,7 +357,7 @@ def main() -> None:
         finally:
             shutil.rmtree(work, ignore_errors=True)
         return
-    redis = start_redis(str(work))
+    redis = RedisServer(str(work), maxmemory="4gb") if find_redis_server() else None
     if redis is None:
         print("redis-server not found: the Redis rows are skipped", file=sys.stderr)
     rng = np.random.default_rng(0)
@@ -440,7 +397,7 @@ def main() -> None:
             row("disk get", d["get"], d["get_raw"], "open + read, from the page cache")
             row("disk get", d["get_cold"], d["get_raw_cold"], "open + read, from the disk")
             if redis is not None:
-                r = bench_redis(payloads, redis[1], args.rounds)
+                r = bench_redis(payloads, redis.port, args.rounds)
                 row("redis put", r["put"], r["put_raw"], "pipelined SET")
                 row("redis get", r["get"], r["get_raw"], "pipelined GET")
             h = bench_host(payloads, args.rounds)
@@ -455,8 +412,7 @@ def main() -> None:
             )
     finally:
         if redis is not None:
-            redis[0].kill()
-            redis[0].wait()
+            redis.stop()
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -90,72 +90,11 @@ def plan_for(
     return plan_cache(model, budget_bytes=budget, max_seqs=max_seqs, clamp=False)
 
 
-class RedisServer:
-    """A real ``redis-server`` on a free localhost port, for one test; stop/start
-    keep the port, so a test can take the store away mid-run and bring it back."""
-
-    def __init__(self, binary: str, workdir: str) -> None:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.binary, self.workdir = binary, workdir
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = None
-        self.start()
-
-    def start(self) -> None:
-        import subprocess
-        import time
-
-        import redis
-
-        self.proc = subprocess.Popen(
-            [
-                self.binary,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                self.workdir,
-                "--maxmemory",
-                "256mb",
-                "--maxmemory-policy",
-                "allkeys-lru",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
-        for _ in range(200):  # readiness, not timing: wait until it answers
-            try:
-                client.ping()
-                client.close()
-                return
-            except redis.exceptions.ConnectionError:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"redis-server exited with {self.proc.returncode}") from None
-                time.sleep(0.05)
-        raise RuntimeError("redis-server did not answer within 10 s")
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-
-
 def redis_binary() -> str:
     """redis-server's path; under CI (where the Makefile installs it) its absence fails."""
-    import shutil
+    from kvarena.testing.redis_server import find_redis_server
 
-    path = shutil.which("redis-server")
+    path = find_redis_server()
     if path is None:
         if os.environ.get("CI"):
             pytest.fail("redis-server is missing; `make test` installs Debian's redis-server")
@@ -166,7 +105,9 @@ def redis_binary() -> str:
 
 @pytest.fixture
 def redis_server(tmp_path):
-    server = RedisServer(redis_binary(), str(tmp_path))
+    from kvarena.testing.redis_server import RedisServer
+
+    server = RedisServer(str(tmp_path), binary=redis_binary())
     try:
         yield server
     finally:

@@ -352,3 +352,36 @@ def test_stack_cascades_evictions_down(tmp_path):
 
 def test_tier_warnings_are_a_category():
     assert issubclass(TierWarning, UserWarning)
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A 1 MiB tmpfs (needs root and mount): a disk that really fills up (ENOSPC)."""
+    where = tmp_path / "small"
+    where.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)], capture_output=True
+    )
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
+
+
+def test_a_really_full_disk_disables_writes(small_filesystem):
+    tier = DiskTier(small_filesystem, 100 << 20)  # the tier thinks it has room
+    objs = [image(key=bytes([i]) * 16, payload=(bytes([i]) * (200 << 10),))[0] for i in range(8)]
+    with pytest.warns(TierWarning, match="writes disabled: the disk is full") as seen:
+        tier.put_many(objs)
+        tier.put_many([image(key=b"z" * 16)[0]])  # refused quietly: already disabled
+    assert len(seen) == 1 and tier.disabled is not None
+    held = tier.names()
+    assert 0 < len(held) < 8
+    files = sorted(p.name for p in small_filesystem.iterdir())
+    assert files == sorted(n + ".kvi" for n in held)  # no temporary, no partial object
+    got = tier.get_many(held)
+    assert [bytes(g) for g in got] == [o.to_bytes() for o in objs if o.name in held]

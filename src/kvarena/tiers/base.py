@@ -196,3 +196,34 @@ class IndexedTier(Tier):
         self._index.move_to_end(name)
         self.metrics.hits += 1
         self.metrics.get_bytes += nbytes
+
+    @abc.abstractmethod
+    def _fetch(self, name: str) -> bytes | memoryview | None:
+        """One held object's bytes (a copy the caller owns), None if it vanished."""
+
+    @abc.abstractmethod
+    def _drop(self, name: str) -> None:
+        """Forget one held object and free its room."""
+
+    def get_many(self, names: Sequence[str]) -> list[bytes | bytearray | memoryview | None]:
+        out: list[bytes | bytearray | memoryview | None] = []
+        for name in names:
+            self.metrics.gets += 1
+            data = self._fetch(name) if name in self._index else None
+            if data is None:
+                if name in self._index:  # removed behind our back: forget it
+                    self._removed(name)
+                self.metrics.misses += 1
+            else:
+                self._hit(name, memoryview(data).nbytes)
+            out.append(data)
+        return out
+
+    def delete_many(self, names: Sequence[str]) -> int:
+        n = 0
+        for name in names:
+            if name in self._index:
+                self._drop(name)
+                n += 1
+        self.metrics.deletes += n
+        return n

@@ -116,7 +116,7 @@ class DiskTier(IndexedTier):
         # A directory that holds more than this tier's capacity (a smaller capacity
         # this run) sheds its oldest objects now.
         for name in self._victims(0):
-            self._delete(name)
+            self._drop(name)
 
     def _unlink(self, path: str | Path) -> None:
         try:
@@ -125,7 +125,7 @@ class DiskTier(IndexedTier):
         except OSError:
             pass
 
-    def _delete(self, name: str) -> None:
+    def _drop(self, name: str) -> None:
         self._removed(name)
         try:
             os.unlink(self._path(name))
@@ -215,7 +215,7 @@ class DiskTier(IndexedTier):
                 data = self._read(old) if want_evicted else None
                 if data is not None:
                     evicted.append(TierObject(old, (data,), self._index[old]))
-                self._delete(old)
+                self._drop(old)
                 self.metrics.evictions += 1
             tmp = self._write_tmp(obj)
             if tmp is not None:
@@ -239,25 +239,5 @@ class DiskTier(IndexedTier):
             self._worked()
         return evicted
 
-    def get_many(self, names: Sequence[str]) -> list[bytes | bytearray | memoryview | None]:
-        out: list[bytes | bytearray | memoryview | None] = []
-        for name in names:
-            self.metrics.gets += 1
-            data = self._read(name, touch=True) if name in self._index else None
-            if data is None:
-                if name in self._index:  # removed behind our back: forget it
-                    self._removed(name)
-                self.metrics.misses += 1
-            else:
-                self._hit(name, len(data))
-            out.append(data)
-        return out
-
-    def delete_many(self, names: Sequence[str]) -> int:
-        n = 0
-        for name in names:
-            if name in self._index:
-                self._delete(name)
-                n += 1
-        self.metrics.deletes += n
-        return n
+    def _fetch(self, name: str) -> bytes | None:
+        return self._read(name, touch=True)  # the mtime keeps the LRU order for a restart

@@ -133,27 +133,8 @@ class HostTier(IndexedTier):
             self._added(obj.name, obj.logical_bytes)
         return evicted
 
-    def get_many(self, names: Sequence[str]) -> list[bytes | bytearray | memoryview | None]:
-        out: list[bytes | bytearray | memoryview | None] = []
-        for name in names:
-            self.metrics.gets += 1
-            if name not in self._units:
-                self.metrics.misses += 1
-                out.append(None)
-                continue
-            data = self._read(name)
-            self._hit(name, len(data))
-            out.append(data)
-        return out
-
-    def delete_many(self, names: Sequence[str]) -> int:
-        n = 0
-        for name in names:
-            if name in self._units:
-                self._drop(name)
-                n += 1
-        self.metrics.deletes += n
-        return n
+    def _fetch(self, name: str) -> memoryview:
+        return self._read(name)
 
     def check_books(self) -> None:
         """Every unit is free or held by exactly one object (for tests)."""
