@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 from test_replay import SMALL, synthetic_lines
 from test_tier_prefix import compute, make, prompts
 
@@ -13,9 +14,10 @@ from kvarena.replay import ReplayConfig, parse_trace, replay
 from kvarena.tiers import ImageKind, RedisTier, TierStack, TierWarning, encode, parse_tier
 
 
-def test_redis_tier_round_trip(redis_server):
-    tier = parse_tier(redis_server.url)
-    assert isinstance(tier, RedisTier) and tier.capacity_bytes == 256 << 20
+@pytest.mark.parametrize("direct", [True, False])  # straight to the socket / a pipeline
+def test_redis_tier_round_trip(redis_server, direct):
+    tier = RedisTier(redis_server.url, direct_writes=direct)
+    assert tier.capacity_bytes == 256 << 20 and isinstance(parse_tier(redis_server.url), RedisTier)
     objs = [
         encode(
             kind=ImageKind.KV_BLOCK,
@@ -23,8 +25,8 @@ def test_redis_tier_round_trip(redis_server):
             key=bytes([i]) * 16,
             start=0,
             end=16,
-            payload=[bytes([i]) * (1000 + i)],
-            payload_bytes=1000 + i,
+            payload=[bytes([i]) * (1000 + i), bytes([i]) * (i << 13)],  # small and large parts
+            payload_bytes=1000 + i + (i << 13),
         )
         for i in range(20)
     ]

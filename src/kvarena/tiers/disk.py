@@ -8,8 +8,9 @@ only a temporary file, which the next start removes (when its writer's pid is
 gone). The directory's fsync after the rename is left out: a crash may lose
 the newest objects (a miss), never expose a partial one.
 
-The index (name -> logical bytes, least recently used first by mtime) lives
-in memory and is rebuilt from the files' headers on start, so a second run —
+The index (name -> logical bytes, in LRU order) lives in memory and is
+rebuilt from the files' headers on start, oldest write first (a hit does not
+stamp the file: a syscall per load for an order only a restart would read), so a second run —
 or a restarted server — hits what the first left. A header that does not read
 as an image is deleted at once; checksums are checked on every load (by the
 loader), not at start, which would read every byte.
@@ -185,15 +186,11 @@ class DiskTier(IndexedTier):
             return False
         return True
 
-    def _read(self, name: str, *, touch: bool = False) -> bytes | None:
-        """The file's bytes (None if it is gone); ``touch`` stamps its mtime, so the
-        LRU order survives a restart."""
+    def _read(self, name: str) -> bytes | None:
+        """The file's bytes, or None if it is gone."""
         try:
             with open(self._prefix + name + SUFFIX, "rb", buffering=0) as fh:
-                data = fh.read()
-                if touch:
-                    os.utime(fh.fileno())
-                return data
+                return fh.read()
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -240,4 +237,4 @@ class DiskTier(IndexedTier):
         return evicted
 
     def _fetch(self, name: str) -> bytes | None:
-        return self._read(name, touch=True)  # the mtime keeps the LRU order for a restart
+        return self._read(name)

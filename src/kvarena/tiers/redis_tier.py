@@ -22,10 +22,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ..errors import InvalidValueError
 from .base import Tier, TierError
 from .image import TierObject
 
 DEFAULT_PREFIX = "kvarena:"
+INLINE_BYTES = 64 << 10
+"""Payload parts below this are gathered into the command bytes; larger ones
+are sent from where they lie."""
 BATCH_BYTES = 64 << 20
 """Bytes per put pipeline: large enough to amortise the round trip, small
 enough that the reused scratch buffer stays modest."""
@@ -49,8 +53,13 @@ class RedisTier(Tier):
         prefix: str = DEFAULT_PREFIX,
         timeout_s: float = 2.0,
         cluster: bool = False,
+        direct_writes: bool | None = None,
     ) -> None:
         super().__init__()
+        if cluster and direct_writes:
+            raise InvalidValueError(
+                "redis tier: direct writes need one server; a cluster routes keys itself"
+            )
         redis = _redis()
         self.url = url
         self.prefix = prefix
@@ -74,6 +83,9 @@ class RedisTier(Tier):
         except self._errors as exc:
             self._failed("connect", exc)
         self._scratch = bytearray()
+        # Writes go straight to the connection on one server; a cluster's client
+        # routes keys, so its writes go through its pipeline.
+        self._direct = (not cluster) if direct_writes is None else bool(direct_writes)
         self._count = 0  # objects this client wrote and has not seen go (an estimate)
 
     def describe(self) -> str:
@@ -117,9 +129,7 @@ class RedisTier(Tier):
     def put_many(
         self, objects: Sequence[TierObject], *, want_evicted: bool = True
     ) -> list[TierObject]:
-        """SETs in pipelines of about ``BATCH_BYTES``; each value is its object's
-        parts laid end to end in one reused scratch buffer (a SET takes one value,
-        and fresh buffers per object cost more in page faults than the copy)."""
+        """SETs in batches of about ``BATCH_BYTES``, each batch one round trip."""
         i = 0
         while i < len(objects):
             chunk: list[TierObject] = []
@@ -130,28 +140,85 @@ class RedisTier(Tier):
                 chunk.append(objects[i])
                 total += objects[i].stored_bytes
                 i += 1
-            if len(self._scratch) < total:
-                self._scratch = bytearray(total)
-            mv = memoryview(self._scratch)
-            values, pos = [], 0
-            for obj in chunk:
-                start = pos
-                for part in obj.parts:
-                    n = memoryview(part).nbytes
-                    mv[pos : pos + n] = memoryview(part).cast("B")
-                    pos += n
-                values.append(mv[start:pos])
-            keys = self._keys([o.name for o in chunk])
-
-            def build(pipe: Any, keys: list[str] = keys, values: list[memoryview] = values) -> None:
-                for key, value in zip(keys, values, strict=True):
-                    pipe.set(key, value)
-
-            if self._pipeline("put", build) is not None:
-                self.metrics.puts += len(chunk)
-                self.metrics.put_bytes += sum(o.logical_bytes for o in chunk)
-                self._count += len(chunk)
+            try:
+                if self._direct:
+                    self._send_sets(chunk)
+                else:
+                    self._pipeline_sets(chunk, total)
+            except self._errors as exc:
+                self._failed("put", exc)
+                continue
+            self._worked()
+            self.metrics.puts += len(chunk)
+            self.metrics.put_bytes += sum(o.logical_bytes for o in chunk)
+            self._count += len(chunk)
         return []
+
+    def _send_sets(self, chunk: list[TierObject]) -> None:
+        """One server: the SET commands written straight to the connection, each
+        object's header and payload sent from where they lie (scatter, no join);
+        small pieces are gathered so a batch of small objects is few sends."""
+        pool = self._client.connection_pool
+        conn = pool.get_connection()
+        try:
+            pieces: list[bytes | memoryview] = []
+            group: list[bytes | memoryview] = []  # small pieces, joined about 1 MiB at a time
+            grouped = 0
+
+            def flush() -> None:
+                nonlocal group, grouped
+                if group:
+                    pieces.append(b"".join(group))
+                    group, grouped = [], 0
+
+            for obj in chunk:
+                key = (self.prefix + obj.name).encode()
+                group.append(
+                    b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n"
+                    % (
+                        len(key),
+                        key,
+                        obj.stored_bytes,
+                    )
+                )
+                for part in obj.parts:
+                    view = memoryview(part).cast("B")
+                    if view.nbytes < INLINE_BYTES:
+                        group.append(view)
+                        grouped += view.nbytes
+                    else:
+                        flush()
+                        pieces.append(view)
+                group.append(b"\r\n")
+                if grouped >= 1 << 20:
+                    flush()
+            flush()
+            conn.send_packed_command(pieces)
+            for _ in chunk:
+                conn.read_response()  # "OK", or raises (an OOM under noeviction, say)
+        except BaseException:
+            conn.disconnect()  # a half-read reply stream cannot be reused
+            raise
+        finally:
+            pool.release(conn)
+
+    def _pipeline_sets(self, chunk: list[TierObject], total: int) -> None:
+        """A cluster: redis-py routes each key to its node, so each value is one
+        buffer, laid end to end in a reused scratch (fresh buffers per object cost
+        more in page faults than the copy)."""
+        if len(self._scratch) < total:
+            self._scratch = bytearray(total)
+        mv = memoryview(self._scratch)
+        pipe = self._client.pipeline(transaction=False)
+        pos = 0
+        for obj in chunk:
+            start = pos
+            for part in obj.parts:
+                n = memoryview(part).nbytes
+                mv[pos : pos + n] = memoryview(part).cast("B")
+                pos += n
+            pipe.set(self.prefix + obj.name, mv[start:pos])
+        pipe.execute()
 
     def get_many(self, names: Sequence[str]) -> list[bytes | bytearray | memoryview | None]:
         if not names:
