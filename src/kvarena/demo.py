@@ -168,6 +168,7 @@ def run_demo(config: DemoConfig, device: torch.device) -> Iterator[Check]:
 
     yield from _unified_checks(config.model, config.tp, device, gen)
     if device.type == "cpu":
+        yield from _tier_checks(config.model, config.tp)
         yield from _transfer_checks(config.model, config.tp)
 
     # Layer-major regions carved from one buffer, as paged KV kernels want them.
@@ -287,6 +288,51 @@ def _unified_checks(
         f"grow +6 slots: {len(grow.block_remap)} live blocks relocated in {grow.copies} copies, "
         f"checkpoint images among them; shrink: {len(shrink.slot_remap)} live states relocated; "
         "every byte followed its remap",
+    )
+
+
+def _tier_checks(model: str, tp: int) -> Iterator[Check]:
+    """Replay four chats through a device too small for them, with host and disk
+    tiers below it: what the device evicts comes back, every byte checked."""
+    import tempfile
+
+    import numpy as np
+
+    from .prefix import CheckpointPolicy
+    from .replay import ReplayConfig, TraceRequest, replay
+
+    preset = model_cache(model, ServingOptions(tp=tp))
+    if not (preset.page_fields and preset.state_fields):
+        return
+    system = np.arange(1024)
+    requests, t = [], 0.0
+    for turn in range(3):  # turn-major: each chat's history is evicted before it returns
+        for chat in range(4):
+            own = 10**6 * (chat + 1) + np.arange(512 * (turn + 1))
+            requests.append(
+                TraceRequest(arrival_ms=t, tokens=np.concatenate([system, own]), output_tokens=4)
+            )
+            t += 1000.0
+    slot = min_slot_stride(preset.state_fields)
+    per_token = min_slot_stride(preset.page_fields) / preset.block_size
+    budget = align_up(int(2 * (2560 * per_token + 2 * slot)), 1 << 20)  # about two requests
+    with tempfile.TemporaryDirectory(prefix="kvarena-demo-") as d:
+        cfg = ReplayConfig(
+            budget_bytes=budget,
+            max_seqs=2,
+            verify=True,
+            policy=CheckpointPolicy.parse("end,end:512,branch"),
+            tiers=(f"host:{budget // 4}", f"disk:{d}:{4 * budget}"),
+        )
+        r = replay(preset, requests, cfg)
+    by_tier = r.metrics["tier_hit_tokens"]
+    yield Check(
+        "host + disk tiers",
+        r.mismatches == 0 and sum(by_tier.values()) > 0 and r.verified_blocks > 0,
+        f"{budget:,} B device: {r.hit_tokens:,} hit tokens, "
+        + ", ".join(f"{v:,} from {k}" for k, v in sorted(by_tier.items()))
+        + f"; {r.verified_blocks:,} blocks and {r.verified_states} states checked, "
+        f"{r.mismatches} wrong",
     )
 
 
