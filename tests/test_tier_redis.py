@@ -96,3 +96,44 @@ def test_replay_over_redis_verifies_and_a_second_run_hits(redis_server):
     assert first.verified_by_source.get("redis", 0) > 0
     second = replay(SMALL, trace, cfg)
     assert second.mismatches == 0 and second.hit_tokens > first.hit_tokens
+
+
+def test_the_same_code_runs_on_a_redis_cluster(tmp_path):
+    from conftest import redis_binary
+
+    from kvarena.testing.redis_server import RedisCluster
+
+    with RedisCluster(str(tmp_path), binary=redis_binary()) as cluster:
+        tier = parse_tier(cluster.url)
+        objs = [
+            encode(
+                kind=ImageKind.KV_BLOCK,
+                namespace=b"ns",
+                key=bytes([i]) * 16,
+                start=0,
+                end=16,
+                payload=[bytes([i]) * (1000 + (i << 13))],
+                payload_bytes=1000 + (i << 13),
+            )
+            for i in range(24)
+        ]
+        tier.put_many(objs)
+        names = [o.name for o in objs]
+        assert tier.metrics.failures == 0 and tier.contains_many(names) == [True] * 24
+        got = tier.get_many(names)
+        assert [bytes(g) for g in got] == [o.to_bytes() for o in objs]
+        assert tier.delete_many(names[:5]) == 5
+        # The keys really spread over the nodes (one store, three servers).
+        import redis
+
+        counts = [redis.Redis(port=s.port).dbsize() for s in cluster.servers]
+        assert sum(counts) == 19 and sum(1 for c in counts if c) >= 2
+        # Two caches over the cluster: what one drained, the other hits.
+        ps = prompts(6)
+        first = make(TierStack([parse_tier(cluster.url)]))
+        for i, p in enumerate(ps):
+            compute(first, i, p)
+        first.drain()
+        second = make(TierStack([parse_tier(cluster.url)]))
+        adm = compute(second, 0, ps[0])
+        assert adm.hit.tokens == 32 and set(adm.hit.sources) == {"redis"}

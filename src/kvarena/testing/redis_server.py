@@ -10,6 +10,8 @@ bring it back.
 
 from __future__ import annotations
 
+import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -26,19 +28,49 @@ def find_redis_server() -> str | None:
     return shutil.which("redis-server")
 
 
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_port(*, with_bus: bool) -> int:
+    if not with_bus:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port + 10000 <= 65535 and _free(port + 10000):
+            return port
+        port = secrets.randbelow(55535 - 20000) + 20000
+        if _free(port) and _free(port + 10000):
+            return port
+    raise RedisServerError("no free port pair (port, port + 10000) for a cluster node")
+
+
 class RedisServer:
     def __init__(
-        self, workdir: str, *, maxmemory: str = "256mb", binary: str | None = None
+        self,
+        workdir: str,
+        *,
+        maxmemory: str = "256mb",
+        binary: str | None = None,
+        extra: tuple[str, ...] = (),
     ) -> None:
         found = binary or find_redis_server()
         if found is None:
             raise RedisServerError(
                 "redis-server is not installed (Debian: apt install redis-server)"
             )
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.binary, self.workdir, self.maxmemory = found, workdir, maxmemory
+        # A cluster node also listens on port + 10000 (its bus), so it needs both.
+        self.port = _free_port(with_bus="--cluster-enabled" in extra)
+        self.binary, self.workdir, self.maxmemory, self.extra = found, workdir, maxmemory, extra
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
@@ -63,6 +95,7 @@ class RedisServer:
                 self.maxmemory,
                 "--maxmemory-policy",
                 "allkeys-lru",
+                *self.extra,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -89,6 +122,65 @@ class RedisServer:
             self.proc = None
 
     def __enter__(self) -> RedisServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class RedisCluster:
+    """A Redis Cluster of ``nodes`` masters on localhost (no replicas), made with
+    ``redis-cli --cluster create``; ``url`` is the tier spec that reaches it."""
+
+    def __init__(self, workdir: str, *, nodes: int = 3, binary: str | None = None) -> None:
+        self.servers: list[RedisServer] = []
+        try:
+            for i in range(nodes):
+                where = os.path.join(workdir, f"node{i}")
+                os.makedirs(where, exist_ok=True)
+                self.servers.append(
+                    RedisServer(
+                        where,
+                        binary=binary,
+                        extra=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"),
+                    )
+                )
+            cli = shutil.which("redis-cli")
+            if cli is None:
+                raise RedisServerError("redis-cli is not installed (Debian: redis-tools)")
+            addrs = [f"127.0.0.1:{s.port}" for s in self.servers]
+            done = subprocess.run(
+                [cli, "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"],
+                capture_output=True,
+                timeout=60,
+            )
+            if done.returncode:
+                raise RedisServerError(
+                    f"redis-cli --cluster create failed: {(done.stdout + done.stderr)[-300:]!r}"
+                )
+            self._wait_ok()
+        except BaseException:
+            self.stop()
+            raise
+        self.url = f"redis+cluster://127.0.0.1:{self.servers[0].port}"
+
+    def _wait_ok(self, timeout_s: float = 20.0) -> None:
+        import redis
+
+        deadline = time.monotonic() + timeout_s
+        for s in self.servers:
+            client = redis.Redis(port=s.port)
+            while client.cluster("info").get("cluster_state") != "ok":
+                if time.monotonic() > deadline:
+                    raise RedisServerError("the cluster did not reach cluster_state:ok")
+                time.sleep(0.05)
+            client.close()
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.stop()
+
+    def __enter__(self) -> RedisCluster:
         return self
 
     def __exit__(self, *exc: object) -> None:
