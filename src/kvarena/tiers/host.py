@@ -62,7 +62,7 @@ class HostTier(IndexedTier):
             self._buf = torch.empty(units * unit, dtype=torch.uint8, pin_memory=True)
         else:
             self._buf = aligned_zeros(units * unit, 4096, torch.device("cpu"))
-        self._np = self._buf.numpy()
+        self._mv = memoryview(self._buf.numpy()).cast("B")  # type: ignore[arg-type]
         self._free = FreeIds(range(units))
         self._units: dict[str, list[int]] = {}
         self._stored: dict[str, int] = {}
@@ -79,28 +79,29 @@ class HostTier(IndexedTier):
         reuse them while the caller still holds what it got)."""
         n = self._stored[name]
         dst = np.empty(n, dtype=np.uint8)  # every byte is written below: no zeroing pass
+        out = memoryview(dst).cast("B")  # type: ignore[arg-type]
         pos = 0
         for first, count in _runs(self._units[name]):
             take = min(count * self.unit_bytes, n - pos)
             if take <= 0:
                 break
             start = first * self.unit_bytes
-            dst[pos : pos + take] = self._np[start : start + take]
+            out[pos : pos + take] = self._mv[start : start + take]
             pos += take
-        return memoryview(dst)  # type: ignore[arg-type]
+        return out
 
     def _write(self, units: list[int], parts: Sequence[bytes | memoryview]) -> None:
         runs = _runs(units)
         r, run_pos = 0, 0  # run index, bytes written into it
         for part in parts:
-            src = np.frombuffer(part, dtype=np.uint8)
+            src = memoryview(part).cast("B")  # memoryview slices copy with the least overhead
             pos = 0
-            while pos < src.size:
+            while pos < src.nbytes:
                 first, count = runs[r]
                 room = count * self.unit_bytes - run_pos
-                take = min(room, src.size - pos)
+                take = min(room, src.nbytes - pos)
                 start = first * self.unit_bytes + run_pos
-                self._np[start : start + take] = src[pos : pos + take]
+                self._mv[start : start + take] = src[pos : pos + take]
                 pos += take
                 run_pos += take
                 if run_pos == count * self.unit_bytes:
