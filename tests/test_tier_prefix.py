@@ -207,3 +207,19 @@ def test_bookkeeping_replays_tier_headers_only(tmp_path):
     # A cache that holds bytes refuses those headers: a miss, counted, deleted.
     v = replay(SMALL, trace, dataclasses.replace(cfg, verify=True))
     assert v.mismatches == 0 and v.metrics["tier_rejected"].get("elided", 0) > 0
+
+
+def test_a_kv_only_model_tiers_its_blocks(tmp_path):
+    from kvarena import ModelCache
+
+    kv_only = ModelCache.from_fields(SMALL.page_fields, [], block_size=16, name="kv-only")
+    trace = parse_trace(synthetic_lines(5, conversations=20))
+    cfg = ReplayConfig(
+        budget_bytes=2 << 20,
+        max_seqs=2,
+        verify=True,
+        tiers=("host:512KiB", f"disk:{tmp_path}:64MiB"),
+    )
+    r = replay(kv_only, trace, cfg)
+    assert r.mismatches == 0 and r.metrics["tier_images_written"] == 0
+    assert r.verified_by_source.get("host", 0) > 0 and r.verified_by_source.get("disk", 0) > 0

@@ -12,7 +12,9 @@ The front door is the road an engine builder walks::
 Everything else lives in its subpackage: ``kvarena.layout`` (declarations,
 the walk, arenas), ``kvarena.copy`` (segmented copy plans and their
 execution), ``kvarena.pools`` (sizing, allocators), ``kvarena.prefix`` (keys,
-policies, the prefix cache), ``kvarena.transfer`` (prefill -> decode on NIXL). The layout core of the design brief is also
+policies, the prefix cache), ``kvarena.tiers`` (host, disk and Redis tiers
+below the device, one checksummed image format), ``kvarena.transfer``
+(prefill -> decode on NIXL). The layout core of the design brief is also
 reachable here by name (``kvarena.EntryMajorArena``...), resolved lazily.
 """
 
@@ -36,6 +38,7 @@ from .pools import (
     plan_cache,
 )
 from .prefix import PrefixCache
+from .tiers import TierStack
 from .transfer import CacheGeometry, DecodeReceiver, PrefillSender, TransferError, TransferTimeout
 
 __version__ = "0.1.0"
@@ -61,6 +64,7 @@ __all__ = [
     "PrefixCache",
     "ServingOptions",
     "StateAllocationError",
+    "TierStack",
     "TransferError",
     "TransferTimeout",
     "UnifiedCache",
