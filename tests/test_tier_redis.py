@@ -14,22 +14,27 @@ from kvarena.replay import ReplayConfig, parse_trace, replay
 from kvarena.tiers import ImageKind, RedisTier, TierStack, TierWarning, encode, parse_tier
 
 
-@pytest.mark.parametrize("direct", [True, False])  # straight to the socket / a pipeline
-def test_redis_tier_round_trip(redis_server, direct):
-    tier = RedisTier(redis_server.url, direct_writes=direct)
-    assert tier.capacity_bytes == 256 << 20 and isinstance(parse_tier(redis_server.url), RedisTier)
-    objs = [
+def images(n: int) -> list:
+    """``n`` KV images whose payloads have a small part and (from 8 on) a large one."""
+    return [
         encode(
             kind=ImageKind.KV_BLOCK,
             namespace=b"ns",
             key=bytes([i]) * 16,
             start=0,
             end=16,
-            payload=[bytes([i]) * (1000 + i), bytes([i]) * (i << 13)],  # small and large parts
+            payload=[bytes([i]) * (1000 + i), bytes([i]) * (i << 13)],
             payload_bytes=1000 + i + (i << 13),
         )
-        for i in range(20)
+        for i in range(n)
     ]
+
+
+@pytest.mark.parametrize("direct", [True, False])  # straight to the socket / a pipeline
+def test_redis_tier_round_trip(redis_server, direct):
+    tier = RedisTier(redis_server.url, direct_writes=direct)
+    assert tier.capacity_bytes == 256 << 20 and isinstance(parse_tier(redis_server.url), RedisTier)
+    objs = images(20)
     assert tier.put_many(objs) == []  # the server evicts, nothing comes back
     names = [o.name for o in objs]
     assert tier.contains_many([*names, "kv-none"]) == [True] * 20 + [False]
@@ -105,18 +110,7 @@ def test_the_same_code_runs_on_a_redis_cluster(tmp_path):
 
     with RedisCluster(str(tmp_path), binary=redis_binary()) as cluster:
         tier = parse_tier(cluster.url)
-        objs = [
-            encode(
-                kind=ImageKind.KV_BLOCK,
-                namespace=b"ns",
-                key=bytes([i]) * 16,
-                start=0,
-                end=16,
-                payload=[bytes([i]) * (1000 + (i << 13))],
-                payload_bytes=1000 + (i << 13),
-            )
-            for i in range(24)
-        ]
+        objs = images(24)
         tier.put_many(objs)
         names = [o.name for o in objs]
         assert tier.metrics.failures == 0 and tier.contains_many(names) == [True] * 24
