@@ -223,3 +223,23 @@ def test_a_kv_only_model_tiers_its_blocks(tmp_path):
     r = replay(kv_only, trace, cfg)
     assert r.mismatches == 0 and r.metrics["tier_images_written"] == 0
     assert r.verified_by_source.get("host", 0) > 0 and r.verified_by_source.get("disk", 0) > 0
+
+
+def test_a_miss_costs_one_small_probe_per_tier(tmp_path):
+    class Counting(HostTier):
+        probed = 0
+
+        def contains_many(self, names):
+            Counting.probed += len(names)
+            return super().contains_many(names)
+
+    pc = make(TierStack([Counting(16 * 1024, unit_bytes=512)]), budget=64 * 1024)
+    long = np.arange(4 * 400)  # 400 blocks, none anywhere
+    assert pc.lookup(long).tokens == 0
+    assert Counting.probed == 32  # one window, not one name per block
+    ps = prompts(12)
+    for i, p in enumerate(ps):
+        compute(pc, i, p)
+    Counting.probed = 0
+    hit = pc.lookup(ps[0])  # 9 blocks from the tier: one KV window, then the boundaries
+    assert hit.tokens == 32 and Counting.probed <= 9 + 9

@@ -292,31 +292,36 @@ class PrefixCache:
         tier_kv: dict[int, int],
         tier_state: dict[int, int],
     ) -> int:
-        """Extend the device's KV run with blocks the tiers hold, and find the
-        boundaries whose image a tier holds; one batched probe per tier."""
-        kv_at = (
-            [i for i in range(full, limit) if keys[i] not in self._block_of] if self.has_kv else []
-        )
-        st_at = (
-            [b for b in range(1, limit + 1) if self._image_at(keys, b) is None]
-            if self.has_state and self.spec is not None
-            else []
-        )
-        names = [object_name(ImageKind.KV_BLOCK, keys[i]) for i in kv_at]
-        names += [object_name(ImageKind.STATE, keys[b - 1]) for b in st_at]
-        where = self.tiers.locate(names)
-        for j, i in enumerate(kv_at):
-            if where[j] is not None and names[j] not in skip:
-                tier_kv[i] = where[j]  # type: ignore[assignment]
-        off = len(kv_at)
-        for j, b in enumerate(st_at):
-            if where[off + j] is not None and names[off + j] not in skip:
-                tier_state[b] = where[off + j]  # type: ignore[assignment]
+        """Extend the device's KV run with blocks the tiers hold, then find the
+        boundaries up to it whose image a tier holds.
+
+        KV is probed in windows that double while every block is found (32, 64,
+        128...): a prompt that misses costs one small probe per tier, not one
+        name per block of the prompt; a long hit costs log2(its length) probes."""
         if self.has_kv:
-            while full < limit and (keys[full] in self._block_of or full in tier_kv):
-                full += 1
+            window = 32
+            while full < limit:
+                todo = range(full, min(limit, full + window))
+                wanted = [i for i in todo if keys[i] not in self._block_of]
+                names = [object_name(ImageKind.KV_BLOCK, keys[i]) for i in wanted]
+                for i, name, where in zip(wanted, names, self.tiers.locate(names), strict=True):
+                    if where is not None and name not in skip:
+                        tier_kv[i] = where
+                start = full
+                while full < limit and (keys[full] in self._block_of or full in tier_kv):
+                    full += 1
+                if full < start + len(todo):
+                    break  # a gap: the run ends here
+                window *= 2
         for i in [i for i in tier_kv if i >= full]:
             del tier_kv[i]
+        top = full if self.has_kv else limit
+        if self.has_state and self.spec is not None and top:
+            st_at = [b for b in range(1, top + 1) if self._image_at(keys, b) is None]
+            names = [object_name(ImageKind.STATE, keys[b - 1]) for b in st_at]
+            for b, name, where in zip(st_at, names, self.tiers.locate(names), strict=True):
+                if where is not None and name not in skip:
+                    tier_state[b] = where
         return full
 
     def lookup(self, tokens: object, extra: Sequence[object] = ()) -> PrefixHit:
