@@ -103,11 +103,11 @@ def test_fingerprint_mismatch_is_refused_before_any_byte_moves():
 
 def test_unexpected_request_is_refused_and_others_are_unaffected(pair):
     prefill, decode, _ = pair
-    peer, _ = connect_pair(prefill, decode)
+    peer, prefill_name = connect_pair(prefill, decode)
     assert ship_request(prefill, decode, peer, "good", 3, 1)["byte_exact"]
     # "ghost" was never expected: the sender borrows another request's ids.
     src = prefill.call("fill", "ghost", 2, 5)
-    dst = decode.call("expect", "victim", 2, 1.0)
+    dst = decode.call("expect", "victim", 2, 1.0, prefill_name)
     prefill.call("ship", peer, "ghost", dst, 10.0)
     # The notification may trail the sender's DONE; poll until it shows.
     deadline = time.monotonic() + 10
@@ -119,12 +119,17 @@ def test_unexpected_request_is_refused_and_others_are_unaffected(pair):
         and "victim" not in seen["ready"]
     )
     assert src["blocks"]
-    # The victim was never notified: it times out and its blocks and slots are freed.
+    # The victim was never notified: it times out, and its blocks and slots stay
+    # quarantined (its peer might still write them) until that peer is dropped.
     with pytest.raises(RuntimeError, match="TransferTimeout"):
         decode.call("wait", "victim", 5.0)
     stats = decode.call("stats")
+    assert stats["pending"] == [] and stats["quarantined"] == ["victim"]
+    assert stats["live_blocks"] == 3 + 2 and stats["live_slots"] == 2
+    assert decode.call("drop_peer", prefill_name) == ["victim"]
+    stats = decode.call("stats")
     assert (
-        stats["pending"] == [] and stats["live_blocks"] == 3 and stats["live_slots"] == 1
+        stats["quarantined"] == [] and stats["live_blocks"] == 3 and stats["live_slots"] == 1
     )  # only "good"
 
 
@@ -142,13 +147,16 @@ def test_killed_decode_fails_cleanly_and_releases_pins(pair):
 
 def test_killed_prefill_frees_the_waiting_request(pair):
     prefill, decode, _ = pair
-    peer, _ = connect_pair(prefill, decode)
+    peer, prefill_name = connect_pair(prefill, decode)
     assert ship_request(prefill, decode, peer, "kept", 2, 4)["byte_exact"]
     prefill.call("fill", "orphan", 3, 8)
-    decode.call("expect", "orphan", 3, 1.0)
+    decode.call("expect", "orphan", 3, 1.0, prefill_name)
     prefill.kill()
     with pytest.raises(RuntimeError, match="TransferTimeout"):
         decode.call("wait", "orphan", 5.0)
+    # Quarantined, not freed, until the dead peer is dropped: then nothing of it can land.
+    assert decode.call("stats")["quarantined"] == ["orphan"]
+    assert decode.call("drop_peer", prefill_name) == ["orphan"]
     stats = decode.call("stats")
     assert (
         stats["pending"] == [] and stats["live_blocks"] == 2 and stats["live_slots"] == 1
@@ -256,7 +264,7 @@ def test_pinning_is_all_or_nothing():
         geometry = CacheGeometry.of(cache)
         for call in (
             lambda: sender.offer("r", live, [slot]),
-            lambda: sender.ship("peer", "r", live, [slot], [7, 8, 9], [slot], geometry),
+            lambda: sender.ship("peer", "r", live, [slot], [7, 8, 9], [slot], geometry, transfer=1),
         ):
             with pytest.raises(ValueError, match=f"block {live[2]} is free"):
                 call()
@@ -329,3 +337,67 @@ def test_one_name_twice_and_a_restarted_peer_are_new_agents():
         for side in (first, second, decode):
             if side.process.is_alive():
                 side.stop()
+
+
+def _poll_until(decode, done, what: str) -> dict:
+    """Poll the decode side until ``done(seen)``; a readiness wait, bounded at 20 s."""
+    deadline = time.monotonic() + 20
+    while not done(seen := decode.call("poll")):
+        assert time.monotonic() < deadline, f"never saw {what}: {seen}"
+        time.sleep(0.01)
+    return seen
+
+
+def test_a_late_write_never_lands_in_another_requests_blocks(pair):
+    """The decode side times A out; B is expected next; A's WRITE arrives after B is
+    ready. A's blocks were quarantined, not handed to B, so B keeps its bytes."""
+    prefill, decode, _ = pair
+    peer, prefill_name = connect_pair(prefill, decode)
+    src_a = prefill.call("fill", "A", 3, 11)
+    src_b = prefill.call("fill", "B", 3, 22)
+    dst_a = decode.call("expect", "A", 3, 0.05, prefill_name)
+    _poll_until(decode, lambda s: "A" in s["quarantined"], "A quarantined")
+    dst_b = decode.call("expect", "B", 3, 30.0, prefill_name)
+    assert not set(dst_a["blocks"]) & set(dst_b["blocks"])  # A's blocks are still held
+    assert dst_b["transfer"] != dst_a["transfer"]
+    prefill.call("ship", peer, "B", dst_b, 30.0)
+    assert decode.call("wait", "B", 30.0)["digests"] == src_b["digests"]
+    assert decode.call("untouched")  # nothing outside B's and quarantined A's bytes moved
+    prefill.call("ship", peer, "A", dst_a, 30.0)  # the late write lands where A was
+    seen = _poll_until(decode, lambda s: not s["quarantined"], "A's quarantine released")
+    assert "A" not in seen["ready"]
+    assert decode.call("ready_digests", "B") == src_b["digests"] != src_a["digests"]
+    decode.call("finish", "B")
+    stats = decode.call("stats")
+    assert stats["live_blocks"] == 0 and stats["live_slots"] == 0  # nothing leaked
+
+
+def test_a_retry_is_never_made_ready_by_an_earlier_attempts_write(pair):
+    prefill, decode, _ = pair
+    peer, prefill_name = connect_pair(prefill, decode)
+    src = prefill.call("fill", "R", 2, 33)
+    first = decode.call("expect", "R", 2, 0.05, prefill_name)
+    _poll_until(decode, lambda s: "R" in s["quarantined"], "R quarantined")
+    retry = decode.call("expect", "R", 2, 30.0, prefill_name)  # the same request, again
+    prefill.call("ship", peer, "R", first, 30.0)  # the first attempt's write, late
+    seen = _poll_until(decode, lambda s: not s["quarantined"], "the first attempt released")
+    assert "R" not in seen["ready"] and decode.call("stats")["pending"] == ["R"]
+    prefill.call("ship", peer, "R", retry, 30.0)
+    assert decode.call("wait", "R", 30.0)["digests"] == src["digests"]
+    decode.call("finish", "R")
+    assert decode.call("stats")["live_blocks"] == 0
+
+
+def test_a_sender_that_gives_up_frees_the_receiver_at_once(pair):
+    prefill, decode, _ = pair
+    peer, prefill_name = connect_pair(prefill, decode)
+    prefill.call("fill", "G", 4, 44)
+    dst = decode.call("expect", "G", 4, 3600.0, prefill_name)  # a deadline far away
+    assert decode.call("stats")["live_blocks"] == 4
+    prefill.call("abort", peer, "G", dst["transfer"])
+    seen = _poll_until(decode, lambda s: any(r == "G" for r, _ in s["failed"]), "G aborted")
+    assert ("G", "aborted by the sender") in seen["failed"]
+    stats = decode.call("stats")
+    assert stats["live_blocks"] == 0 and stats["live_slots"] == 0 and stats["pending"] == []
+    with pytest.raises(RuntimeError, match="aborted by the sender"):
+        decode.call("wait", "G", 1.0)

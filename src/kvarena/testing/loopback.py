@@ -92,6 +92,8 @@ class _Side:
             "free_slots": s.num_free,
             "live_slots": s.num_live,
             "pending": pending,
+            "quarantined": getattr(self.ep, "quarantined", []),
+            "in_flight": self.ep.in_flight,
         }
 
     # -- prefill ----------------------------------------------------------------
@@ -119,6 +121,7 @@ class _Side:
             dst["blocks"],
             dst["slots"],
             CacheGeometry.from_dict(dst["geometry"]),
+            transfer=dst["transfer"],
             timeout_s=timeout_s,
         )
         assert [self.cache.blocks.refcount(b) for b in blocks] == before  # pins released
@@ -178,7 +181,14 @@ class _Side:
 
         methods = {
             "kvarena": lambda: self.sender.ship(
-                peer, request, blocks, slots, dst["blocks"], dst["slots"], geo_dst
+                peer,
+                request,
+                blocks,
+                slots,
+                dst["blocks"],
+                dst["slots"],
+                geo_dst,
+                transfer=dst["transfer"],
             ),
             "per_layer": lambda: post(local_rows, remote_rows),
             "raw": lambda: post(raw_local, raw_remote),
@@ -196,6 +206,9 @@ class _Side:
             "nbytes": {"kvarena": total, "per_layer": sum(r[1] for r in local_rows), "raw": total},
             "seconds": {k: sorted(v)[len(v) // 2] for k, v in times.items()},
         }
+
+    def abort(self, peer: str, request: str, transfer: int) -> None:
+        self.sender.abort(peer, request, transfer)
 
     def tcp_connect(self, endpoint: str) -> str:
         """Reach a decode service over its ZeroMQ control channel."""
@@ -235,8 +248,13 @@ class _Side:
         return [self.cache.blocks.refcount(b) for b in self.requests[request][0]]
 
     # -- decode -----------------------------------------------------------------
-    def expect(self, request: str, num_blocks: int, timeout_s: float) -> dict:
-        return self.receiver.expect(request, num_blocks, timeout_s=timeout_s)
+    def expect(
+        self, request: str, num_blocks: int, timeout_s: float, peer: str | None = None
+    ) -> dict:
+        return self.receiver.expect(request, num_blocks, timeout_s=timeout_s, peer=peer)
+
+    def drop_peer(self, peer: str) -> list[str]:
+        return self.receiver.drop_peer(peer)
 
     def fragment(self, n: int) -> None:
         """Leave every other one of the next ``2n`` blocks taken by someone else,
@@ -266,7 +284,12 @@ class _Side:
         """Everything the receiver has seen so far: ready, failed and refused requests."""
         r = self.receiver
         r.poll()
-        return {"ready": sorted(r.ready), "failed": list(r.failed), "refused": list(r.refused)}
+        return {
+            "ready": sorted(r.ready),
+            "failed": list(r.failed),
+            "refused": list(r.refused),
+            "quarantined": r.quarantined,
+        }
 
     def finish(self, request: str) -> None:
         self.receiver.finish(request)

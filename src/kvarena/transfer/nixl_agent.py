@@ -21,12 +21,12 @@ import os
 import secrets
 import time
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..checks import check_timeout
+from ..checks import check_int, check_timeout
 from ..errors import Error, InvalidValueError, LayoutMismatchError
 from ..pools import UnifiedCache
 from .descriptors import plan_request
@@ -60,6 +60,28 @@ def _nixl():
             "NIXL is not installed; install kvarena's transfer extra (pip install 'kvarena[transfer]')"
         ) from exc
     return nixl_agent, nixl_agent_config
+
+
+@dataclass(kw_only=True)
+class _InFlight:
+    """A transfer NIXL could not cancel: it may still move bytes until it ends."""
+
+    handle: object
+    on_settled: Callable[[], None]
+
+
+def _notif(kind: str, transfer: int, request: str) -> bytes:
+    """A transfer's notification: ``w`` (its WRITE landed) or ``a`` (its sender
+    aborted it, and no byte of it can land any more), with the transfer id."""
+    return f"{kind}:{transfer}:{request}".encode()
+
+
+def _parse_notif(msg: bytes) -> tuple[str, int, str] | None:
+    kind, _, rest = msg.decode(errors="replace").partition(":")
+    tid, _, request = rest.partition(":")
+    if kind in ("w", "a") and tid.isdigit():
+        return kind, int(tid), request
+    return None
 
 
 @dataclass(kw_only=True)
@@ -98,6 +120,7 @@ class NixlEndpoint:
         self.agent = nixl_agent(self.agent_name, config)
         self._reg = self.agent.register_memory([cache.buf])
         self._peers: dict[str, _Peer] = {}
+        self._in_flight: list[_InFlight] = []
 
     def geometry(self) -> CacheGeometry:
         return CacheGeometry.of(self.cache)
@@ -142,7 +165,29 @@ class NixlEndpoint:
 
     def progress(self) -> dict[str, list[bytes]]:
         """Drive this agent's worker and collect notifications (the passive side must poll)."""
+        self._settle()
         return self.agent.get_new_notifs()
+
+    def _settle(self) -> None:
+        """Retry releasing the handles NIXL could not cancel; once one is released
+        (its transfer ended: no byte of it can move any more), run its ``on_settled``."""
+        still = []
+        for f in self._in_flight:
+            try:
+                if self.agent.check_xfer_state(f.handle) == "PROC":
+                    still.append(f)
+                    continue
+                self.agent.release_xfer_handle(f.handle)
+            except Exception:
+                still.append(f)
+                continue
+            f.on_settled()
+        self._in_flight = still
+
+    @property
+    def in_flight(self) -> int:
+        """Abandoned transfers NIXL could not cancel yet (they settle on a later poll)."""
+        return len(self._in_flight)
 
     def _post(
         self,
@@ -153,11 +198,15 @@ class NixlEndpoint:
         remote: tuple[Sequence[int], Sequence[int]],
         notif: bytes,
         timeout_s: float,
+        on_settled: Callable[[], None] | None = None,
     ) -> float:
         """One prepped transfer of (blocks, slots) index lists; seconds it took.
 
         Raises :class:`TransferError` (or :class:`TransferTimeout`) on any
-        failure, NIXL's own errors included; the handle is always released.
+        failure, NIXL's own errors included. A failed transfer's handle is
+        released, which cancels it; ``on_settled`` runs once no byte of it can
+        move any more: at once when NIXL cancelled it, else on the poll that
+        finally releases it (until then it is counted in :attr:`in_flight`).
         """
         p = self._peers.get(peer)
         if p is None:
@@ -169,6 +218,7 @@ class NixlEndpoint:
 
         start = time.perf_counter()
         handle = None
+        done = False
         try:
             handle = self.agent.make_prepped_xfer(
                 op,
@@ -194,6 +244,7 @@ class NixlEndpoint:
                 raise TransferError(
                     f"request {request!r}: {op} with {peer!r} ended in state {state!r}"
                 )
+            done = True
         except TransferError:
             raise
         except Exception as exc:  # NIXL's own errors, e.g. a peer that disconnected
@@ -201,11 +252,17 @@ class NixlEndpoint:
                 f"request {request!r}: {op} with {peer!r} failed: {type(exc).__name__}: {exc}"
             ) from exc
         finally:
+            settled = True
             if handle is not None:
                 try:
                     self.agent.release_xfer_handle(handle)
-                except Exception:
-                    pass
+                except Exception:  # still moving bytes: NIXL could not cancel it
+                    settled = False
+                    self._in_flight.append(
+                        _InFlight(handle=handle, on_settled=on_settled or (lambda: None))
+                    )
+            if settled and not done and on_settled is not None:
+                on_settled()
         return time.perf_counter() - start
 
     def _forget(self, name: str) -> None:
@@ -262,36 +319,61 @@ class PrefillSender(NixlEndpoint):
         dst_slots: Sequence[int],
         dst_geometry: CacheGeometry,
         *,
+        transfer: int,
         timeout_s: float = 30.0,
     ) -> ShipResult:
-        """Write the request's blocks and slots into the peer's; notify with the request id.
+        """Write the request's blocks and slots into the peer's; its notification
+        names ``transfer`` (the id the receiver's :meth:`DecodeReceiver.expect`
+        handed out), so a late write of an earlier attempt is never taken for this one.
 
-        The source blocks are pinned (one more reference) until the transfer
-        ends, successfully or not. On failure or timeout the transfer handle
-        is released and :class:`TransferError` raised.
+        The source blocks are pinned until no byte of the transfer can move any
+        more. On failure or timeout the transfer is cancelled and the receiver is
+        told so (an abort notification, which frees its allocation at once), or,
+        where NIXL cannot cancel it yet, both happen on the poll that settles it;
+        :class:`TransferError` is raised either way.
         """
         timeout_s = check_timeout(timeout_s, "ship: timeout_s")
+        transfer = check_int(transfer, "ship: transfer", lo=1)
+        self._settle()
         plan = plan_request(
             self.geometry(), dst_geometry, src_blocks, dst_blocks, src_slots, dst_slots
         )
         self.cache.slots.check_held(src_slots, "ship: source slots")
         pins = self.cache.blocks.pin(src_blocks, "ship: source blocks")
-        try:
-            seconds = self._post(
-                "WRITE",
-                peer,
-                request,
-                (src_blocks, src_slots),
-                (dst_blocks, dst_slots),
-                request.encode(),
-                timeout_s,
-            )
-        finally:
+
+        def release_pins() -> None:
             for b in pins:
                 self.cache.blocks.release(b)
+
+        def aborted() -> None:
+            release_pins()
+            self.abort(peer, request, transfer)
+
+        seconds = self._post(
+            "WRITE",
+            peer,
+            request,
+            (src_blocks, src_slots),
+            (dst_blocks, dst_slots),
+            _notif("w", transfer, request),
+            timeout_s,
+            on_settled=aborted,
+        )
+        release_pins()
         return ShipResult(
             request=request, descriptors=plan.count, nbytes=plan.nbytes, seconds=seconds
         )
+
+    def abort(self, peer: str, request: str, transfer: int) -> None:
+        """Tell ``peer`` that ``transfer`` will not be written (a request the prefill
+        gave up on, or a WRITE that failed and is cancelled): the receiver frees its
+        allocation at once. Only for a transfer none of whose bytes can still land.
+        Best effort: a peer that is gone has nothing left to free."""
+        msg = _notif("a", check_int(transfer, "abort: transfer", lo=1), request)
+        try:
+            self.agent.send_notif(peer, msg)
+        except Exception:
+            pass
 
     def offer(
         self, request: str, blocks: Sequence[int], slots: Sequence[int], *, timeout_s: float = 30.0
@@ -331,6 +413,9 @@ class _Pending:
     blocks: list[int]
     slots: tuple[int, ...]
     deadline: float
+    transfer: int = 0  # this attempt's id: its notifications must carry it
+    peer: str | None = None  # who will write it, where known
+    owner: Hashable = None  # the slot allocator's owner key: (request, transfer)
 
 
 @dataclass
@@ -338,48 +423,82 @@ class ReceiverEvents:
     ready: list[str] = field(default_factory=list)
     failed: list[tuple[str, str]] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)  # quarantined allocations freed
 
 
 class DecodeReceiver(NixlEndpoint):
-    """The side that allocates destinations for expected requests and waits for them."""
+    """The side that allocates destinations for expected requests and waits for them.
+
+    The rule it keeps: **a block or slot that a peer may still write is never
+    handed to another request.** Every expected request is one *transfer* with
+    its own id; the sender's notifications carry it, so a late notification of
+    an earlier attempt is refused, never taken for the current one. A request
+    whose deadline passes is *quarantined*, not freed: its blocks and slots stay
+    held until no write of that transfer can land — its WRITE's own completion
+    notification arrives late, the sender's abort notification arrives (sent
+    once NIXL cancelled the write or it ended), or the peer is dropped
+    (:meth:`drop_peer`, NIXL's connection to it torn down). An abort that
+    arrives before the deadline frees the request at once.
+    """
 
     def __init__(self, name: str, cache: UnifiedCache) -> None:
         super().__init__(name, cache)
         self._pending: dict[str, _Pending] = {}
         self.ready: dict[str, _Pending] = {}
+        self._quarantine: dict[int, tuple[str, _Pending]] = {}  # transfer -> (request, held)
+        self._next_transfer = 1
         # The latest failures (with their reasons) and refused notifications: bounded,
         # so a long-running receiver's memory does not grow with its history.
         self.failed: deque[tuple[str, str]] = deque(maxlen=EVENT_HISTORY)
         self.refused: deque[str] = deque(maxlen=EVENT_HISTORY)
 
     def expect(
-        self, request: str, num_blocks: int, *, with_state: bool = True, timeout_s: float = 30.0
+        self,
+        request: str,
+        num_blocks: int,
+        *,
+        with_state: bool = True,
+        timeout_s: float = 30.0,
+        peer: str | None = None,
     ) -> dict:
         """Allocate ``num_blocks`` blocks (and the request's state slots) for ``request``.
 
-        Returns what the sender needs: destination ids and this side's current
-        geometry. Refused (nothing allocated) when the pools cannot hold it.
+        Returns what the sender needs: destination ids, this side's current
+        geometry and the transfer id its WRITE must carry. Refused (nothing
+        allocated) when the pools cannot hold it. ``peer`` (the writer's agent
+        name) lets :meth:`drop_peer` free a quarantine of this request.
         """
         timeout_s = check_timeout(timeout_s, "expect: timeout_s")
         if request in self._pending or request in self.ready:
             raise InvalidValueError(f"request {request!r} is already expected")
+        transfer = self._next_transfer
+        owner = (request, transfer)
         blocks = self.cache.blocks.allocate(num_blocks)
         try:
-            slots = self.cache.allocate_state(request) if with_state else ()
+            slots = self.cache.allocate_state(owner) if with_state else ()
         except Exception:
             for b in blocks:
                 self.cache.blocks.release(b)
             raise
-        self._pending[request] = _Pending(blocks, tuple(slots), time.monotonic() + timeout_s)
+        self._next_transfer += 1
+        self._pending[request] = _Pending(
+            blocks, tuple(slots), time.monotonic() + timeout_s, transfer, peer, owner
+        )
         # The request's first slot receives the shipped state; rollback copies stay local.
-        return {"blocks": blocks, "slots": list(slots[:1]), "geometry": self.geometry().to_dict()}
+        return {
+            "blocks": blocks,
+            "slots": list(slots[:1]),
+            "geometry": self.geometry().to_dict(),
+            "transfer": transfer,
+        }
 
     def pull(self, peer: str, request: str, src: dict, *, timeout_s: float = 30.0) -> ShipResult:
         """READ an offered request (``src`` from the peer's :meth:`PrefillSender.offer`)
         into this request's allocation; it is ready when this returns.
 
         The completion notification tells the peer to release its pins. On
-        failure the allocation is freed and :class:`TransferError` raised.
+        failure :class:`TransferError` is raised and the allocation is freed once
+        the READ is cancelled (quarantined until then).
         """
         timeout_s = check_timeout(timeout_s, "pull: timeout_s")
         p = self._pending.get(request)
@@ -394,6 +513,8 @@ class DecodeReceiver(NixlEndpoint):
             src["slots"],
             dst_slots,
         )
+        self._pending.pop(request)
+        self._quarantine[p.transfer] = (request, p)
         try:
             seconds = self._post(
                 "READ",
@@ -403,66 +524,126 @@ class DecodeReceiver(NixlEndpoint):
                 (src["blocks"], src["slots"]),
                 f"pulled:{request}".encode(),
                 timeout_s,
+                on_settled=lambda: self._release_quietly(p.transfer),
             )
         except TransferError as exc:
-            self._free(self._pending.pop(request), request)
             self.failed.append((request, str(exc)))
             raise
-        self.ready[request] = self._pending.pop(request)
+        del self._quarantine[p.transfer]
+        self.ready[request] = p
         return ShipResult(
             request=request, descriptors=plan.count, nbytes=plan.nbytes, seconds=seconds
         )
 
-    def _free(self, p: _Pending, request: Hashable) -> None:
+    def _free(self, p: _Pending) -> None:
         for b in p.blocks:
             self.cache.blocks.release(b)
         if p.slots:
-            self.cache.free_state(request)
+            self.cache.free_state(p.owner)
+
+    def _release(self, transfer: int) -> str | None:
+        """Free a quarantined allocation: no write of its transfer can land now."""
+        held = self._quarantine.pop(transfer, None)
+        if held is None:
+            return None
+        self._free(held[1])
+        return held[0]
+
+    def _release_quietly(self, transfer: int) -> None:
+        self._release(transfer)
 
     def poll(self) -> ReceiverEvents:
-        """Progress NIXL, mark notified requests ready, fail the ones past their deadline."""
+        """Progress NIXL; mark notified requests ready, free what aborts and late
+        completions release, quarantine the requests past their deadline."""
         events = ReceiverEvents()
         for msgs in self.progress().values():
             for msg in msgs:
-                request = msg.decode(errors="replace")
-                p = self._pending.pop(request, None)
-                if p is None:
-                    events.refused.append(request)  # nobody asked for it: never marked ready
+                parsed = _parse_notif(msg)
+                if parsed is None:
+                    events.refused.append(msg.decode(errors="replace"))
                     continue
-                self.ready[request] = p
-                events.ready.append(request)
+                kind, transfer, request = parsed
+                released = self._release(transfer)
+                if released is not None:
+                    events.released.append(released)
+                    continue
+                p = self._pending.get(request)
+                if p is None or p.transfer != transfer:
+                    events.refused.append(request)  # not this attempt: never marked ready
+                    continue
+                del self._pending[request]
+                if kind == "w":
+                    self.ready[request] = p
+                    events.ready.append(request)
+                else:  # the sender gave up and nothing of its write can land: free now
+                    self._free(p)
+                    events.failed.append((request, "aborted by the sender"))
         now = time.monotonic()
         for request in [r for r, p in self._pending.items() if now > p.deadline]:
-            self._free(self._pending.pop(request), request)
+            p = self._pending.pop(request)
+            self._quarantine[p.transfer] = (request, p)
             events.failed.append(
-                (request, "timed out waiting for the transfer; its blocks and slots were freed")
+                (
+                    request,
+                    "timed out waiting for the transfer; its blocks and slots stay quarantined "
+                    "until the sender aborts, the late write completes, or the peer is dropped",
+                )
             )
         self.failed.extend(events.failed)
         self.refused.extend(events.refused)
         return events
 
+    def drop_peer(self, peer: str) -> list[str]:
+        """Tear down the connection to ``peer`` (NIXL forgets it, so its in-flight
+        writes fail) and free the quarantines it could still have written; the
+        requests freed. For a peer known dead or hung past all patience."""
+        if peer in self._peers:
+            self._forget(peer)
+        freed = []
+        for transfer, (request, p) in list(self._quarantine.items()):
+            if p.peer == peer:
+                self._release(transfer)
+                freed.append(request)
+        return freed
+
     def wait(self, request: str, timeout_s: float) -> _Pending:
         """Poll until ``request`` is ready; raise :class:`TransferTimeout` otherwise."""
         timeout_s = check_timeout(timeout_s, "wait: timeout_s")
         deadline = time.monotonic() + timeout_s
+        pause = 20e-6
         while request not in self.ready:
-            self.poll()
-            for failed, reason in self.failed:
+            events = self.poll()
+            for failed, reason in events.failed:
                 if failed == request:
                     raise TransferTimeout(f"request {request!r}: {reason}")
+            if request not in self._pending and request not in self.ready:
+                reasons = [r for q, r in self.failed if q == request]
+                raise TransferTimeout(
+                    f"request {request!r}: {reasons[-1] if reasons else 'not expected here'}"
+                )
             if time.monotonic() > deadline:
                 raise TransferTimeout(f"request {request!r} not ready after {timeout_s}s")
-            time.sleep(0.0002)
+            time.sleep(pause)  # back off: a waiting receiver costs next to no CPU
+            pause = min(pause * 2, 1e-3)
         return self.ready[request]
 
     def finish(self, request: str) -> None:
         """The engine is done with a ready request: free its blocks and slots."""
-        self._free(self.ready.pop(request), request)
+        try:
+            p = self.ready.pop(request)
+        except KeyError:
+            raise InvalidValueError(f"request {request!r} is not ready") from None
+        self._free(p)
 
     def held_pending(self) -> list[_Pending]:
-        """Allocations of requests still awaiting their transfer."""
-        return list(self._pending.values())
+        """Allocations a peer may still write: awaited requests and quarantined ones."""
+        return list(self._pending.values()) + [p for _, p in self._quarantine.values()]
 
     @property
     def pending(self) -> list[str]:
         return sorted(self._pending)
+
+    @property
+    def quarantined(self) -> list[str]:
+        """Requests whose allocation waits for proof that no write can land."""
+        return sorted(r for r, _ in self._quarantine.values())

@@ -22,6 +22,13 @@ from .geometry import CacheGeometry
 from .nixl_agent import DecodeReceiver, PrefillSender, ShipResult, TransferError, TransferTimeout
 
 
+def receiver_deadline(write_timeout_s: float) -> float:
+    """How long the decode side holds an expected request for a WRITE allowed
+    ``write_timeout_s``: 1.5x plus a second, a margin for the control call that
+    precedes the WRITE and for clocks that start at different moments."""
+    return 1.5 * write_timeout_s + 1.0
+
+
 def _encode_hello(hello: dict) -> dict:
     return {**hello, "metadata": base64.b64encode(hello["metadata"]).decode()}
 
@@ -48,7 +55,10 @@ class DecodeService:
             return {"hello": _encode_hello(self.receiver.hello()), "peer": name}
         if op == "expect":
             return self.receiver.expect(
-                msg["request"], int(msg["blocks"]), timeout_s=float(msg["timeout_s"])
+                msg["request"],
+                int(msg["blocks"]),
+                timeout_s=float(msg["timeout_s"]),
+                peer=msg.get("peer"),
             )
         if op == "status":
             request = msg["request"]
@@ -133,7 +143,16 @@ class PrefillClient:
         if self.peer is None:
             raise TransferError("connect() first")
         dst = self._call(
-            {"op": "expect", "request": request, "blocks": len(blocks), "timeout_s": self.timeout_s}
+            {
+                "op": "expect",
+                "request": request,
+                "blocks": len(blocks),
+                # The receiver waits past the WRITE's own deadline, so a write that
+                # finishes in time is never declared late; a sender that gives up
+                # sends an abort, which frees the receiver's allocation at once.
+                "timeout_s": receiver_deadline(self.timeout_s),
+                "peer": self.sender.agent_name,
+            }
         )
         return self.sender.ship(
             self.peer,
@@ -143,6 +162,7 @@ class PrefillClient:
             dst["blocks"],
             dst["slots"],
             CacheGeometry.from_dict(dst["geometry"]),
+            transfer=int(dst["transfer"]),
             timeout_s=self.timeout_s,
         )
 
