@@ -401,3 +401,16 @@ def test_a_sender_that_gives_up_frees_the_receiver_at_once(pair):
     assert stats["live_blocks"] == 0 and stats["live_slots"] == 0 and stats["pending"] == []
     with pytest.raises(RuntimeError, match="aborted by the sender"):
         decode.call("wait", "G", 1.0)
+
+
+def test_dropping_a_live_peer_does_not_stop_its_writes(pair):
+    """Why drop_peer is only for dead peers: NIXL keeps delivering a live sender's
+    WRITE after the receiver removed it. If this ever changes, the fault model in
+    the README (quarantines of a stopped sender wait for it) can be relaxed."""
+    prefill, decode, _ = pair
+    peer, prefill_name = connect_pair(prefill, decode)
+    src = prefill.call("fill", "D", 2, 55)
+    dst = decode.call("expect", "D", 2, 3600.0, prefill_name)
+    assert decode.call("drop_peer", prefill_name) == []  # nothing quarantined yet
+    prefill.call("ship", peer, "D", dst, 30.0)
+    assert decode.call("wait", "D", 30.0)["digests"] == src["digests"]

@@ -436,9 +436,9 @@ class DecodeReceiver(NixlEndpoint):
     whose deadline passes is *quarantined*, not freed: its blocks and slots stay
     held until no write of that transfer can land — its WRITE's own completion
     notification arrives late, the sender's abort notification arrives (sent
-    once NIXL cancelled the write or it ended), or the peer is dropped
-    (:meth:`drop_peer`, NIXL's connection to it torn down). An abort that
-    arrives before the deadline frees the request at once.
+    once NIXL cancelled the write or it ended), or the engine drops a peer it
+    knows is dead (:meth:`drop_peer`). An abort that arrives before the
+    deadline frees the request at once.
     """
 
     def __init__(self, name: str, cache: UnifiedCache) -> None:
@@ -594,9 +594,16 @@ class DecodeReceiver(NixlEndpoint):
         return events
 
     def drop_peer(self, peer: str) -> list[str]:
-        """Tear down the connection to ``peer`` (NIXL forgets it, so its in-flight
-        writes fail) and free the quarantines it could still have written; the
-        requests freed. For a peer known dead or hung past all patience."""
+        """Forget ``peer`` and free the quarantines it could still have written;
+        the requests freed.
+
+        Only for a peer whose process is known to be gone (its host or pid is
+        dead): dropping does not stop a live writer — measured with NIXL's UCX
+        backend, a WRITE a live sender posts after the receiver removed it still
+        lands, notification and all (tests/test_transfer.py). A stopped
+        (SIGSTOP) sender is alive: its quarantines wait for its abort or its
+        late completion.
+        """
         if peer in self._peers:
             self._forget(peer)
         freed = []
