@@ -4,6 +4,7 @@ import math
 import multiprocessing as mp
 import os
 import random
+import signal
 import time
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from conftest import plan_for
 
 from kvarena import EntryField
-from kvarena.testing.loopback import SideProcess, connect_pair, ship_request
+from kvarena.testing.loopback import HarnessError, SideProcess, connect_pair, ship_request
 from kvarena.transfer import nixl_available
 
 pytestmark = pytest.mark.skipif(
@@ -414,3 +415,159 @@ def test_dropping_a_live_peer_does_not_stop_its_writes(pair):
     assert decode.call("drop_peer", prefill_name) == []  # nothing quarantined yet
     prefill.call("ship", peer, "D", dst, 30.0)
     assert decode.call("wait", "D", 30.0)["digests"] == src["digests"]
+
+
+def _drain_stream(decode, srcs: dict, fate: str) -> dict:
+    """Wait for every shipped request; each one is ready byte-exact or failed with
+    a typed error (``fate`` names the one the fault hit). Returns the outcomes."""
+    outcome = {}
+    for request, src in srcs.items():
+        try:
+            got = decode.call("wait", request, 20.0)
+        except HarnessError as exc:
+            assert "TransferTimeout" in str(exc), exc  # typed, never a raw NIXL error
+            assert request == fate, f"{request} failed though the fault hit {fate}"
+            outcome[request] = "failed"
+            continue
+        assert got["digests"] == src["digests"], f"{request} is not byte-exact"
+        outcome[request] = "ready"
+    return outcome
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_prefill_killed_mid_stream(pair, seed):
+    """Kill -9 of the prefill at a random point of a stream of requests: every
+    request is byte-exact or failed (typed), nothing leaks once the dead peer is
+    dropped, and the decode side serves a restarted prefill."""
+    rng = random.Random(seed)
+    prefill, decode, spec = pair
+    peer, prefill_name = connect_pair(prefill, decode)
+    n, kill_at = 6, rng.randrange(6)
+    srcs = {}
+    for i in range(n):
+        request = f"s{i}"
+        srcs[request] = prefill.call("fill", request, 3, 100 * i)
+        dst = decode.call("expect", request, 3, 2.0, prefill_name)
+        if i < kill_at:
+            prefill.call("ship", peer, request, dst, 30.0)
+            continue
+        prefill.post("ship", peer, request, dst, 30.0)  # in flight, or not yet, or done
+        time.sleep(rng.choice([0, 0, 1e-4, 1e-3]))  # varies the point; asserts nothing
+        prefill.kill()
+        break
+    fate = f"s{kill_at}"
+    outcome = _drain_stream(decode, {r: s for r, s in srcs.items() if r <= fate}, fate)
+    assert all(outcome[f"s{i}"] == "ready" for i in range(kill_at))
+    if outcome[fate] == "failed":
+        assert decode.call("stats")["quarantined"] == [fate]
+        assert decode.call("drop_peer", prefill_name) == [fate]  # the process is gone
+    for request, state in outcome.items():
+        if state == "ready":
+            decode.call("finish", request)
+    stats = decode.call("stats")
+    assert (stats["live_blocks"], stats["live_slots"], stats["pending"], stats["quarantined"]) == (
+        0,
+        0,
+        [],
+        [],
+    )
+    # The survivor serves a restarted prefill under the same name.
+    again = SideProcess("prefill", spec)
+    try:
+        peer2, _ = connect_pair(again, decode)
+        assert ship_request(again, decode, peer2, "after", 2, 7)["byte_exact"]
+    finally:
+        assert again.stop() == 0
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_decode_killed_mid_stream(pair, seed):
+    """Kill -9 of the decode side mid-stream: the prefill's ship fails typed, its
+    pins come back, and it ships byte-exact to a restarted decode side."""
+    rng = random.Random(seed)
+    prefill, decode, spec = pair
+    peer, _ = connect_pair(prefill, decode)
+    n, kill_at = 5, rng.randrange(5)
+    for i in range(n):
+        request = f"d{i}"
+        prefill.call("fill", request, 3, 10 * i)
+        dst = decode.call("expect", request, 3, 30.0)
+        if i == kill_at:
+            decode.kill()
+            with pytest.raises(HarnessError, match=r"TransferError|TransferTimeout"):
+                prefill.call("ship", peer, request, dst, 3.0)
+            break
+        prefill.call("ship", peer, request, dst, 30.0)
+        decode.call("wait", request, 30.0)
+    # Every pin comes back (a transfer NIXL could not cancel settles on a poll).
+    deadline = time.monotonic() + 20
+    while prefill.call("stats")["in_flight"]:
+        assert time.monotonic() < deadline
+        prefill.call("offers")  # polls the sender
+    for i in range(kill_at + 1):
+        assert prefill.call("refcounts", f"d{i}") == [1, 1, 1]
+    fresh = SideProcess("decode", spec)
+    try:
+        peer2, _ = connect_pair(prefill, fresh)
+        src = prefill.call("fill", "later", 2, 77)
+        dst = fresh.call("expect", "later", 2, 30.0)
+        prefill.call("ship", peer2, "later", dst, 30.0)
+        assert fresh.call("wait", "later", 30.0)["digests"] == src["digests"]
+        assert fresh.call("untouched")
+    finally:
+        assert fresh.stop() == 0
+
+
+def test_a_sender_stopped_past_the_deadline_and_resumed(pair):
+    """SIGSTOP the prefill after it posted a WRITE, past the receiver's deadline;
+    the receiver quarantines the request and serves the next one in other blocks;
+    SIGCONT: the late write lands in the quarantine, which is then released."""
+    prefill, decode, _ = pair
+    peer, prefill_name = connect_pair(prefill, decode)
+    src_a = prefill.call("fill", "A", 4, 1)
+    src_b = prefill.call("fill", "B", 4, 2)
+    dst_a = decode.call("expect", "A", 4, 0.2, prefill_name)
+    prefill.post("ship", peer, "A", dst_a, 30.0)
+    os.kill(prefill.process.pid, signal.SIGSTOP)
+    try:
+        seen = _poll_until(
+            decode, lambda s: "A" in s["quarantined"] or "A" in s["ready"], "A settled"
+        )
+        dst_b = decode.call("expect", "B", 4, 30.0, prefill_name)
+        if "A" in seen["quarantined"]:
+            assert not set(dst_a["blocks"]) & set(dst_b["blocks"])
+        # While the sender is stopped, the receiver still works: nothing it
+        # holds for A is handed out, and B waits.
+        assert decode.call("stats")["pending"] == ["B"]
+    finally:
+        os.kill(prefill.process.pid, signal.SIGCONT)
+    prefill.result("ship")  # A's WRITE completed after the resume
+    prefill.call("ship", peer, "B", dst_b, 30.0)
+    assert decode.call("wait", "B", 30.0)["digests"] == src_b["digests"]
+    _poll_until(decode, lambda s: not s["quarantined"], "A's quarantine released")
+    if "A" in decode.call("poll")["ready"]:
+        assert decode.call("ready_digests", "A") == src_a["digests"]
+        decode.call("finish", "A")
+    decode.call("finish", "B")
+    stats = decode.call("stats")
+    assert stats["live_blocks"] == 0 and stats["live_slots"] == 0
+
+
+def test_an_idle_or_waiting_agent_costs_under_5_percent_of_a_core(pair):
+    prefill, decode, _ = pair
+    _, prefill_name = connect_pair(prefill, decode)
+
+    def cpu_share(proc, run) -> float:
+        cpu, wall = proc.cpu_seconds(), time.monotonic()
+        run()
+        return (proc.cpu_seconds() - cpu) / (time.monotonic() - wall)
+
+    assert cpu_share(decode, lambda: time.sleep(1.5)) < 0.05  # idle
+    assert cpu_share(prefill, lambda: time.sleep(1.5)) < 0.05
+    decode.call("expect", "never", 2, 3600.0, prefill_name)
+
+    def waiting() -> None:
+        with pytest.raises(HarnessError, match="TransferTimeout"):
+            decode.call("wait", "never", 1.5)
+
+    assert cpu_share(decode, waiting) < 0.05

@@ -89,7 +89,6 @@ ModelArg = Annotated[
 ]
 
 
-
 def _fields_table(title: str, entry: dict) -> Table:
     table = Table(title=title, title_justify="left")
     for col in (
@@ -453,7 +452,9 @@ def _render_tiers(r: Any) -> None:
     )
 
 
-def _one_line_warning(message: Warning | str, category: type[Warning], *args: Any, **kw: Any) -> str:
+def _one_line_warning(
+    message: Warning | str, category: type[Warning], *args: Any, **kw: Any
+) -> str:
     return f"kvarena: warning: {message}\n"
 
 

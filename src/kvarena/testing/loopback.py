@@ -31,6 +31,9 @@ from ..transfer.nixl_agent import DecodeReceiver, PrefillSender
 from ..transfer.service import PrefillClient
 
 SENTINEL = 0xA5
+IDLE_POLL_S = 0.005
+"""An idle side progresses NIXL this often (a command wakes it at once): cheap
+enough that an idle agent costs about 1% of a core."""
 
 
 class HarnessError(Error, RuntimeError):
@@ -337,7 +340,7 @@ def _serve(conn, role: str, plan: CachePlan, env: dict[str, str]) -> None:
         conn.send(("ok", None))
         while True:
             # The decode side must keep its UCX worker moving while it waits.
-            while not conn.poll(0.001):
+            while not conn.poll(IDLE_POLL_S):
                 if role == "decode":
                     side.receiver.poll()
                 else:
@@ -388,11 +391,25 @@ class SideProcess:
         return self.conn.recv()
 
     def call(self, op: str, *args: Any) -> Any:
+        self.post(op, *args)
+        return self.result(op)
+
+    def post(self, op: str, *args: Any) -> None:
+        """Start a command without waiting for it (so a test can kill or stop the
+        process while it runs); :meth:`result` collects its answer."""
         self.conn.send((op, args))
+
+    def result(self, op: str = "command") -> Any:
         status, value = self._recv()
         if status != "ok":
             raise HarnessError(f"{self.process.name}.{op}: {value}")
         return value
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU time the process has used so far (Linux /proc)."""
+        with open(f"/proc/{self.process.pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def kill(self) -> None:
         self.process.kill()

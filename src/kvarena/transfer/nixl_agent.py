@@ -32,6 +32,9 @@ from ..pools import UnifiedCache
 from .descriptors import plan_request
 from .geometry import CacheGeometry
 
+WAIT_BACKOFF_MAX_S = 0.003
+"""Waiting for a transfer polls at 20 us, doubling to this: a short transfer is
+seen within microseconds, a long wait costs a few percent of a core at most."""
 EVENT_HISTORY = 1024
 """How many past failures and refused notifications a receiver remembers."""
 
@@ -238,7 +241,7 @@ class NixlEndpoint:
                 # Back off (20 us doubling to 1 ms): a waiting sender costs next to
                 # no CPU, and a short transfer still completes within microseconds.
                 time.sleep(pause)
-                pause = min(pause * 2, 1e-3)
+                pause = min(pause * 2, WAIT_BACKOFF_MAX_S)
                 state = self.agent.check_xfer_state(handle)
             if state != "DONE":
                 raise TransferError(
@@ -631,7 +634,7 @@ class DecodeReceiver(NixlEndpoint):
             if time.monotonic() > deadline:
                 raise TransferTimeout(f"request {request!r} not ready after {timeout_s}s")
             time.sleep(pause)  # back off: a waiting receiver costs next to no CPU
-            pause = min(pause * 2, 1e-3)
+            pause = min(pause * 2, WAIT_BACKOFF_MAX_S)
         return self.ready[request]
 
     def finish(self, request: str) -> None:
