@@ -243,3 +243,14 @@ def test_a_miss_costs_one_small_probe_per_tier(tmp_path):
     Counting.probed = 0
     hit = pc.lookup(ps[0])  # 9 blocks from the tier: one KV window, then the boundaries
     assert hit.tokens == 32 and Counting.probed <= 9 + 9
+
+
+def test_the_tiers_example_hits_from_the_disk():
+    import subprocess
+    import sys
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "tiers.py"
+    out = subprocess.run(
+        [sys.executable, str(example)], capture_output=True, text=True, timeout=300, check=True
+    ).stdout
+    assert "1536 of 2048 tokens hit; KV from ['disk'], state image from disk" in out
