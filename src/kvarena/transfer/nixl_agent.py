@@ -17,6 +17,7 @@ descriptor is bounds-checked by :func:`plan_request` before it is posted.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import time
@@ -85,6 +86,21 @@ def _parse_notif(msg: bytes) -> tuple[str, int, str] | None:
     if kind in ("w", "a") and tid.isdigit():
         return kind, int(tid), request
     return None
+
+
+@dataclass(kw_only=True, eq=False)
+class Xfer:
+    """One posted transfer: what it moves for whom, its NIXL handle and state."""
+
+    op: str
+    peer: str
+    request: str
+    start: float
+    timeout_s: float
+    on_settled: Callable[[], None] | None
+    handle: object = None
+    state: str = "PROC"
+    seconds: float = 0.0
 
 
 @dataclass(kw_only=True)
@@ -192,6 +208,100 @@ class NixlEndpoint:
         """Abandoned transfers NIXL could not cancel yet (they settle on a later poll)."""
         return len(self._in_flight)
 
+    def _begin(
+        self,
+        op: str,
+        peer: str,
+        request: str,
+        local: tuple[Sequence[int], Sequence[int]],
+        remote: tuple[Sequence[int], Sequence[int]],
+        notif: bytes,
+        timeout_s: float,
+        on_settled: Callable[[], None] | None = None,
+    ) -> Xfer:
+        """Post one prepped transfer of (blocks, slots) index lists; :meth:`_step`
+        drives it. A transfer that fails to post is given up at once."""
+        p = self._peers.get(peer)
+        if p is None:
+            if on_settled is not None:
+                on_settled()
+            raise TransferError(f"no connected peer {peer!r}; connected: {sorted(self._peers)}")
+
+        def indices(g: CacheGeometry, ids: tuple[Sequence[int], Sequence[int]]) -> np.ndarray:
+            blocks, slots = (np.asarray(list(x), np.int64) for x in ids)
+            return np.concatenate([blocks, g.max_blocks + slots]).astype(np.int32)
+
+        x = Xfer(
+            op=op,
+            peer=peer,
+            request=request,
+            start=time.perf_counter(),
+            timeout_s=timeout_s,
+            on_settled=on_settled,
+        )
+        try:
+            x.handle = self.agent.make_prepped_xfer(
+                op,
+                p.local_prep,
+                indices(self.geometry(), local),
+                p.remote_prep,
+                indices(p.geometry, remote),
+                notif_msg=notif,
+            )
+            x.state = self.agent.transfer(x.handle)
+        except Exception as exc:  # NIXL's own errors, e.g. a peer that disconnected
+            self._give_up(x)
+            raise TransferError(
+                f"request {request!r}: {op} with {peer!r} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        return x
+
+    def _step(self, x: Xfer) -> bool:
+        """True once ``x`` is done (its handle released); False while it runs.
+        Raises :class:`TransferError` / :class:`TransferTimeout` after giving it up."""
+        try:
+            if x.state == "PROC":
+                x.state = self.agent.check_xfer_state(x.handle)
+        except Exception as exc:
+            self._give_up(x)
+            raise TransferError(
+                f"request {x.request!r}: {x.op} with {x.peer!r} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        if x.state == "PROC":
+            if time.perf_counter() > x.start + x.timeout_s:
+                self._give_up(x)
+                raise TransferTimeout(
+                    f"request {x.request!r}: {x.op} with {x.peer!r} not done after {x.timeout_s}s"
+                )
+            return False
+        if x.state != "DONE":
+            self._give_up(x)
+            raise TransferError(
+                f"request {x.request!r}: {x.op} with {x.peer!r} ended in state {x.state!r}"
+            )
+        x.seconds = time.perf_counter() - x.start
+        try:
+            self.agent.release_xfer_handle(x.handle)
+        except Exception:  # done, but NIXL kept the handle: retried on a later poll
+            self._in_flight.append(_InFlight(handle=x.handle, on_settled=lambda: None))
+        return True
+
+    def _give_up(self, x: Xfer) -> None:
+        """Release (which cancels) a failed transfer; ``on_settled`` runs once no byte
+        of it can move any more: at once when NIXL cancelled it, else on the poll that
+        finally releases it (until then it is counted in :attr:`in_flight`)."""
+        settled = () if x.on_settled is None else (x.on_settled,)
+        if x.handle is not None:
+            try:
+                self.agent.release_xfer_handle(x.handle)
+            except Exception:  # still moving bytes: NIXL could not cancel it
+                self._in_flight.append(
+                    _InFlight(handle=x.handle, on_settled=x.on_settled or (lambda: None))
+                )
+                return
+        for fn in settled:
+            fn()
+
     def _post(
         self,
         op: str,
@@ -203,70 +313,15 @@ class NixlEndpoint:
         timeout_s: float,
         on_settled: Callable[[], None] | None = None,
     ) -> float:
-        """One prepped transfer of (blocks, slots) index lists; seconds it took.
-
-        Raises :class:`TransferError` (or :class:`TransferTimeout`) on any
-        failure, NIXL's own errors included. A failed transfer's handle is
-        released, which cancels it; ``on_settled`` runs once no byte of it can
-        move any more: at once when NIXL cancelled it, else on the poll that
-        finally releases it (until then it is counted in :attr:`in_flight`).
-        """
-        p = self._peers.get(peer)
-        if p is None:
-            raise TransferError(f"no connected peer {peer!r}; connected: {sorted(self._peers)}")
-
-        def indices(g: CacheGeometry, ids: tuple[Sequence[int], Sequence[int]]) -> np.ndarray:
-            blocks, slots = (np.asarray(list(x), np.int64) for x in ids)
-            return np.concatenate([blocks, g.max_blocks + slots]).astype(np.int32)
-
-        start = time.perf_counter()
-        handle = None
-        done = False
-        try:
-            handle = self.agent.make_prepped_xfer(
-                op,
-                p.local_prep,
-                indices(self.geometry(), local),
-                p.remote_prep,
-                indices(p.geometry, remote),
-                notif_msg=notif,
-            )
-            state = self.agent.transfer(handle)
-            pause = 20e-6
-            while state == "PROC":
-                if time.perf_counter() > start + timeout_s:
-                    raise TransferTimeout(
-                        f"request {request!r}: {op} with {peer!r} not done after {timeout_s}s"
-                    )
-                # Back off (20 us doubling to 1 ms): a waiting sender costs next to
-                # no CPU, and a short transfer still completes within microseconds.
-                time.sleep(pause)
-                pause = min(pause * 2, WAIT_BACKOFF_MAX_S)
-                state = self.agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise TransferError(
-                    f"request {request!r}: {op} with {peer!r} ended in state {state!r}"
-                )
-            done = True
-        except TransferError:
-            raise
-        except Exception as exc:  # NIXL's own errors, e.g. a peer that disconnected
-            raise TransferError(
-                f"request {request!r}: {op} with {peer!r} failed: {type(exc).__name__}: {exc}"
-            ) from exc
-        finally:
-            settled = True
-            if handle is not None:
-                try:
-                    self.agent.release_xfer_handle(handle)
-                except Exception:  # still moving bytes: NIXL could not cancel it
-                    settled = False
-                    self._in_flight.append(
-                        _InFlight(handle=handle, on_settled=on_settled or (lambda: None))
-                    )
-            if settled and not done and on_settled is not None:
-                on_settled()
-        return time.perf_counter() - start
+        """One transfer to its end; seconds it took. Waiting backs off (20 us
+        doubling to ``WAIT_BACKOFF_MAX_S``): a waiting side costs next to no CPU,
+        and a short transfer still completes within microseconds."""
+        x = self._begin(op, peer, request, local, remote, notif, timeout_s, on_settled)
+        pause = 20e-6
+        while not self._step(x):
+            time.sleep(pause)
+            pause = min(pause * 2, WAIT_BACKOFF_MAX_S)
+        return x.seconds
 
     def _forget(self, name: str) -> None:
         """Drop a peer: its prepared lists and NIXL's connection to it (best effort:
@@ -294,6 +349,16 @@ class ShipResult:
     descriptors: int
     nbytes: int
     seconds: float
+
+
+@dataclass(kw_only=True, eq=False)
+class Shipment:
+    """A WRITE posted by :meth:`PrefillSender.post`; :meth:`PrefillSender.check` drives it."""
+
+    xfer: Xfer
+    pins: list[int]
+    result: ShipResult
+    done: bool = False
 
 
 class PrefillSender(NixlEndpoint):
@@ -325,7 +390,40 @@ class PrefillSender(NixlEndpoint):
         transfer: int,
         timeout_s: float = 30.0,
     ) -> ShipResult:
-        """Write the request's blocks and slots into the peer's; its notification
+        """Write the request's blocks and slots into the peer's and wait for it:
+        :meth:`post` then :meth:`check` until done (waits back off)."""
+        shipment = self.post(
+            peer,
+            request,
+            src_blocks,
+            src_slots,
+            dst_blocks,
+            dst_slots,
+            dst_geometry,
+            transfer=transfer,
+            timeout_s=timeout_s,
+        )
+        pause = 20e-6
+        while not self.check(shipment):
+            time.sleep(pause)
+            pause = min(pause * 2, WAIT_BACKOFF_MAX_S)
+        return shipment.result
+
+    def post(
+        self,
+        peer: str,
+        request: str,
+        src_blocks: Sequence[int],
+        src_slots: Sequence[int],
+        dst_blocks: Sequence[int],
+        dst_slots: Sequence[int],
+        dst_geometry: CacheGeometry,
+        *,
+        transfer: int,
+        timeout_s: float = 30.0,
+    ) -> Shipment:
+        """Start writing the request's blocks and slots into the peer's, without
+        waiting (many can be in flight); :meth:`check` drives it. Its notification
         names ``transfer`` (the id the receiver's :meth:`DecodeReceiver.expect`
         handed out), so a late write of an earlier attempt is never taken for this one.
 
@@ -344,15 +442,11 @@ class PrefillSender(NixlEndpoint):
         self.cache.slots.check_held(src_slots, "ship: source slots")
         pins = self.cache.blocks.pin(src_blocks, "ship: source blocks")
 
-        def release_pins() -> None:
-            for b in pins:
-                self.cache.blocks.release(b)
-
         def aborted() -> None:
-            release_pins()
+            self._unpin(pins)
             self.abort(peer, request, transfer)
 
-        seconds = self._post(
+        x = self._begin(
             "WRITE",
             peer,
             request,
@@ -362,10 +456,29 @@ class PrefillSender(NixlEndpoint):
             timeout_s,
             on_settled=aborted,
         )
-        release_pins()
-        return ShipResult(
-            request=request, descriptors=plan.count, nbytes=plan.nbytes, seconds=seconds
+        return Shipment(
+            xfer=x,
+            pins=pins,
+            result=ShipResult(
+                request=request, descriptors=plan.count, nbytes=plan.nbytes, seconds=0.0
+            ),
         )
+
+    def check(self, shipment: Shipment) -> bool:
+        """True once the WRITE is done (its pins released, ``shipment.result``
+        timed); False while it runs; :class:`TransferError` if it failed."""
+        if shipment.done:
+            return True
+        if not self._step(shipment.xfer):
+            return False
+        self._unpin(shipment.pins)
+        shipment.done = True
+        shipment.result = dataclasses.replace(shipment.result, seconds=shipment.xfer.seconds)
+        return True
+
+    def _unpin(self, pins: list[int]) -> None:
+        for b in pins:
+            self.cache.blocks.release(b)
 
     def abort(self, peer: str, request: str, transfer: int) -> None:
         """Tell ``peer`` that ``transfer`` will not be written (a request the prefill
