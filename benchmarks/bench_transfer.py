@@ -7,7 +7,13 @@ per layer per state field), and the throughput of three transfers of the same
 bytes in one run, interleaved: kvarena's descriptors, the per-layer ones, and
 one raw descriptor. Loopback, CPU memory, UCX.
 
-    python benchmarks/bench_transfer.py [--tokens 4096] [--rounds 5] [--tp 1]
+A load table follows: ``--load-requests`` requests of ``--load-tokens``
+tokens (Qwen3-Next-80B-A3B at TP 8: about 11 MB each, KV and state), shipped
+with 1, 4 and 8 WRITEs in flight (``PrefillSender.post``/``check``): requests
+per second, GB/s, and p50/p99 latency from post to completion; every request
+is then checked byte for byte on the decode side.
+
+    python benchmarks/bench_transfer.py [--tokens 4096] [--rounds 5] [--tp 1] [--load-requests 64]
 """
 
 from __future__ import annotations
@@ -42,12 +48,54 @@ def bench(preset: str, tokens: int, rounds: int, tp: int, fragmented: bool) -> d
     return {"preset": preset, "blocks": blocks, "fragmented": fragmented, **result}
 
 
+def load(requests: int, tokens: int, levels: list[int]) -> list[dict]:
+    m = model_cache("qwen3-next-80b-a3b", ServingOptions(tp=8))
+    blocks = -(-tokens // m.block_size)
+    block = min_slot_stride(m.page_fields)
+    slot = min_slot_stride(m.state_fields)
+    total = align_up(requests * (blocks * block + slot) + 4 * block + slot, 1 << 20)
+    plan = plan_cache(m, budget_bytes=total, max_seqs=requests, clamp=False)
+    prefill, decode = SideProcess("prefill", plan), SideProcess("decode", plan)
+    rows = []
+    try:
+        peer, prefill_name = connect_pair(prefill, decode)
+        names = [f"L{i}" for i in range(requests)]
+        digests = {
+            n: prefill.call("fill", n, blocks, 1000 * i)["digests"] for i, n in enumerate(names)
+        }
+        for in_flight in levels:
+            dsts = {n: decode.call("expect", n, blocks, 600.0, prefill_name) for n in names}
+            r = prefill.call("load", peer, dsts, in_flight)
+            got = decode.call("wait_all", names, 600.0)
+            exact = all(g == digests[n] for g, n in zip(got, names, strict=True))
+            for n in names:
+                decode.call("finish", n)
+            lat = sorted(r["latencies"])
+            rows.append(
+                {
+                    "in_flight": in_flight,
+                    "requests_per_s": r["requests"] / r["seconds"],
+                    "gbps": r["nbytes"] / r["seconds"] / 1e9,
+                    "p50_ms": 1e3 * lat[len(lat) // 2],
+                    "p99_ms": 1e3 * lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+                    "mb": r["nbytes"] / r["requests"] / 1e6,
+                    "exact": exact,
+                }
+            )
+    finally:
+        prefill.stop()
+        decode.stop()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--presets", nargs="*", default=["qwen3-next-80b-a3b", "deepseek-v4-flash"])
+    parser.add_argument("--load-requests", type=int, default=64)
+    parser.add_argument("--load-tokens", type=int, default=512)
     args = parser.parse_args()
     print(
         f"NIXL loopback, UCX_TLS={os.environ.get('UCX_TLS', '<default>')}, {args.tokens}-token request, median of {args.rounds}"
@@ -66,6 +114,19 @@ def main() -> None:
             f"{preset:<20} {'scattered' if fragmented else 'one run':<11} {r['nbytes']['kvarena'] / 2**20:>7.1f} {d['kvarena']:>5}/{d['per_layer']:<8} "
             f"{gbps['kvarena']:>13.2f} {gbps['per_layer']:>15.2f} {gbps['raw']:>9.2f} "
             f"{gbps['kvarena'] / gbps['raw']:>6.2f}x {gbps['kvarena'] / gbps['per_layer']:>12.2f}x"
+        )
+
+    print()
+    print(
+        f"load: {args.load_requests} requests of {args.load_tokens} tokens, qwen3-next-80b-a3b TP 8"
+    )
+    print(
+        f"{'in flight':>9} {'MB/request':>10} {'requests/s':>11} {'GB/s':>6} {'p50 ms':>7} {'p99 ms':>7} {'byte-exact':>10}"
+    )
+    for row in load(args.load_requests, args.load_tokens, [1, 4, 8]):
+        print(
+            f"{row['in_flight']:>9} {row['mb']:>10.1f} {row['requests_per_s']:>11.1f} {row['gbps']:>6.2f} "
+            f"{row['p50_ms']:>7.1f} {row['p99_ms']:>7.1f} {row['exact']!s:>10}"
         )
 
 

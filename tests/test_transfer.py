@@ -571,3 +571,16 @@ def test_an_idle_or_waiting_agent_costs_under_5_percent_of_a_core(pair):
             decode.call("wait", "never", 1.5)
 
     assert cpu_share(decode, waiting) < 0.05
+
+
+def test_many_writes_in_flight_are_each_byte_exact(pair):
+    prefill, decode, _ = pair
+    peer, prefill_name = connect_pair(prefill, decode)
+    names = [f"m{i}" for i in range(5)]
+    srcs = {n: prefill.call("fill", n, 2, 300 + i) for i, n in enumerate(names)}
+    dsts = {n: decode.call("expect", n, 2, 60.0, prefill_name) for n in names}
+    r = prefill.call("load", peer, dsts, 3)  # up to three WRITEs posted at once
+    assert r["requests"] == 5 and len(r["latencies"]) == 5
+    assert decode.call("wait_all", names, 60.0) == [srcs[n]["digests"] for n in names]
+    assert [prefill.call("refcounts", n) for n in names] == [[1, 1]] * 5  # pins back
+    assert decode.call("untouched")

@@ -210,6 +210,49 @@ class _Side:
             "seconds": {k: sorted(v)[len(v) // 2] for k, v in times.items()},
         }
 
+    def load(self, peer: str, dsts: dict[str, dict], in_flight: int) -> dict:
+        """Ship every filled request named in ``dsts`` with up to ``in_flight``
+        WRITEs posted at once; each request's latency runs from its post to its
+        completion. Returns requests/s, bytes and the latencies (seconds)."""
+        from ..transfer.geometry import CacheGeometry
+
+        order = list(dsts)
+        running: list[tuple[str, Any, float]] = []
+        latencies: list[float] = []
+        nbytes = 0
+        start = time.perf_counter()
+        while order or running:
+            while order and len(running) < in_flight:
+                request = order.pop(0)
+                blocks, slots = self.requests[request]
+                dst = dsts[request]
+                shipment = self.sender.post(
+                    peer,
+                    request,
+                    blocks,
+                    slots,
+                    dst["blocks"],
+                    dst["slots"],
+                    CacheGeometry.from_dict(dst["geometry"]),
+                    transfer=dst["transfer"],
+                )
+                running.append((request, shipment, time.perf_counter()))
+            still = []
+            for request, shipment, posted in running:
+                if self.sender.check(shipment):
+                    latencies.append(time.perf_counter() - posted)
+                    nbytes += shipment.result.nbytes
+                else:
+                    still.append((request, shipment, posted))
+            running = still
+        seconds = time.perf_counter() - start
+        return {
+            "requests": len(latencies),
+            "seconds": seconds,
+            "nbytes": nbytes,
+            "latencies": latencies,
+        }
+
     def abort(self, peer: str, request: str, transfer: int) -> None:
         self.sender.abort(peer, request, transfer)
 
@@ -269,6 +312,10 @@ class _Side:
     def wait(self, request: str, timeout_s: float) -> dict:
         p = self.receiver.wait(request, timeout_s)
         return {"digests": self.digests(p.blocks, p.slots[:1])}
+
+    def wait_all(self, requests: list[str], timeout_s: float) -> list[list[str]]:
+        """Each request's digests once ready (one command for a whole batch)."""
+        return [self.wait(r, timeout_s)["digests"] for r in requests]
 
     def untouched(self) -> bool:
         """Every byte outside the pending and ready requests' entries still holds the sentinel."""
