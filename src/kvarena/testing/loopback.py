@@ -261,6 +261,17 @@ class _Side:
         self.client = PrefillClient(self.sender, endpoint)
         return self.client.connect()
 
+    def tcp_expect(self, request: str) -> dict:
+        """Have the decode service allocate for a filled request, without shipping it."""
+        if self.client is None:
+            raise HarnessError("tcp_connect first")
+        return self.client.expect(request, len(self.requests[request][0]))
+
+    def tcp_close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
     def tcp_ship(self, request: str) -> dict:
         """Ship a filled request through the control channel; wait until the decode side has it."""
         if self.client is None:

@@ -710,15 +710,16 @@ class DecodeReceiver(NixlEndpoint):
         return events
 
     def drop_peer(self, peer: str) -> list[str]:
-        """Forget ``peer`` and free the quarantines it could still have written;
-        the requests freed.
+        """``peer``'s process is gone: forget it, and free every allocation it could
+        have written — its quarantines and its still-pending requests (those fail,
+        "peer gone"); the requests freed.
 
-        Only for a peer whose process is known to be gone (its host or pid is
-        dead): dropping does not stop a live writer — measured with NIXL's UCX
-        backend, a WRITE a live sender posts after the receiver removed it still
-        lands, notification and all (tests/test_transfer.py). A stopped
-        (SIGSTOP) sender is alive: its quarantines wait for its abort or its
-        late completion.
+        Only for a peer whose process is known to be gone (the liveness link to it
+        closed: see :class:`~kvarena.transfer.service.DecodeService`): dropping
+        does not stop a live writer — measured with NIXL's UCX backend, a WRITE a
+        live sender posts after the receiver removed it still lands, notification
+        and all (tests/test_transfer.py). A stopped (SIGSTOP) sender is alive: its
+        quarantines wait for its abort or its late completion.
         """
         if peer in self._peers:
             self._forget(peer)
@@ -726,6 +727,11 @@ class DecodeReceiver(NixlEndpoint):
         for transfer, (request, p) in list(self._quarantine.items()):
             if p.peer == peer:
                 self._release(transfer)
+                freed.append(request)
+        for request, p in list(self._pending.items()):
+            if p.peer == peer:
+                self._free(self._pending.pop(request))
+                self.failed.append((request, f"peer {peer!r} is gone; nothing of it can land"))
                 freed.append(request)
         return freed
 

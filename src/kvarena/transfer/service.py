@@ -5,14 +5,27 @@ hello (NIXL metadata and :class:`CacheGeometry`), "expect this request"
 (answered with destination ids) and status queries. The decode side runs one
 loop that alternates between the channel and NIXL progress, so a single
 thread drives both (NIXL agents are not shared across threads here).
+
+Liveness: each client also holds one plain TCP connection to the service for
+its whole life (the *link*), naming its NIXL agent. The kernel closes a killed
+process's sockets, so the service sees the link end at once and drops that
+peer (:meth:`DecodeReceiver.drop_peer`: its pending and quarantined
+allocations are freed — a dead process writes nothing more). A stopped
+process keeps its link open, so nothing of its is freed while it might still
+write. A dead host is found by TCP keepalive within ``KEEPALIVE_S`` seconds.
+(ZeroMQ's sockets reconnect by themselves and hide this, hence a plain one.)
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import select
+import socket
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import zmq
 
@@ -27,6 +40,39 @@ def receiver_deadline(write_timeout_s: float) -> float:
     ``write_timeout_s``: 1.5x plus a second, a margin for the control call that
     precedes the WRITE and for clocks that start at different moments."""
     return 1.5 * write_timeout_s + 1.0
+
+
+KEEPALIVE_S = (2, 1, 3)
+"""TCP keepalive on the liveness link: idle seconds, interval, probes — a
+silent dead host is noticed after about 5 s."""
+
+
+def _keepalive(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, value in zip(
+        ("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT"), KEEPALIVE_S, strict=True
+    ):
+        if hasattr(socket, opt):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
+
+
+def _endpoint_host(endpoint: str) -> str:
+    """``tcp://HOST:PORT`` -> HOST (brackets of an IPv6 address removed)."""
+    host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0]
+    return host.strip("[]")
+
+
+@dataclass
+class _Link:
+    peer: str | None = None
+    buf: bytes = b""
+
+
+@dataclass
+class LinkEvents:
+    """Peers whose link ended (their process is gone) and the requests freed."""
+
+    dropped: list[tuple[str, list[str]]] = field(default_factory=list)
 
 
 def _encode_hello(hello: dict) -> dict:
@@ -47,12 +93,23 @@ class DecodeService:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(endpoint)
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        host = _endpoint_host(self.endpoint)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listen = socket.create_server((host, 0), family=family)
+        self._listen.setblocking(False)
+        self.liveness_port: int = self._listen.getsockname()[1]
+        self._links: dict[socket.socket, _Link] = {}
+        self.dropped: deque[tuple[str, list[str]]] = deque(maxlen=1024)
 
     def _handle(self, msg: dict) -> dict:
         op = msg.get("op")
         if op == "hello":
             name = self.receiver.connect(_decode_hello(msg["hello"]))
-            return {"hello": _encode_hello(self.receiver.hello()), "peer": name}
+            return {
+                "hello": _encode_hello(self.receiver.hello()),
+                "peer": name,
+                "liveness_port": self.liveness_port,
+            }
         if op == "expect":
             return self.receiver.expect(
                 msg["request"],
@@ -70,9 +127,46 @@ class DecodeService:
             return {"status": "failed", "reason": reasons[-1]} if reasons else {"status": "unknown"}
         raise InvalidValueError(f"unknown control message {op!r}; known: hello, expect, status")
 
+    def check_links(self) -> LinkEvents:
+        """Accept new links, read their peer names, and drop the peer of every
+        link that ended (EOF, reset, or keepalive failure)."""
+        events = LinkEvents()
+        readable, _, _ = select.select([self._listen, *self._links], [], [], 0)
+        for sock in readable:
+            if sock is self._listen:
+                try:
+                    conn, _ = self._listen.accept()
+                except OSError:
+                    continue
+                conn.setblocking(False)
+                _keepalive(conn)
+                self._links[conn] = _Link()
+                continue
+            link = self._links[sock]
+            try:
+                data = sock.recv(4096)
+            except BlockingIOError:
+                continue
+            except OSError:
+                data = b""
+            if data:
+                if link.peer is None:
+                    link.buf += data
+                    if b"\n" in link.buf:
+                        link.peer = link.buf.split(b"\n", 1)[0].decode(errors="replace")
+                continue
+            del self._links[sock]
+            sock.close()
+            if link.peer is not None:
+                freed = self.receiver.drop_peer(link.peer)
+                events.dropped.append((link.peer, freed))
+                self.dropped.append((link.peer, freed))
+        return events
+
     def serve(self, until: Callable[[], bool], poll_ms: int = 1) -> None:
-        """Answer clients and progress NIXL until ``until()`` is true."""
+        """Answer clients, watch their links and progress NIXL until ``until()`` is true."""
         while not until():
+            self.check_links()
             if self._sock.poll(poll_ms):
                 ident, _, raw = self._sock.recv_multipart()
                 try:
@@ -83,6 +177,9 @@ class DecodeService:
             self.receiver.poll()
 
     def close(self) -> None:
+        for sock in self._links:
+            sock.close()
+        self._listen.close()
         self._sock.close()
         self._ctx.term()
 
@@ -97,6 +194,7 @@ class PrefillClient:
         self._ctx = zmq.Context()
         self._sock = self._open()
         self.peer: str | None = None
+        self._link: socket.socket | None = None
 
     def _open(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.REQ)
@@ -136,17 +234,32 @@ class PrefillClient:
         """Exchange hellos (each side checks the other's layout) and connect NIXL both ways."""
         reply = self._call({"op": "hello", "hello": _encode_hello(self.sender.hello())})
         self.peer = self.sender.connect(_decode_hello(reply["hello"]))
+        if self._link is None and reply.get("liveness_port"):
+            try:
+                link = socket.create_connection(
+                    (_endpoint_host(self.endpoint), int(reply["liveness_port"])),
+                    timeout=self.timeout_s,
+                )
+                _keepalive(link)
+                link.sendall(self.sender.agent_name.encode() + b"\n")
+            except OSError as exc:
+                raise TransferError(
+                    f"liveness link to {self.endpoint} failed: {exc}; retry connect()"
+                ) from None
+            self._link = link
         return self.peer
 
-    def ship(self, request: str, blocks: Sequence[int], slots: Sequence[int]) -> ShipResult:
-        """Ask the decode side to expect ``request``, then write it there."""
+    def expect(self, request: str, num_blocks: int) -> dict:
+        """Ask the decode side to allocate for ``request``; its answer (ids, geometry,
+        transfer id). The decode side holds it for :func:`receiver_deadline` of this
+        client's timeout, or until this sender aborts it or its process is gone."""
         if self.peer is None:
             raise TransferError("connect() first")
-        dst = self._call(
+        return self._call(
             {
                 "op": "expect",
                 "request": request,
-                "blocks": len(blocks),
+                "blocks": num_blocks,
                 # The receiver waits past the WRITE's own deadline, so a write that
                 # finishes in time is never declared late; a sender that gives up
                 # sends an abort, which frees the receiver's allocation at once.
@@ -154,6 +267,11 @@ class PrefillClient:
                 "peer": self.sender.agent_name,
             }
         )
+
+    def ship(self, request: str, blocks: Sequence[int], slots: Sequence[int]) -> ShipResult:
+        """Ask the decode side to expect ``request``, then write it there."""
+        dst = self.expect(request, len(blocks))
+        assert self.peer is not None
         return self.sender.ship(
             self.peer,
             request,
@@ -177,5 +295,21 @@ class PrefillClient:
             time.sleep(0.001)
 
     def close(self) -> None:
+        """Close the client. Its link ends, and the service then frees everything
+        this sender could write — so first every WRITE must have settled: a
+        transfer NIXL has not released yet is waited for (up to ``timeout_s``),
+        and if one remains, :class:`TransferError` leaves the client open."""
+        deadline = time.monotonic() + self.timeout_s
+        while self.sender is not None and self.sender.in_flight:
+            if time.monotonic() > deadline:
+                raise TransferError(
+                    f"{self.sender.in_flight} WRITE(s) have not settled; the client stays open "
+                    "(its peer would otherwise free blocks a write may still reach)"
+                )
+            self.sender.poll()
+            time.sleep(0.001)
+        if self._link is not None:
+            self._link.close()
+            self._link = None
         self._sock.close()
         self._ctx.term()
