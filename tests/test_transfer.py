@@ -632,3 +632,65 @@ def test_the_liveness_link_frees_a_killed_senders_allocations_and_not_a_stopped_
         if prefill.process.is_alive():
             prefill.stop()
         assert decode.stop() == 0
+
+
+def test_a_refused_ship_frees_the_receiver_at_once(pair):
+    """A ship refused before a byte moved (here: destination ids outside the
+    receiver's pool) tells the receiver, which frees the allocation at once."""
+    prefill, decode, _ = pair
+    peer, prefill_name = connect_pair(prefill, decode)
+    prefill.call("fill", "bad", 2, 9)
+    dst = decode.call("expect", "bad", 2, 3600.0, prefill_name)
+    wrong = {**dst, "blocks": [10**6, 10**6 + 1]}
+    with pytest.raises(HarnessError, match="Error"):
+        prefill.call("ship", peer, "bad", wrong, 30.0)
+    seen = _poll_until(decode, lambda s: any(r == "bad" for r, _ in s["failed"]), "bad aborted")
+    assert ("bad", "aborted by the sender") in seen["failed"]
+    stats = decode.call("stats")
+    assert stats["live_blocks"] == 0 and stats["live_slots"] == 0
+    assert prefill.call("refcounts", "bad") == [1, 1]
+
+
+def test_a_decode_side_stopped_mid_stream_and_resumed(pair):
+    """SIGSTOP the decode side while the prefill ships: each WRITE completes or
+    fails typed; after SIGCONT every request is byte-exact or freed, and both
+    sides hold nothing more (pins back, no pending, no quarantine)."""
+    prefill, decode, _ = pair
+    peer, prefill_name = connect_pair(prefill, decode)
+    names = [f"t{i}" for i in range(3)]
+    srcs = {n: prefill.call("fill", n, 3, 40 + i) for i, n in enumerate(names)}
+    dsts = {n: decode.call("expect", n, 3, 3600.0, prefill_name) for n in names}
+    outcome = {}
+    os.kill(decode.process.pid, signal.SIGSTOP)
+    try:
+        for n in names:
+            try:
+                prefill.call("ship", peer, n, dsts[n], 1.0)
+                outcome[n] = "shipped"
+            except HarnessError as exc:
+                assert "TransferTimeout" in str(exc) or "TransferError" in str(exc), exc
+                outcome[n] = "failed"
+    finally:
+        os.kill(decode.process.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 20
+    while prefill.call("stats")["in_flight"]:  # uncancelled WRITEs settle (and abort)
+        assert time.monotonic() < deadline
+        prefill.call("offers")
+    # Shipped: ready and exact. Failed: aborted (freed) or completed late, never torn.
+    seen = _poll_until(
+        decode,
+        lambda s: (
+            not s["quarantined"]
+            and all(n in s["ready"] or any(r == n for r, _ in s["failed"]) for n in names)
+        ),
+        "every request settled",
+    )
+    for n in names:
+        if n in seen["ready"]:
+            assert decode.call("ready_digests", n) == srcs[n]["digests"]
+            decode.call("finish", n)
+        else:
+            assert outcome[n] == "failed"
+    stats = decode.call("stats")
+    assert (stats["live_blocks"], stats["pending"], stats["quarantined"]) == (0, [], [])
+    assert [prefill.call("refcounts", n) for n in names] == [[1, 1, 1]] * 3

@@ -436,11 +436,18 @@ class PrefillSender(NixlEndpoint):
         timeout_s = check_timeout(timeout_s, "ship: timeout_s")
         transfer = check_int(transfer, "ship: transfer", lo=1)
         self._settle()
-        plan = plan_request(
-            self.geometry(), dst_geometry, src_blocks, dst_blocks, src_slots, dst_slots
-        )
-        self.cache.slots.check_held(src_slots, "ship: source slots")
-        pins = self.cache.blocks.pin(src_blocks, "ship: source blocks")
+        try:
+            plan = plan_request(
+                self.geometry(), dst_geometry, src_blocks, dst_blocks, src_slots, dst_slots
+            )
+            self.cache.slots.check_held(src_slots, "ship: source slots")
+            pins = self.cache.blocks.pin(src_blocks, "ship: source blocks")
+        except Error:
+            # Refused before a byte moved (a layout mismatch, bad ids): the receiver
+            # need not hold the allocation until its deadline.
+            if peer in self._peers:
+                self.abort(peer, request, transfer)
+            raise
 
         def aborted() -> None:
             self._unpin(pins)
