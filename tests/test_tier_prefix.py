@@ -254,3 +254,12 @@ def test_the_tiers_example_hits_from_the_disk():
         [sys.executable, str(example)], capture_output=True, text=True, timeout=300, check=True
     ).stdout
     assert "1536 of 2048 tokens hit; KV from ['disk'], state image from disk" in out
+
+
+def test_drain_refuses_a_bad_batch(tmp_path):
+    from kvarena.errors import InvalidValueError
+
+    pc = make(TierStack([DiskTier(tmp_path, 1 << 20)]))
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(InvalidValueError, match="drain: batch"):
+            pc.drain(bad)

@@ -389,3 +389,16 @@ def test_a_really_full_disk_disables_writes(small_filesystem):
     assert files == sorted(n + ".kvi" for n in held)  # no temporary, no partial object
     got = tier.get_many(held)
     assert [bytes(g) for g in got] == [o.to_bytes() for o in objs if o.name in held]
+
+
+def test_tier_doors_refuse_nonsense():
+    from kvarena.tiers import RedisTier
+
+    for kwargs, words in (
+        ({"url": 5}, "url must be"),
+        ({"url": ""}, "url must be"),
+        ({"url": "redis://127.0.0.1:1", "timeout_s": 0}, "timeout_s"),
+        ({"url": "redis://127.0.0.1:1", "cluster": True, "direct_writes": True}, "one server"),
+    ):
+        with pytest.raises(InvalidValueError, match=words):
+            RedisTier(**kwargs)

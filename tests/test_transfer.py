@@ -694,3 +694,18 @@ def test_a_decode_side_stopped_mid_stream_and_resumed(pair):
     stats = decode.call("stats")
     assert (stats["live_blocks"], stats["pending"], stats["quarantined"]) == (0, [], [])
     assert [prefill.call("refcounts", n) for n in names] == [[1, 1, 1]] * 3
+
+
+def test_expect_checks_its_peer_before_allocating():
+    from kvarena import DecodeReceiver, InvalidValueError, UnifiedCache
+
+    cache = UnifiedCache.from_plan(random_spec(5), "cpu")
+    receiver = DecodeReceiver(f"door-test-{os.getpid()}", cache)
+    try:
+        free = cache.blocks.num_free
+        for bad in (5, "", b"prefill"):
+            with pytest.raises(InvalidValueError, match="peer must be an agent name"):
+                receiver.expect("r", 2, peer=bad)
+        assert cache.blocks.num_free == free and receiver.pending == []
+    finally:
+        receiver.close()

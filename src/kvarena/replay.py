@@ -45,7 +45,7 @@ from .prefix import CheckpointPolicy, PrefixCache
 from .prefix.cache import Admission
 from .prefix.keys import Namespace, block_keys
 from .tiers import TierStack
-from .tiers.image import HEAD_BYTES
+from .tiers.image import image_bytes
 
 MOONCAKE_BLOCK = 512
 """Tokens per ``hash_ids`` entry in the Mooncake traces."""
@@ -200,7 +200,7 @@ class _Replay:
         plan = plan_cache(model, budget_bytes=cfg.budget_bytes, max_seqs=cfg.max_seqs)
         device = torch.device("cpu" if cfg.verify else "meta")
         # A host tier's unit is one KV block's image, so a block takes exactly one.
-        unit = HEAD_BYTES + len(Namespace.of(plan).to_json()) + plan.block_bytes
+        unit = image_bytes(Namespace.of(plan).to_json(), plan.block_bytes)
         self.tiers = TierStack.from_specs(cfg.tiers, unit_bytes=unit)
         try:
             self.pc = PrefixCache(

@@ -591,6 +591,7 @@ class PrefixCache:
         """Write every cached block and READY image back to the tiers without
         evicting anything (a server shutting down, so the next one starts warm);
         the number of objects written."""
+        batch = check_count(batch, "drain: batch", lo=1)
         if not self.tiers:
             return 0
         self.poll()

@@ -27,7 +27,7 @@ import torch
 from ..errors import Error
 from ..layout import field_extents
 from ..pools import CachePlan, UnifiedCache
-from ..transfer.nixl_agent import DecodeReceiver, PrefillSender
+from ..transfer.nixl_agent import DecodeReceiver, PrefillSender, Shipment
 from ..transfer.service import PrefillClient
 
 SENTINEL = 0xA5
@@ -111,12 +111,29 @@ class _Side:
         self.requests[request] = (blocks, slots)
         return {"blocks": blocks, "slots": slots, "digests": self.digests(blocks, slots)}
 
+    def _post(self, peer: str, request: str, dst: dict, timeout_s: float) -> Shipment:
+        """Post a filled request's WRITE into ``dst`` (an ``expect`` answer), not waiting."""
+        from ..transfer.geometry import CacheGeometry
+
+        blocks, slots = self.requests[request]
+        return self.sender.post(
+            peer,
+            request,
+            blocks,
+            slots,
+            dst["blocks"],
+            dst["slots"],
+            CacheGeometry.from_dict(dst["geometry"]),
+            transfer=dst["transfer"],
+            timeout_s=timeout_s,
+        )
+
     def ship(self, peer: str, request: str, dst: dict, timeout_s: float) -> dict:
         from ..transfer.geometry import CacheGeometry
 
         blocks, slots = self.requests[request]
         before = [self.cache.blocks.refcount(b) for b in blocks]
-        result = self.sender.ship(
+        result = self.sender.ship(  # the blocking road (post + check with back-off)
             peer,
             request,
             blocks,
@@ -214,8 +231,6 @@ class _Side:
         """Ship every filled request named in ``dsts`` with up to ``in_flight``
         WRITEs posted at once; each request's latency runs from its post to its
         completion. Returns requests/s, bytes and the latencies (seconds)."""
-        from ..transfer.geometry import CacheGeometry
-
         order = list(dsts)
         running: list[tuple[str, Any, float]] = []
         latencies: list[float] = []
@@ -224,18 +239,7 @@ class _Side:
         while order or running:
             while order and len(running) < in_flight:
                 request = order.pop(0)
-                blocks, slots = self.requests[request]
-                dst = dsts[request]
-                shipment = self.sender.post(
-                    peer,
-                    request,
-                    blocks,
-                    slots,
-                    dst["blocks"],
-                    dst["slots"],
-                    CacheGeometry.from_dict(dst["geometry"]),
-                    transfer=dst["transfer"],
-                )
+                shipment = self._post(peer, request, dsts[request], 30.0)
                 running.append((request, shipment, time.perf_counter()))
             still = []
             for request, shipment, posted in running:

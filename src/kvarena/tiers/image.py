@@ -57,6 +57,11 @@ class ImageKind(enum.IntEnum):
         return "kv" if self is ImageKind.KV_BLOCK else "st"
 
 
+def image_bytes(namespace: bytes, payload_bytes: int) -> int:
+    """An image's logical size (header, namespace, payload): what tiers count."""
+    return HEAD_BYTES + len(namespace) + payload_bytes
+
+
 def object_name(kind: ImageKind, key: bytes) -> str:
     """A tier's name for an object: its kind and its key (which embeds the namespace)."""
     return f"{kind.prefix}-{key.hex()}"
@@ -115,7 +120,7 @@ class ImageHeader:
 
     @property
     def logical_bytes(self) -> int:
-        return self.head_bytes + self.payload_bytes
+        return image_bytes(self.namespace, self.payload_bytes)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,7 +175,7 @@ def encode(
     return TierObject(
         name=object_name(kind, key),
         parts=(bytes(head) + namespace, *parts),
-        logical_bytes=HEAD_BYTES + len(namespace) + payload_bytes,
+        logical_bytes=image_bytes(namespace, payload_bytes),
     )
 
 

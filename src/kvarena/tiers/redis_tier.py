@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ..checks import check_timeout
 from ..errors import InvalidValueError
 from .base import Tier, TierError
 from .image import TierObject
@@ -60,6 +61,9 @@ class RedisTier(Tier):
             raise InvalidValueError(
                 "redis tier: direct writes need one server; a cluster routes keys itself"
             )
+        if not isinstance(url, str) or not url:
+            raise InvalidValueError(f"redis tier: url must be a redis:// URL, got {url!r}")
+        timeout_s = check_timeout(timeout_s, "redis tier: timeout_s")
         redis = _redis()
         self.url = url
         self.prefix = prefix

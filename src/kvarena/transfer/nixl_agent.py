@@ -592,6 +592,10 @@ class DecodeReceiver(NixlEndpoint):
         name) lets :meth:`drop_peer` free a quarantine of this request.
         """
         timeout_s = check_timeout(timeout_s, "expect: timeout_s")
+        if peer is not None and (not isinstance(peer, str) or not peer):
+            raise InvalidValueError(
+                f"expect: peer must be an agent name (a str) or None, got {peer!r}"
+            )
         if request in self._pending or request in self.ready:
             raise InvalidValueError(f"request {request!r} is already expected")
         transfer = self._next_transfer
