@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH)
-	$(PY) -m pip install --quiet -e '.[dev,transfer,redis]'
+	$(PY) -m pip install --quiet -e '.[dev,transfer,redis,hf]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -181,9 +181,10 @@ def test_block_allocator_rules():
 
 def test_state_allocator_groups_topmost_first():
     s = StateAllocator(total=10, live=6, entries_per_req=2)
-    assert s.allocate("a") == (9, 8) and s.allocate("b") == (7, 6)
+    # Top-most first; a request's own slots ascend (its live state lowest).
+    assert s.allocate("a") == (8, 9) and s.allocate("b") == (6, 7)
     s.free("a")
-    assert s.allocate("c") == (9, 8)
+    assert s.allocate("c") == (8, 9)
     with pytest.raises(ValueError, match="already holds"):
         s.allocate("c")
     s.allocate("d")

@@ -1,5 +1,6 @@
 """Pools: one plan from a budget, allocators, and one allocation with a movable boundary."""
 
+from .block_table import BlockTable, block_table_tensor
 from .blocks import BlockAllocationError, BlockAllocator, EvictionCallbackError
 from .geometry import PoolGeometry
 from .plan import CachePlan, plan_cache
@@ -19,6 +20,7 @@ from .unified import BoundaryMove, BoundaryMoveError, UnifiedCache
 __all__ = [
     "BlockAllocationError",
     "BlockAllocator",
+    "BlockTable",
     "BoundaryMove",
     "BoundaryMoveError",
     "CachePlan",
@@ -32,6 +34,7 @@ __all__ = [
     "StateAllocationError",
     "StateAllocator",
     "UnifiedCache",
+    "block_table_tensor",
     "max_fitting_seqs",
     "merge_classes",
     "plan_cache",

@@ -47,6 +47,10 @@ class FreeIds:
         """Take every id in ``[lo, hi)`` (the caller checked they are all free)."""
         self._set.difference_update(range(lo, hi))
 
+    def descending(self) -> list[int]:
+        """Every free id, highest first."""
+        return sorted(self._set, reverse=True)
+
     def below(self, limit: int) -> list[int]:
         """Free ids under ``limit``, lowest first."""
         return sorted(i for i in self._set if i < limit)

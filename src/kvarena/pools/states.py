@@ -4,6 +4,12 @@ The STATE pool owns slots ``[first, total)`` and grows downward (``first``
 decreases) into the PAGE region. Requests take their ``entries_per_req`` slots
 (the state plus its speculative rollback copies) from the top, so the lowest
 slots, the ones a shrinking pool gives back, are the last to be used.
+
+A batch of requests takes ONE run of consecutive slots, ascending, where the
+free slots hold such a run: a kernel then reads the batch's states as one
+strided view ``state_view(name)[:, first:first + n]``, which no list of
+scattered slots can express. Within a request its slots ascend too, so its
+live state is the lowest of them and its rollback copies follow it.
 """
 
 from __future__ import annotations
@@ -95,19 +101,56 @@ class StateAllocator:
         return ids
 
     def allocate(self, request: Hashable) -> tuple[int, ...]:
-        """The top-most ``entries_per_req`` free slots for ``request``."""
-        request = check_request_id(request)
-        if request in self._slots:
+        """The top-most ``entries_per_req`` free slots for ``request``, ascending
+        (consecutive where the free slots allow)."""
+        return self.allocate_batch([request])[0]
+
+    def allocate_batch(self, requests: Any) -> list[tuple[int, ...]]:
+        """Slots for each of ``requests`` (in order): the top-most run of
+        ``len(requests) * entries_per_req`` consecutive free slots, handed out
+        ascending, when one exists; otherwise the top-most free slots, each
+        request's ascending. All or nothing: refused, nothing taken."""
+        if not isinstance(requests, (list, tuple)) or not requests:
             raise InvalidValueError(
-                f"request {request!r} already holds slots {self._slots[request]}"
+                f"allocate_batch: requests must be a non-empty list, got {requests!r}"
             )
-        if self.num_free < self._per_req:
-            raise StateAllocationError(self._per_req, self.num_free)
-        slots = [self._free.pop() for _ in range(self._per_req)]
-        self._slots[request] = slots
-        for s in slots:
-            self._owner[s] = request
-        return tuple(slots)
+        reqs = [check_request_id(r) for r in requests]
+        seen: set[Hashable] = set()
+        for r in reqs:
+            if r in self._slots:
+                raise InvalidValueError(f"request {r!r} already holds slots {self._slots[r]}")
+            if r in seen:
+                raise InvalidValueError(f"allocate_batch: request {r!r} appears twice")
+            seen.add(r)
+        want = len(reqs) * self._per_req
+        if self.num_free < want:
+            raise StateAllocationError(want, self.num_free)
+        run = self._free.pop() if want == 1 else self._top_run(want)
+        if want == 1:
+            flat = [run]
+        elif run is not None:
+            self._free.take_range(run, run + want)
+            flat = list(range(run, run + want))
+        else:
+            flat = sorted(self._free.pop() for _ in range(want))
+        out = []
+        for i, r in enumerate(reqs):
+            slots = flat[i * self._per_req : (i + 1) * self._per_req]
+            self._slots[r] = slots
+            for s in slots:
+                self._owner[s] = r
+            out.append(tuple(slots))
+        return out
+
+    def _top_run(self, n: int) -> int | None:
+        """The first slot of the highest run of ``n`` consecutive free slots."""
+        length, prev = 0, None
+        for s in self._free.descending():
+            length = length + 1 if prev == s + 1 else 1
+            if length == n:
+                return s
+            prev = s
+        return None
 
     def free(self, request: Hashable) -> tuple[int, ...]:
         slots = self.slots_of(request)

@@ -290,8 +290,130 @@ class UnifiedCache:
             self.state.fill_entries(s)
         return slots
 
+    def allocate_states(self, requests: Sequence[Hashable]) -> list[tuple[int, ...]]:
+        """Slots for a batch of new requests, reset like :meth:`allocate_state`:
+        one run of consecutive ascending slots where the free slots hold one, so
+        :meth:`state_rows` can give the batch's states as one strided view."""
+        if not self.state_fields:
+            raise InvalidValueError(
+                f"{self.plan.model} keeps no per-request state (no STATE fields); "
+                "its requests hold blocks only"
+            )
+        groups = self.slots.allocate_batch(
+            list(requests) if isinstance(requests, tuple) else requests
+        )
+        for slots in groups:
+            for s in slots:
+                self.state.entry(s).zero_()
+                self.state.fill_entries(s)
+        return groups
+
     def free_state(self, request: Hashable) -> tuple[int, ...]:
         return self.slots.free(request)
+
+    def state_rows(self, name: str, slots: Sequence[int]) -> torch.Tensor | None:
+        """``[layers, len(slots), *shape]`` of field ``name`` as a VIEW into the
+        slots' bytes when the slots are consecutive and ascending (a kernel that
+        updates it in place updates the cache); None when no strided view can
+        express them (use :meth:`gather_states` / :meth:`scatter_states`)."""
+        ids = self.slots.check_held(slots, "state_rows: slots")
+        if ids.size == 0:
+            raise InvalidValueError("state_rows: slots must name at least one slot")
+        first = int(ids[0])
+        if not np.array_equal(ids, np.arange(first, first + ids.size)):
+            return None
+        return self.state.view(name)[:, first : first + ids.size]
+
+    def gather_states(self, name: str, slots: Sequence[int]) -> torch.Tensor:
+        """A copy ``[layers, len(slots), *shape]`` of field ``name`` over any held slots."""
+        ids = self.slots.check_held(slots, "gather_states: slots")
+        index = torch.as_tensor(ids, device=self.device)
+        return self.state.view(name).index_select(1, index)
+
+    def scatter_states(self, name: str, slots: Sequence[int], values: torch.Tensor) -> None:
+        """Write ``values`` (``[layers, len(slots), *shape]``) into field ``name``
+        of the slots (the inverse of :meth:`gather_states`)."""
+        ids = self.slots.check_held(slots, "scatter_states: slots")
+        if len(set(ids.tolist())) != ids.size:
+            raise InvalidValueError(f"scatter_states: slots repeat: {ids.tolist()}")
+        view = self.state.view(name)
+        want = (view.shape[0], ids.size, *view.shape[2:])
+        if not isinstance(values, torch.Tensor) or tuple(values.shape) != want:
+            raise InvalidValueError(
+                f"scatter_states: values must be a tensor of shape {want}, got "
+                f"{tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__}"
+            )
+        if values.dtype != view.dtype:
+            raise InvalidValueError(
+                f"scatter_states: values are {values.dtype}; field {name!r} holds {view.dtype}"
+            )
+        view.index_copy_(1, torch.as_tensor(ids, device=self.device), values.to(self.device))
+
+    def copy_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy whole state entries: slot ``src[i]``'s bytes into slot ``dst[i]``.
+
+        Each state moves as one unit (all its layers and fields). The slots may
+        overlap as sets — a beam reorder is a permutation — so when a source is
+        also a target every source is read before any target is written."""
+        s = self.slots.check_held(src, "copy_slots: src")
+        d = self.slots.check_held(dst, "copy_slots: dst")
+        if s.size != d.size:
+            raise InvalidValueError(
+                f"copy_slots: {s.size} sources but {d.size} targets; they pair one to one"
+            )
+        if len(set(d.tolist())) != d.size:
+            raise InvalidValueError(f"copy_slots: targets repeat: {d.tolist()}")
+        keep = s != d
+        s, d = s[keep], d[keep]
+        if s.size == 0:
+            return
+        if set(s.tolist()) & set(d.tolist()):
+            rows = self._rows(self.slot_base, self.slot_stride, self.total_slots)
+            staged = rows.index_select(0, torch.as_tensor(s, device=self.device))
+            rows.index_copy_(0, torch.as_tensor(d, device=self.device), staged)
+            return
+        base = self.slot_base
+        execute_batch(
+            CopyBatch(
+                base + s * self.slot_stride,
+                base + d * self.slot_stride,
+                np.full(s.size, self.slot_bytes),
+            ),
+            self.buf,
+            self.buf,
+        )
+
+    def fork_state(self, request: Hashable, new_request: Hashable) -> tuple[int, ...]:
+        """Slots for ``new_request`` holding a copy of ``request``'s states (every
+        entry, rollback copies included), e.g. a beam or a parallel sample."""
+        src = self.slots.slots_of(request)
+        dst = self.slots.allocate(new_request)
+        self.copy_slots(src, dst)
+        return dst
+
+    def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy whole blocks (every layer of each), ``src[i]`` into ``dst[i]``:
+        the copy half of copy-on-write. Targets must be held for writing."""
+        if not isinstance(self.pages, EntryMajorArena):
+            raise InvalidValueError("a layer-major PAGE region has no contiguous block to copy")
+        s = self.blocks.check_held(src, "copy_blocks: src", writing=False)
+        d = self.blocks.check_held(dst, "copy_blocks: dst", writing=True)
+        if s.size != d.size:
+            raise InvalidValueError(
+                f"copy_blocks: {s.size} sources but {d.size} targets; they pair one to one"
+            )
+        if s.size == 0:
+            return
+        execute_batch(
+            CopyBatch(
+                s * self.block_stride, d * self.block_stride, np.full(s.size, self.block_bytes)
+            ),
+            self.buf,
+            self.buf,
+        )
+
+    def _rows(self, base: int, stride: int, count: int) -> torch.Tensor:
+        return self.buf[base : base + stride * count].view(count, stride)
 
     def _fixed(self) -> None:
         if self.page_layout == "layer_major":

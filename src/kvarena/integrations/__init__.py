@@ -1,0 +1,1 @@
+"""Clients of kvarena's pools: ``kvarena.integrations.transformers`` (the ``[hf]`` extra)."""

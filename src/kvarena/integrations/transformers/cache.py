@@ -1,0 +1,519 @@
+"""``KvarenaCache``: a transformers ``Cache`` whose bytes live in a kvarena pool.
+
+Every row of the batch is one request: a :class:`BlockTable` for the paged
+layers and a STATE slot for the rings and linear-attention states. The
+layers hold no tensors of their own:
+
+- a paged layer writes new K/V into the rows' blocks and reads the whole
+  sequence back through the block tables (a gather, as ``DynamicCache``'s
+  ``cat`` copies the sequence each step);
+- a linear layer's conv and recurrent states ARE views of the rows' slots
+  when the slots are consecutive (the usual case: a batch takes one run of
+  slots), so the decode kernels that update the conv state in place update
+  the pool; otherwise they are working copies, written back by :meth:`sync`
+  before kvarena reads the slots (a checkpoint, a transfer, a release).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
+
+from ...errors import InvalidValueError, LayoutMismatchError
+from ...pools import BlockTable, UnifiedCache
+from .layout import LINEAR, NONE, PAGED, RING, HfLayout
+
+if TYPE_CHECKING:
+    from .pool import KvarenaPool
+
+
+class _Rows:
+    """The batch's requests, shared by every layer of one cache."""
+
+    def __init__(
+        self,
+        cache: UnifiedCache,
+        requests: list[Hashable],
+        tables: list[BlockTable],
+        slots: list[tuple[int, ...]],
+    ) -> None:
+        self.cache = cache
+        self.requests = requests
+        self.tables = tables
+        self.slots = slots
+        self._states: dict[str, torch.Tensor] = {}
+        self._copies: set[str] = set()  # fields held as working copies
+        self._index: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._prepared: tuple[int, int] | None = None
+
+    @property
+    def live_slots(self) -> list[int]:
+        return [s[0] for s in self.slots]
+
+    # -- states --------------------------------------------------------------
+    def state(self, name: str) -> torch.Tensor:
+        """``[layers, B, *shape]`` of a STATE field over the rows' live slots."""
+        t = self._states.get(name)
+        if t is None:
+            t = self.cache.state_rows(name, self.live_slots)
+            if t is None:  # scattered slots: a working copy, written back by sync()
+                t = self.cache.gather_states(name, self.live_slots)
+                self._copies.add(name)
+            self._states[name] = t
+        return t
+
+    def sync(self) -> None:
+        """Write working copies back into the slots (views need nothing)."""
+        for name in self._copies:
+            self.cache.scatter_states(name, self.live_slots, self._states[name])
+
+    def reload(self) -> None:
+        """Forget views and copies (the slots' bytes changed under them)."""
+        self._states.clear()
+        self._copies.clear()
+
+    # -- blocks --------------------------------------------------------------
+    def prepare(self, start: int, end: int) -> None:
+        """Blocks for tokens ``[start, end)`` of every row, private (copied on write)."""
+        if self._prepared == (start, end):
+            return
+        for t in self.tables:
+            t.prepare_write(start, end)
+            t.tokens = max(t.tokens, end)
+        self._index.clear()
+        self._prepared = (start, end)
+
+    def index(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(block, row)`` index tensors ``[B, end - start]`` of the tokens."""
+        key = (start, end)
+        got = self._index.get(key)
+        if got is None:
+            flat = torch.stack([t.token_index(start, end) for t in self.tables])
+            bs = self.cache.block_size
+            flat = flat.to(self.cache.device)
+            got = self._index[key] = (flat // bs, flat % bs)
+        return got
+
+    def changed(self) -> None:
+        self._index.clear()
+        self._prepared = None
+
+
+def _check_dtype(t: torch.Tensor, want: torch.dtype, what: str, layer: int) -> None:
+    if t.dtype != want:
+        raise LayoutMismatchError(
+            f"layer {layer}: the model hands {what} in {t.dtype} but the pool declares {want}; "
+            "build the pool with the model's dtype (KvarenaPool.from_config(..., dtype=model.dtype))"
+        )
+
+
+class PagedLayer(CacheLayerMixin):
+    """A full-attention layer over block tables."""
+
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, rows: _Rows, index: int, group: int, tokens: int) -> None:
+        super().__init__()
+        self.rows, self.layer_idx, self.group = rows, index, group
+        self.tokens = tokens
+        self.is_initialized = True
+        self.k = rows.cache.page_view("k")[group]  # [blocks, block, heads, dim]
+        self.v = rows.cache.page_view("v")[group]
+        self.device = self.k.device
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        _check_dtype(key_states, self.k.dtype, "keys", self.layer_idx)
+        _check_dtype(value_states, self.v.dtype, "values", self.layer_idx)
+        n, t = self.tokens, key_states.shape[-2]
+        self.rows.prepare(n, n + t)
+        blk, row = self.rows.index(n, n + t)
+        self.k[blk, row] = key_states.transpose(1, 2)
+        self.v[blk, row] = value_states.transpose(1, 2)
+        self.tokens = n + t
+        blk, row = self.rows.index(0, n + t)
+        return self.k[blk, row].transpose(1, 2), self.v[blk, row].transpose(1, 2)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.tokens + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.tokens
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.tokens = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self.tokens = _cropped(self.tokens, tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        return None  # the cache reorders the rows once for every layer
+
+    def offload(self) -> None:
+        return None
+
+    def prefetch(self) -> None:
+        return None
+
+
+def _cropped(tokens: int, remove: int) -> int:
+    """transformers' crop argument: negative removes that many, non-negative is
+    the length to keep."""
+    keep = tokens + remove if remove < 0 else remove
+    if not 0 <= keep <= tokens:
+        raise InvalidValueError(f"crop({remove}) of a {tokens}-token cache is out of range")
+    return keep
+
+
+class RingLayer(CacheLayerMixin):
+    """A sliding-window layer: a ring of ``window`` tokens in each row's slot.
+
+    It answers transformers' sliding contract: attention sees the last
+    ``window - 1`` cached tokens plus the new ones; token ``p`` lives in ring
+    row ``p % window``."""
+
+    is_sliding = True
+    is_croppable = False
+
+    def __init__(self, rows: _Rows, index: int, group: int, tokens: int, window: int) -> None:
+        super().__init__()
+        self.rows, self.layer_idx, self.group = rows, index, group
+        self.tokens, self.window = tokens, window
+        self.is_initialized = True
+        self.sliding_window = window
+        self.cumulative_length = tokens
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        kr = self.rows.state("k_window")[self.group]  # [B, window, heads, dim]
+        vr = self.rows.state("v_window")[self.group]
+        _check_dtype(key_states, kr.dtype, "keys", self.layer_idx)
+        n, t, w = self.tokens, key_states.shape[-2], self.window
+        kept = min(n, w - 1)
+        old = torch.arange(n - kept, n, device=kr.device) % w
+        full_k = torch.cat([kr[:, old].transpose(1, 2), key_states], dim=-2)
+        full_v = torch.cat([vr[:, old].transpose(1, 2), value_states], dim=-2)
+        m = min(t, w)
+        new = torch.arange(n + t - m, n + t, device=kr.device) % w
+        kr[:, new] = key_states[:, :, t - m :].transpose(1, 2)
+        vr[:, new] = value_states[:, :, t - m :].transpose(1, 2)
+        self.tokens = self.cumulative_length = n + t
+        return full_k, full_v
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        n, w = self.tokens, self.window
+        if n >= w:
+            return w - 1 + query_length, n - w + 1
+        return n + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.tokens
+
+    def get_max_length(self) -> int:
+        return self.window
+
+    def reset(self) -> None:
+        self.tokens = self.cumulative_length = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise InvalidValueError(
+            "a sliding-window ring cannot be cropped: the tokens it overwrote are gone"
+        )
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        return None
+
+    def offload(self) -> None:
+        return None
+
+    def prefetch(self) -> None:
+        return None
+
+
+class LinearLayer(LinearAttentionCacheLayerMixin):
+    """A linear-attention layer whose conv and recurrent states are the rows' slots."""
+
+    def __init__(self, rows: _Rows, index: int, group: int, started: bool) -> None:
+        super().__init__(number_of_states=1)
+        self.rows, self.layer_idx, self.group = rows, index, group
+        fields = {f.name: f for f in rows.cache.state_fields}
+        self.kernel = fields["conv_state"].shape[-1]
+        self.has_recurrent = "recurrent_state" in fields
+        self.conv_kernel_size[0] = self.kernel
+        self.has_previous_state[0] = started
+        self.batch_size = len(rows.requests)
+        self.attach()
+
+    def attach(self) -> None:
+        """Point the states at the rows' slots (again, after the rows changed)."""
+        conv = self.rows.state("conv_state")[self.group]
+        self.conv_states[0] = conv
+        self.dtype, self.device = conv.dtype, conv.device
+        self.is_conv_states_initialized[0] = True
+        if self.has_recurrent:
+            self.recurrent_states[0] = self.rows.state("recurrent_state")[self.group]
+            self.is_recurrent_states_initialized[0] = True
+        self.batch_size = len(self.rows.requests)
+
+    def lazy_initialization(
+        self,
+        conv_states: torch.Tensor | None = None,
+        recurrent_states: torch.Tensor | None = None,
+        state_idx: int = 0,
+    ) -> None:
+        return None
+
+    def _check_idx(self, state_idx: int) -> None:
+        if state_idx != 0:
+            raise InvalidValueError(f"layer {self.layer_idx}: one state per layer; got {state_idx}")
+
+    def update_conv_state(
+        self,
+        conv_states: torch.Tensor,
+        state_idx: int = 0,
+        conv_kernel_size: int | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        self._check_idx(state_idx)
+        if conv_kernel_size is not None and conv_kernel_size != self.kernel:
+            raise LayoutMismatchError(
+                f"layer {self.layer_idx}: conv kernel {conv_kernel_size}, pool declares {self.kernel}"
+            )
+        view = self.conv_states[0]
+        assert view is not None
+        _check_dtype(conv_states, view.dtype, "conv states", self.layer_idx)
+        if not self.has_previous_state[0]:
+            full = conv_states
+            if full.shape[-1] < self.kernel:
+                full = torch.nn.functional.pad(full, (self.kernel - full.shape[-1], 0))
+            self.has_previous_state[0] = True
+        else:
+            full = torch.cat([view, conv_states], dim=-1)
+        view.copy_(full[..., -self.kernel :])
+        return full
+
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs: Any
+    ) -> torch.Tensor:
+        self._check_idx(state_idx)
+        view = self.recurrent_states[0]
+        if view is None:
+            raise LayoutMismatchError(
+                f"layer {self.layer_idx}: the pool declares no recurrent state"
+            )
+        _check_dtype(recurrent_states, view.dtype, "recurrent states", self.layer_idx)
+        view.copy_(recurrent_states)
+        self.has_previous_state[0] = True
+        return view
+
+    def reset(self) -> None:
+        for t in (self.conv_states[0], self.recurrent_states[0]):
+            if t is not None:
+                t.zero_()
+        self.has_previous_state[0] = False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        return None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise InvalidValueError(
+            "a linear-attention state cannot be cropped: it holds no per-token history"
+        )
+
+    def offload(self) -> None:
+        return None
+
+    def prefetch(self) -> None:
+        return None
+
+
+class NoneLayer(CacheLayerMixin):
+    """A layer that keeps nothing (MLP / MoE / a KV-sharing consumer)."""
+
+    supports_early_init = False
+    is_compileable = True
+    is_croppable = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None
+
+    def update(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        raise InvalidValueError("this layer keeps no cache")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0
+
+    def get_seq_length(self) -> int:
+        return 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        return None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        return None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        return None
+
+    def offload(self) -> None:
+        return None
+
+    def prefetch(self) -> None:
+        return None
+
+
+class KvarenaCache(Cache):
+    """A batch of requests in a :class:`KvarenaPool`, as transformers' ``Cache``.
+
+    Made by ``pool.new_cache(batch_size)`` or ``pool.prefill(...)``; given back
+    with ``pool.release(cache)`` (``generate`` never frees a cache passed in).
+    """
+
+    def __init__(self, pool: KvarenaPool, rows: _Rows, tokens: int, started: bool) -> None:
+        self.pool = pool
+        self.rows = rows
+        self.released = False
+        layout: HfLayout = pool.layout
+        layers: list[Any] = []
+        for i, (kind, g) in enumerate(zip(layout.kinds, layout.group, strict=True)):
+            if kind == PAGED:
+                layers.append(PagedLayer(rows, i, g, tokens))
+            elif kind == RING:
+                layers.append(RingLayer(rows, i, g, tokens, layout.window))
+            elif kind == LINEAR:
+                layers.append(LinearLayer(rows, i, g, started))
+            else:
+                assert kind == NONE
+                layers.append(NoneLayer())
+        super().__init__(layers=layers)
+        self._tokens = tokens
+
+    @property
+    def requests(self) -> list[Hashable]:
+        return list(self.rows.requests)
+
+    @property
+    def slots(self) -> list[tuple[int, ...]]:
+        return list(self.rows.slots)
+
+    @property
+    def block_tables(self) -> list[BlockTable]:
+        return list(self.rows.tables)
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    def sync(self) -> None:
+        """Make the slots hold every state (a no-op when the states are views)."""
+        self.rows.sync()
+
+    def _check_live(self) -> None:
+        if self.released:
+            raise InvalidValueError("this KvarenaCache was released to its pool")
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        if any(isinstance(layer, (PagedLayer, RingLayer)) for layer in self.layers):
+            return super().get_seq_length(layer_idx)
+        return 0
+
+    # -- batch-wide operations: once for every layer --------------------------------
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Row ``r`` becomes old row ``beam_idx[r]``: its blocks shared (copied on
+        the next write), its state copied whole, as one entry per row."""
+        self._check_live()
+        order = [int(i) for i in beam_idx.tolist()]
+        rows = self.rows
+        if len(order) != len(rows.requests) or not all(0 <= i < len(order) for i in order):
+            raise InvalidValueError(f"reorder_cache: beam_idx {order} is not a row selection")
+        if order == list(range(len(order))):
+            return
+        if rows.tables:
+            new = [list(rows.tables[i].blocks) for i in order]
+            tokens = [rows.tables[i].tokens for i in order]
+            alloc = rows.cache.blocks
+            for blocks in new:
+                for b in blocks:
+                    alloc.retain(b)
+            for table, blocks, n in zip(rows.tables, new, tokens, strict=True):
+                old = list(table.blocks)
+                table.blocks[:] = blocks
+                table.tokens = n
+                for b in old:
+                    alloc.release(b)
+            rows.changed()
+        if rows.slots:
+            rows.sync()
+            src = [rows.slots[i] for i in order]
+            rows.cache.copy_slots(
+                [s for group in src for s in group], [s for group in rows.slots for s in group]
+            )
+            if rows._copies:
+                rows.reload()
+                for layer in self.layers:
+                    if isinstance(layer, LinearLayer):
+                        layer.attach()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last tokens of every row (paged layers only: rings and linear
+        states keep no history to roll back to)."""
+        self._check_live()
+        blocked = [
+            type(layer).__name__
+            for layer in self.layers
+            if isinstance(layer, (RingLayer, LinearLayer))
+        ]
+        if blocked:
+            raise InvalidValueError(
+                f"crop: this model has {blocked[0]} layers, whose state cannot roll back"
+            )
+        for layer in self.layers:
+            layer.crop(tokens_to_remove)
+        keep = next((layer.tokens for layer in self.layers if isinstance(layer, PagedLayer)), 0)
+        for t in self.rows.tables:
+            t.truncate(min(keep, t.tokens))
+        self.rows.changed()
+
+    @property
+    def is_croppable(self) -> bool:
+        return not any(isinstance(layer, (RingLayer, LinearLayer)) for layer in self.layers)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise InvalidValueError(
+            "KvarenaCache rows are requests: make a cache of the expanded batch size instead"
+        )
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise InvalidValueError(
+            "KvarenaCache rows are requests: release the cache and admit the rows kept"
+        )
+
+    def reset(self) -> None:
+        self._check_live()
+        for layer in self.layers:
+            layer.reset()
+        for t in self.rows.tables:
+            t.truncate(0)
+        self.rows.changed()

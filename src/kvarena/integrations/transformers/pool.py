@@ -1,0 +1,152 @@
+"""``KvarenaPool``: one kvarena allocation serving a transformers model.
+
+The pool walks the one road — :func:`hf_layout` declares the model's cache,
+:func:`kvarena.plan_cache` sizes it in a budget, and a
+:class:`~kvarena.PrefixCache` builds the :class:`~kvarena.UnifiedCache` from
+that plan — and hands out :class:`KvarenaCache` objects, one request per row.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+
+from ...checks import check_count, check_device
+from ...errors import InvalidValueError
+from ...pools import BlockTable, CachePlan, plan_cache
+from ...prefix import CheckpointPolicy, PrefixCache
+from .cache import KvarenaCache, _Rows
+from .layout import HfLayout, hf_layout
+
+
+class KvarenaPool:
+    """Blocks and slots for a model's requests, with a prefix cache over them."""
+
+    def __init__(self, layout: HfLayout, plan: CachePlan, prefix: PrefixCache) -> None:
+        self.layout = layout
+        self.plan = plan
+        self.prefix = prefix
+        self.cache = prefix.cache
+        self._ids = itertools.count()
+        self._prompts: dict[Hashable, int] = {}  # admitted request -> prompt tokens
+        self._live: set[int] = set()  # ids of caches not yet released
+
+    @classmethod
+    def from_config(
+        cls,
+        config: Any,
+        *,
+        budget_bytes: int,
+        device: torch.device | str = "cpu",
+        block_size: int = 16,
+        max_seqs: int = 8,
+        dtype: torch.dtype | str | None = None,
+        policy: CheckpointPolicy | None = None,
+    ) -> KvarenaPool:
+        """A pool for the model ``config`` describes, in ``budget_bytes`` on
+        ``device``, for up to ``max_seqs`` concurrent requests.
+
+        ``dtype`` is the dtype the model computes in (default: the config's,
+        else torch's default — what ``from_config`` builds a model in)."""
+        dev = check_device(device)
+        check_count(block_size, "block_size", lo=1, hi=1 << 20)
+        layout = hf_layout(config, dtype=dtype, block_size=block_size)
+        plan = plan_cache(layout.model, budget_bytes=budget_bytes, max_seqs=max_seqs)
+        return cls(layout, plan, PrefixCache(plan, dev, policy=policy))
+
+    @property
+    def device(self) -> torch.device:
+        return self.cache.device
+
+    # -- caches ----------------------------------------------------------------------
+    def _rows(
+        self, requests: list[Hashable], tables: list[BlockTable], slots: list[tuple[int, ...]]
+    ) -> _Rows:
+        return _Rows(self.cache, requests, tables, slots)
+
+    def new_cache(self, batch_size: int) -> KvarenaCache:
+        """An empty cache for ``batch_size`` new requests: each row gets a block
+        table and a state slot (the batch's slots consecutive where they can be)."""
+        n = check_count(batch_size, "batch_size", lo=1, hi=self.plan.max_seqs)
+        requests: list[Hashable] = [("hf", next(self._ids)) for _ in range(n)]
+        slots = self.cache.allocate_states(requests) if self.cache.state_fields else []
+        tables = [BlockTable(self.cache) for _ in requests] if self.cache.page_fields else []
+        return self._track(KvarenaCache(self, self._rows(requests, tables, slots), 0, False))
+
+    def prefill(self, model: Any, input_ids: torch.Tensor) -> KvarenaCache:
+        """A cache for one prompt that reuses what the prefix cache holds of it.
+
+        The prompt's longest cached prefix (whole blocks, at most ``len - 1``
+        tokens, so ``generate`` still has a token to feed) comes back as shared
+        blocks and a restored state; the prompt is then computed up to each
+        checkpoint boundary the policy asks for, where an image of the state
+        is kept for later prompts. ``generate(input_ids, past_key_values=cache)``
+        computes the rest."""
+        if (
+            not isinstance(input_ids, torch.Tensor)
+            or input_ids.dim() != 2
+            or input_ids.shape[0] != 1
+        ):
+            raise InvalidValueError(
+                "prefill takes one prompt: input_ids of shape [1, tokens]; "
+                f"got {tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else input_ids!r}"
+            )
+        tokens = input_ids[0].tolist()
+        request: Hashable = ("hf", next(self._ids))
+        adm = self.prefix.admit(request, tokens)
+        hit = adm.hit.tokens
+        tables = [BlockTable(self.cache, adm.blocks, tokens=hit)] if self.cache.page_fields else []
+        rows = self._rows([request], tables, [adm.slots] if adm.slots else [])
+        cache = self._track(KvarenaCache(self, rows, hit, hit > 0))
+        self._prompts[request] = len(tokens)
+        bs, done = self.cache.block_size, hit
+        try:
+            with torch.no_grad():
+                for b in adm.checkpoints:
+                    end = b * bs
+                    if end > len(tokens) - 1:
+                        break
+                    model(input_ids=input_ids[:, done:end], past_key_values=cache, use_cache=True)
+                    cache.sync()
+                    self.prefix.checkpoint(request, b)
+                    self.prefix.commit(request, end)
+                    done = end
+        except BaseException:
+            self.release(cache)
+            raise
+        return cache
+
+    def _track(self, cache: KvarenaCache) -> KvarenaCache:
+        self._live.add(id(cache))
+        return cache
+
+    def release(self, cache: KvarenaCache) -> None:
+        """Give back every block and slot of ``cache``; the computed blocks of an
+        admitted prompt stay in the prefix cache for later prompts."""
+        if not isinstance(cache, KvarenaCache) or cache.pool is not self:
+            raise InvalidValueError("release: not a KvarenaCache of this pool")
+        if cache.released:
+            raise InvalidValueError("release: this cache was released already")
+        cache.sync()
+        rows = cache.rows
+        for r, request in enumerate(rows.requests):
+            prompt = self._prompts.pop(request, None)
+            if prompt is not None:
+                written = rows.tables[r].tokens if rows.tables else prompt
+                self.prefix.commit(request, min(prompt, written))
+                self.prefix.finish(request)
+                continue
+            if rows.tables:
+                rows.tables[r].release()
+            if rows.slots:
+                self.cache.free_state(request)
+        cache.released = True
+        self._live.discard(id(cache))
+
+    @property
+    def live_caches(self) -> int:
+        """Caches handed out and not released."""
+        return len(self._live)

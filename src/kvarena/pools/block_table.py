@@ -1,0 +1,135 @@
+"""One sequence's KV blocks in token order: append, fork with copy-on-write, truncate.
+
+A block table is what a paged attention kernel reads: row ``r``'s token ``t``
+lives in block ``table[r][t // block_size]`` at row ``t % block_size``. The
+table holds one reference on each of its blocks, so a fork (a beam, a
+parallel sample) shares them for free; the first write into a block that
+someone else also reads — another table, or the prefix cache, which keeps
+finished prompts' blocks under their keys — copies it first (copy-on-write),
+so no write ever changes bytes another reader sees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..checks import check_count
+from ..errors import InvalidValueError
+from .unified import UnifiedCache
+
+
+class BlockTable:
+    """The blocks of one sequence and how many tokens it holds.
+
+    ``blocks`` may be a list the caller shares (a prefix-cache admission's
+    blocks): the table appends to it and replaces copied blocks in place, so
+    whoever releases that list releases exactly what the table holds.
+    """
+
+    def __init__(
+        self, cache: UnifiedCache, blocks: list[int] | None = None, *, tokens: int = 0
+    ) -> None:
+        if not isinstance(cache, UnifiedCache):
+            raise InvalidValueError(
+                f"BlockTable: cache must be a UnifiedCache, got {type(cache).__name__}"
+            )
+        if not cache.page_fields:
+            raise InvalidValueError("BlockTable: this cache has no PAGE fields, so no blocks")
+        self.cache = cache
+        self.block_size = cache.block_size
+        if blocks is None:
+            blocks = []
+        elif not isinstance(blocks, list):
+            raise InvalidValueError(
+                f"BlockTable: blocks must be a list, got {type(blocks).__name__}"
+            )
+        cache.blocks.check_held(blocks, "BlockTable: blocks", writing=True)
+        self.blocks = blocks
+        self.tokens = check_count(tokens, "BlockTable: tokens", hi=len(blocks) * self.block_size)
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the held blocks can take."""
+        return len(self.blocks) * self.block_size
+
+    def reserve(self, tokens: int) -> list[int]:
+        """Hold blocks for ``tokens`` tokens in all; the new blocks (all or nothing)."""
+        tokens = check_count(tokens, "BlockTable.reserve: tokens")
+        need = -(-tokens // self.block_size) - len(self.blocks)
+        if need <= 0:
+            return []
+        new = self.cache.blocks.allocate(need)
+        self.blocks.extend(new)
+        return new
+
+    def prepare_write(self, start: int, end: int) -> list[tuple[int, int]]:
+        """Make tokens ``[start, end)`` writable: reserve blocks up to ``end`` and
+        copy every block in the range that another reader holds (refcount above
+        one, or cached by the prefix cache). Returns the ``(old, new)`` copies."""
+        start = check_count(start, "prepare_write: start")
+        end = check_count(end, "prepare_write: end", lo=start)
+        self.reserve(end)
+        bs, alloc = self.block_size, self.cache.blocks
+        touched = range(start // bs, -(-end // bs)) if end > start else range(0)
+        shared = [
+            i
+            for i in touched
+            if alloc.refcount(self.blocks[i]) > 1 or alloc.is_cached(self.blocks[i])
+        ]
+        if not shared:
+            return []
+        new = alloc.allocate(len(shared))
+        old = [self.blocks[i] for i in shared]
+        self.cache.copy_blocks(old, new)
+        for i, b in zip(shared, new, strict=True):
+            self.blocks[i] = b
+        for b in old:
+            alloc.release(b)
+        return list(zip(old, new, strict=True))
+
+    def fork(self) -> BlockTable:
+        """A second table over the same blocks (one more reference on each)."""
+        for b in self.blocks:
+            self.cache.blocks.retain(b)
+        return BlockTable(self.cache, list(self.blocks), tokens=self.tokens)
+
+    def truncate(self, tokens: int) -> list[int]:
+        """Keep the first ``tokens`` tokens; the blocks past them are released."""
+        tokens = check_count(tokens, "BlockTable.truncate: tokens", hi=self.tokens)
+        keep = -(-tokens // self.block_size)
+        gone = self.blocks[keep:]
+        del self.blocks[keep:]
+        for b in reversed(gone):
+            self.cache.blocks.release(b)
+        self.tokens = tokens
+        return gone
+
+    def release(self) -> None:
+        """Give every block back (cached ones age in the LRU)."""
+        self.truncate(0)
+
+    def token_index(self, start: int, end: int) -> torch.Tensor:
+        """Flat row ids (``block * block_size + t % block_size``) of tokens
+        ``[start, end)`` into a ``[blocks * block_size, ...]`` view of a PAGE field."""
+        start = check_count(start, "token_index: start")
+        end = check_count(end, "token_index: end", lo=start, hi=self.capacity)
+        t = torch.arange(start, end, dtype=torch.int64)
+        ids = torch.as_tensor(self.blocks, dtype=torch.int64)
+        return ids[t // self.block_size] * self.block_size + t % self.block_size
+
+
+def block_table_tensor(
+    tables: Sequence[BlockTable], device: torch.device | str, *, width: int | None = None
+) -> torch.Tensor:
+    """``int32 [rows, width]``: row ``r`` lists table ``r``'s blocks, padded with
+    -1 — the block-table argument paged attention kernels take."""
+    if not tables or not all(isinstance(t, BlockTable) for t in tables):
+        raise InvalidValueError("block_table_tensor: tables must be a non-empty list of BlockTable")
+    longest = max(len(t.blocks) for t in tables)
+    w = longest if width is None else check_count(width, "block_table_tensor: width", lo=longest)
+    out = torch.full((len(tables), w), -1, dtype=torch.int32)
+    for r, t in enumerate(tables):
+        out[r, : len(t.blocks)] = torch.as_tensor(t.blocks, dtype=torch.int32)
+    return out.to(device)
