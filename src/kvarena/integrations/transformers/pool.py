@@ -8,6 +8,7 @@ that plan — and hands out :class:`KvarenaCache` objects, one request per row.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Hashable
 from typing import Any
@@ -20,6 +21,15 @@ from ...pools import BlockTable, CachePlan, plan_cache
 from ...prefix import CheckpointPolicy, PrefixCache
 from .cache import KvarenaCache, _Rows
 from .layout import HfLayout, hf_layout
+
+
+def forward_with(model: Any, input_ids: torch.Tensor, cache: Any) -> Any:
+    """``model``'s forward over ``input_ids`` with ``cache``: transformers names
+    the argument ``past_key_values`` in attention models and ``cache`` in the
+    Mamba family."""
+    params = inspect.signature(model.forward).parameters
+    name = "past_key_values" if "past_key_values" in params else "cache"
+    return model(input_ids=input_ids, use_cache=True, **{name: cache})
 
 
 class KvarenaPool:
@@ -109,7 +119,7 @@ class KvarenaPool:
                     end = b * bs
                     if end > len(tokens) - 1:
                         break
-                    model(input_ids=input_ids[:, done:end], past_key_values=cache, use_cache=True)
+                    forward_with(model, input_ids[:, done:end], cache)
                     cache.sync()
                     self.prefix.checkpoint(request, b)
                     self.prefix.commit(request, end)

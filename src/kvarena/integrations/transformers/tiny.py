@@ -1,0 +1,93 @@
+"""Tiny random models of each supported family, built from configs (no download).
+
+The tests, the demo, the examples and the benchmark generate with these:
+small enough for a CPU in seconds, yet each with the family's layer mix
+(Gemma-3's sliding and global layers, Qwen3-Next's Gated DeltaNet beside
+attention, Nemotron-H's Mamba2 + attention + MLP layers...).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_COMMON: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    vocab_size=128,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
+TINY: dict[str, dict[str, Any]] = {
+    "llama": dict(num_hidden_layers=2),
+    "qwen3": dict(num_hidden_layers=2),
+    "gemma3_text": dict(
+        num_hidden_layers=4,
+        sliding_window=8,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+    ),
+    "qwen3_next": dict(
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    ),
+    "mamba2": dict(
+        num_hidden_layers=2, num_heads=8, head_dim=16, state_size=16, n_groups=1, expand=2
+    ),
+    "nemotron_h": dict(
+        num_hidden_layers=4,
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        ssm_state_size=16,
+        n_groups=1,
+        hybrid_override_pattern="M*M-",
+    ),
+    "kimi_linear": dict(
+        num_hidden_layers=4,
+        num_key_value_heads=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        kv_lora_rank=32,
+        linear_num_heads=4,
+        linear_head_dim=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        mlp_layer_types=["dense"] * 4,
+    ),
+}
+"""model_type -> the config fields of its tiny model (over the common ones)."""
+
+
+def tiny_config(model_type: str, **overrides: Any) -> Any:
+    """The tiny config of ``model_type`` (a transformers ``PretrainedConfig``)."""
+    from transformers import AutoConfig
+
+    if model_type not in TINY:
+        raise KeyError(f"no tiny {model_type!r}; known: {', '.join(TINY)}")
+    fields = {**_COMMON, **TINY[model_type], **overrides}
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def tiny_model(
+    model_type: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any
+) -> Any:
+    """A random model of ``model_type`` in eval mode, same weights for the same seed."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(model_type, **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
