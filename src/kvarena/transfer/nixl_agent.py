@@ -580,11 +580,13 @@ class DecodeReceiver(NixlEndpoint):
         request: str,
         num_blocks: int,
         *,
-        with_state: bool = True,
+        with_state: bool | None = None,
         timeout_s: float = 30.0,
         peer: str | None = None,
     ) -> dict:
         """Allocate ``num_blocks`` blocks (and the request's state slots) for ``request``.
+
+        ``with_state=None`` takes state slots when the cache has STATE fields.
 
         Returns what the sender needs: destination ids, this side's current
         geometry and the transfer id its WRITE must carry. Refused (nothing
@@ -602,6 +604,8 @@ class DecodeReceiver(NixlEndpoint):
         owner = (request, transfer)
         blocks = self.cache.blocks.allocate(num_blocks)
         try:
+            if with_state is None:
+                with_state = bool(self.cache.state_fields)
             slots = self.cache.allocate_state(owner) if with_state else ()
         except Exception:
             for b in blocks:
@@ -774,6 +778,16 @@ class DecodeReceiver(NixlEndpoint):
         except KeyError:
             raise InvalidValueError(f"request {request!r} is not ready") from None
         self._free(p)
+
+    def take(self, request: str) -> tuple[list[int], tuple[int, ...], Hashable]:
+        """The engine takes a ready request over: ``(blocks, slots, owner)`` are
+        now its to free (``cache.blocks.release`` each block,
+        ``cache.free_state(owner)``); the receiver forgets them."""
+        try:
+            p = self.ready.pop(request)
+        except KeyError:
+            raise InvalidValueError(f"request {request!r} is not ready") from None
+        return p.blocks, p.slots, p.owner
 
     def held_pending(self) -> list[_Pending]:
         """Allocations a peer may still write: awaited requests and quarantined ones."""

@@ -129,6 +129,43 @@ class KvarenaPool:
             raise
         return cache
 
+    def prefill_remote(self, model: Any, input_ids: torch.Tensor) -> tuple[KvarenaCache, int]:
+        """The prefill half of a disaggregated request: compute the whole prompt
+        (one row) into a new cache and return it with the first token (greedy).
+        Ship ``cache.block_tables[0].blocks`` and ``cache.slots[0][:1]`` to the
+        decode side, which continues with :meth:`adopt`."""
+        if (
+            not isinstance(input_ids, torch.Tensor)
+            or input_ids.dim() != 2
+            or input_ids.shape[0] != 1
+        ):
+            raise InvalidValueError(
+                "prefill_remote takes one prompt: input_ids of shape [1, tokens]"
+            )
+        cache = self.new_cache(1)
+        try:
+            with torch.no_grad():
+                logits = forward_with(model, input_ids, cache).logits
+        except BaseException:
+            self.release(cache)
+            raise
+        cache.sync()
+        return cache, int(logits[0, -1].argmax())
+
+    def adopt(
+        self, blocks: list[int], slots: tuple[int, ...], owner: Hashable, tokens: int
+    ) -> KvarenaCache:
+        """A one-row cache over blocks and slots that arrived from another process
+        (:meth:`kvarena.DecodeReceiver.take`), holding ``tokens`` computed tokens.
+        The pool frees them on release."""
+        n = check_count(tokens, "adopt: tokens", lo=1)
+        tables = [BlockTable(self.cache, list(blocks), tokens=n)] if self.cache.page_fields else []
+        if self.cache.state_fields:
+            if tuple(self.cache.slots.slots_of(owner)) != tuple(slots):
+                raise InvalidValueError(f"adopt: {owner!r} does not hold slots {tuple(slots)}")
+        rows = self._rows([owner], tables, [tuple(slots)] if slots else [])
+        return self._track(KvarenaCache(self, rows, n, True))
+
     def _track(self, cache: KvarenaCache) -> KvarenaCache:
         self._live.add(id(cache))
         return cache
