@@ -262,3 +262,48 @@ def test_a_config_without_dtype_is_not_bfloat16(models):
     assert layout.dtype == torch.get_default_dtype() == torch.float32
     with pytest.raises(kvarena.InvalidValueError, match="unsupported"):
         hf_layout(model.config, dtype="int8")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_presets_read_transformers5_configs(family):
+    """The presets read the configs transformers 5 writes: ``layer_types`` (Qwen3-Next's
+    here is not periodic), ``layers_block_type`` (Nemotron-H), Kimi's flat fields, and
+    ``dtype: null`` (float32, with a note, never a silent bfloat16)."""
+    from kvarena.integrations.transformers.tiny import tiny_config
+
+    config = tiny_config(family)
+    layout = hf_layout(config)
+    model = kvarena.model_cache(config.to_dict())
+    assert model.attention_layers == layout.counts[PAGED]
+    assert model.state_layers == layout.counts[RING] + layout.counts[LINEAR]
+    assert any("names no dtype" in n for n in model.notes)
+    assert {f.dtype for f in (*model.page_fields, *model.state_fields)} == {torch.float32}
+    bf16 = kvarena.model_cache(config.to_dict(), kvarena.ServingOptions(dtype="bfloat16"))
+    assert not any("names no dtype" in n for n in bf16.notes)
+    assert bf16.page_fields == () or bf16.page_fields[0].dtype == torch.bfloat16
+    named = kvarena.model_cache({**config.to_dict(), "dtype": "bfloat16"})
+    assert not any("names no dtype" in n for n in named.notes)
+    if family in ("nemotron_h", "mamba2"):
+        ssm = {f.name: f for f in named.state_fields}["ssm_state"]
+        # transformers 5 writes mamba_ssm_cache_dtype="float32" for Nemotron-H
+        want = (
+            torch.float32
+            if config.to_dict().get("mamba_ssm_cache_dtype") == "float32"
+            else torch.bfloat16
+        )
+        assert ssm.dtype == want
+
+
+def test_preset_refuses_a_nonsense_dtype():
+    with pytest.raises(kvarena.InvalidValueError, match="dtype 'int4' unknown"):
+        kvarena.ServingOptions(dtype="int4")
+    with pytest.raises(kvarena.UnknownModelError, match="unsupported"):
+        kvarena.model_cache(
+            {
+                "model_type": "llama",
+                "dtype": "int8",
+                "num_hidden_layers": 2,
+                "num_key_value_heads": 2,
+                "head_dim": 8,
+            }
+        )

@@ -70,14 +70,22 @@ MAX_BLOCK_SIZE = 1 << 20
 
 KV_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_ds_mla")
 STATE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+MODEL_DTYPES = STATE_DTYPES
+NO_DTYPE_NOTE = (
+    "the config names no dtype (a config built in code): float32 assumed, the dtype "
+    "transformers builds such a model in; pass ServingOptions(dtype=...) to choose"
+)
 
 
 @dataclass(frozen=True, kw_only=True)
 class ServingOptions:
     """How the model is served. ``block_size=None`` takes the family default
-    (16 tokens; 64 for MLA, FlashMLA's alignment; 256 for DeepSeek-V4)."""
+    (16 tokens; 64 for MLA, FlashMLA's alignment; 256 for DeepSeek-V4).
+    ``dtype`` is the dtype the model computes in (``"auto"``: the config's
+    ``torch_dtype``/``dtype``; float32, with a note, when it names none)."""
 
     tp: int = 1
+    dtype: str = "auto"
     kv_dtype: str = "auto"
     state_dtype: str = "auto"
     block_size: int | None = None
@@ -88,6 +96,10 @@ class ServingOptions:
         check_count(self.spec_tokens, "spec_tokens", hi=MAX_SPEC_TOKENS)
         if self.block_size is not None:
             check_count(self.block_size, "block_size", lo=1, hi=MAX_BLOCK_SIZE)
+        if self.dtype not in MODEL_DTYPES:
+            raise InvalidValueError(
+                f"dtype {self.dtype!r} unknown; legal: {', '.join(MODEL_DTYPES)}"
+            )
         if self.kv_dtype not in KV_DTYPES:
             raise InvalidValueError(
                 f"kv_dtype {self.kv_dtype!r} unknown; legal: {', '.join(KV_DTYPES)}"
@@ -306,14 +318,27 @@ def detect_family(config: Mapping[str, Any]) -> str:
 # -- helpers -------------------------------------------------------------------
 
 
-def _model_dtype(c: ConfigReader) -> torch.dtype:
-    """The dtype the model computes in: ``torch_dtype`` (or transformers 5's ``dtype``)."""
-    name = c.string("torch_dtype", default=None) if c.has("torch_dtype") else None
-    if name is None:
-        name = c.string("dtype", default="bfloat16")
-    if name not in _DTYPES:
-        raise ConfigError(f"{c.where}: torch_dtype {name!r} unsupported; legal: {sorted(_DTYPES)}")
-    return _DTYPES[name]
+def _config_dtype(c: ConfigReader) -> str | None:
+    """The config's ``torch_dtype`` (or transformers 5's ``dtype``), None when it names none."""
+    for key in ("torch_dtype", "dtype"):
+        if c.has(key):
+            name = c.string(key)
+            if name.startswith("torch."):  # str(torch.bfloat16) in configs saved from objects
+                name = name[len("torch.") :]
+            if name not in _DTYPES:
+                raise ConfigError(
+                    f"{c.where}: {key} {name!r} unsupported; legal: {sorted(_DTYPES)}"
+                )
+            return name
+    return None
+
+
+def _model_dtype(c: ConfigReader, o: ServingOptions) -> torch.dtype:
+    """The dtype the model computes in: the serving option, else the config's,
+    else float32 (what transformers builds a model in when the config names none)."""
+    if o.dtype != "auto":
+        return _DTYPES[o.dtype]
+    return _DTYPES[_config_dtype(c) or "float32"]
 
 
 def _kv_dtype(opts: ServingOptions, model: torch.dtype, *, packed_mla: bool = False) -> torch.dtype:
@@ -435,7 +460,7 @@ def _head_dim(c: ConfigReader) -> int:
 def _gqa(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
     layers = c.integer("num_hidden_layers", hi=MAX_LAYERS)
     block = _block(o, 16)
-    kv = _kv_dtype(o, _model_dtype(c))
+    kv = _kv_dtype(o, _model_dtype(c, o))
     heads = _kv_heads(c.integer("num_key_value_heads"), o.tp)
     page = _kv_fields(layers, block, heads, _head_dim(c), kv)
     return _model(name, "gqa", o, block, page, [], attention=layers, state_layers=0)
@@ -459,7 +484,7 @@ def _gemma3(name: str, root: ConfigReader, o: ServingOptions) -> ModelCache:
     head_dim = _head_dim(t)
     window = t.integer("sliding_window")
     block = _block(o, 16)
-    kv = _kv_dtype(o, _model_dtype(root))
+    kv = _kv_dtype(o, _model_dtype(root, o))
     page = _kv_fields(full, block, heads, head_dim, kv)
     # Local layers never need more than the window: a per-request ring.
     state = [
@@ -490,7 +515,7 @@ def _mla(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
     if o.spec_tokens:
         layers += c.integer("num_nextn_predict_layers", lo=0, hi=MAX_LAYERS, default=0)
     block = _block(o, 64)
-    row, dtype = _mla_row(c, o, _model_dtype(c))
+    row, dtype = _mla_row(c, o, _model_dtype(c, o))
     page = [EntryField("kv", layers, (block, *row), dtype)]
     return _model(name, "mla", o, block, page, [], attention=layers, state_layers=0, align=64)
 
@@ -519,7 +544,7 @@ def _qwen3_next_layers(c: ConfigReader) -> tuple[int, int]:
 
 def _qwen3_next(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
     attn, gdn = _qwen3_next_layers(c)
-    model = _model_dtype(c)
+    model = _model_dtype(c, o)
     block = _block(o, 16)
     page = _kv_fields(
         attn,
@@ -562,7 +587,7 @@ def _mamba2(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
                 f"head_dim {head_dim}"
             )
         heads = expand * hidden // head_dim
-    model = _model_dtype(c)
+    model = _model_dtype(c, o)
     state = _mamba2_fields(
         layers=layers,
         heads=heads,
@@ -576,7 +601,7 @@ def _mamba2(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
         else ssm.integer("d_conv", lo=2, default=4),
         tp=o.tp,
         conv_dtype=model,
-        ssm_dtype=_state_dtype(o, model),
+        ssm_dtype=_ssm_dtype(c, o, model),
     )
     return _model(
         name,
@@ -591,15 +616,53 @@ def _mamba2(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
     )
 
 
+_NEMOTRON_BLOCKS = {
+    "mamba": "M",
+    "linear_attention": "M",
+    "attention": "*",
+    "full_attention": "*",
+    "mlp": "-",
+    "moe": "E",
+}
+
+
+def _nemotron_pattern(c: ConfigReader) -> str:
+    """The layer pattern from ``hybrid_override_pattern`` (the original config) or
+    ``layers_block_type`` (transformers 5), as one letter per layer."""
+    if c.has("hybrid_override_pattern") or not c.has("layers_block_type"):
+        return c.string("hybrid_override_pattern")
+    kinds = c.str_list("layers_block_type")
+    unknown = sorted(set(kinds) - set(_NEMOTRON_BLOCKS))
+    if unknown:
+        raise ConfigError(
+            f"{c.where}: layers_block_type holds {unknown}; legal: {sorted(_NEMOTRON_BLOCKS)}"
+        )
+    return "".join(_NEMOTRON_BLOCKS[k] for k in kinds)
+
+
+def _ssm_dtype(c: ConfigReader, o: ServingOptions, model: torch.dtype) -> torch.dtype:
+    """Mamba's SSM state: the serving option, else the config's
+    ``mamba_ssm_cache_dtype`` (vLLM honours it too), else the model dtype."""
+    if o.state_dtype == "auto" and c.has("mamba_ssm_cache_dtype"):
+        name = c.string("mamba_ssm_cache_dtype")
+        if name != "auto":
+            if name not in _DTYPES:
+                raise ConfigError(
+                    f"{c.where}: mamba_ssm_cache_dtype {name!r} unsupported; legal: {sorted(_DTYPES)}"
+                )
+            return _DTYPES[name]
+    return _state_dtype(o, model)
+
+
 def _nemotron_h(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
-    pattern = c.string("hybrid_override_pattern")
+    pattern = _nemotron_pattern(c)
     if len(pattern) > MAX_LAYERS or set(pattern) - set("M*-E"):
         raise ConfigError(
             f"{c.where}: hybrid_override_pattern must be at most {MAX_LAYERS} of 'M' (Mamba2), "
             f"'*' (attention), '-' (MLP) and 'E' (MoE), got {pattern[:40]!r}"
         )
     mamba, attn = pattern.count("M"), pattern.count("*")
-    model = _model_dtype(c)
+    model = _model_dtype(c, o)
     block = _block(o, 16)
     page = _kv_fields(
         attn,
@@ -617,7 +680,7 @@ def _nemotron_h(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
         kernel=c.integer("conv_kernel", lo=2),
         tp=o.tp,
         conv_dtype=model,
-        ssm_dtype=_state_dtype(o, model),
+        ssm_dtype=_ssm_dtype(c, o, model),
     )
     return _model(
         name,
@@ -632,17 +695,46 @@ def _nemotron_h(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
     )
 
 
+def _kimi_layers(c: ConfigReader) -> tuple[int, int, int, int, int]:
+    """(MLA layers, KDA layers, KDA heads, head dim, conv kernel) from
+    ``linear_attn_config`` (the original config) or transformers 5's flat fields."""
+    lin = c.sub("linear_attn_config", optional=True)
+    if lin is not None:
+        mla = len(lin.int_list("full_attn_layers", lo=1, hi=MAX_LAYERS))
+        kda = len(lin.int_list("kda_layers", lo=1, hi=MAX_LAYERS))
+        return (
+            mla,
+            kda,
+            lin.integer("num_heads"),
+            lin.integer("head_dim"),
+            lin.integer("short_conv_kernel_size", lo=2),
+        )
+    if not c.has("layer_types"):
+        raise ConfigError(
+            f"{c.where}: the config lacks the field 'linear_attn_config' (or 'layer_types')"
+        )
+    kinds = c.str_list("layer_types")
+    unknown = sorted(set(kinds) - {"full_attention", "linear_attention"})
+    if unknown:
+        raise ConfigError(
+            f"{c.where}: layer_types holds {unknown}; legal: 'full_attention', 'linear_attention'"
+        )
+    mla = kinds.count("full_attention")
+    return (
+        mla,
+        len(kinds) - mla,
+        c.integer("linear_num_heads"),
+        c.integer("linear_head_dim"),
+        c.integer("linear_conv_kernel_dim", lo=2),
+    )
+
+
 def _kimi_linear(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
-    lin = c.sub("linear_attn_config")
-    assert lin is not None
-    mla = len(lin.int_list("full_attn_layers", lo=1, hi=MAX_LAYERS))
-    kda = len(lin.int_list("kda_layers", lo=1, hi=MAX_LAYERS))
-    model = _model_dtype(c)
+    mla, kda, heads, head_dim, kernel = _kimi_layers(c)
+    model = _model_dtype(c, o)
     block = _block(o, 64)
     row, dtype = _mla_row(c, o, model)
     page = [EntryField("kv", mla, (block, *row), dtype)]
-    heads, head_dim = lin.integer("num_heads"), lin.integer("head_dim")
-    kernel = lin.integer("short_conv_kernel_size", lo=2)
     state = [
         # Short convolutions over q, k and v: three heads x head_dim channels each.
         EntryField(
@@ -683,7 +775,7 @@ def _deepseek_v4(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
         )
     head_dim, k = c.integer("head_dim", lo=65), o.spec_tokens
     index_dim = c.integer("index_head_dim")
-    model = _model_dtype(c)
+    model = _model_dtype(c, o)
     if o.kv_dtype in ("fp8", "fp8_ds_mla"):
         # 448 fp8 NoPE + 64 bf16 RoPE + 8 B of UE8M0 scales: 584 B per compressed row.
         row, kv = (head_dim - 64 + 64 * 2 + 8,), torch.uint8
@@ -752,4 +844,11 @@ def model_cache(
         )
     name, config = load_config(source)
     family = detect_family(config)
-    return _BUILDERS[family](name, ConfigReader(config, name), options or ServingOptions())
+    opts = options or ServingOptions()
+    reader = ConfigReader(config, name)
+    model = _BUILDERS[family](name, reader, opts)
+    text = reader.sub("text_config", optional=True)
+    named = _config_dtype(reader) or (text is not None and _config_dtype(text))
+    if opts.dtype == "auto" and not named:
+        model = replace(model, notes=(*model.notes, NO_DTYPE_NOTE))
+    return model
