@@ -63,9 +63,7 @@ def decode(family: str, bind: str, new_tokens: int, announce, first_token) -> li
     if first == model.generation_config.eos_token_id or new_tokens == 1:
         out = full  # the first token ended the request
     else:
-        out = model.generate(
-            full, past_key_values=cache, max_new_tokens=new_tokens - 1, do_sample=False
-        )
+        out = model.generate(full, cache=cache, max_new_tokens=new_tokens - 1, do_sample=False)
     pool.release(cache)
     service.close()
     receiver.close()

@@ -62,7 +62,7 @@ def _all_back(pool):
 
 def _reference(model, ids, mask, **gen):
     cache = DynamicCache(config=model.config)
-    return model.generate(ids, attention_mask=mask, past_key_values=cache, **gen)
+    return model.generate(ids, attention_mask=mask, cache=cache, **gen)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -106,9 +106,7 @@ def test_greedy_is_token_identical(models, family, batch, pad):
     want = _reference(model, ids, mask, max_new_tokens=NEW, do_sample=False)
     pool = _pool(model)
     cache = pool.new_cache(batch)
-    got = model.generate(
-        ids, attention_mask=mask, past_key_values=cache, max_new_tokens=NEW, do_sample=False
-    )
+    got = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=NEW, do_sample=False)
     assert torch.equal(got, want)
     if pool.cache.state_fields:  # the batch's states are views into one run of slots
         slots = [s[0] for s in cache.slots]
@@ -127,7 +125,7 @@ def test_seeded_sampling_is_token_identical(models, family):
     pool = _pool(model)
     cache = pool.new_cache(2)
     torch.manual_seed(7)
-    got = model.generate(ids, attention_mask=mask, past_key_values=cache, **gen)
+    got = model.generate(ids, attention_mask=mask, cache=cache, **gen)
     assert torch.equal(got, want)
     pool.release(cache)
     _all_back(pool)
@@ -142,7 +140,7 @@ def test_beam_search_is_token_identical(models, family):
     want = _reference(model, ids, mask, **gen)
     pool = _pool(model)
     cache = pool.new_cache(3)
-    got = model.generate(ids, attention_mask=mask, past_key_values=cache, **gen)
+    got = model.generate(ids, attention_mask=mask, cache=cache, **gen)
     assert torch.equal(got, want)
     pool.release(cache)
     _all_back(pool)
@@ -163,9 +161,7 @@ def test_scattered_slots_fall_back_to_copies(models, family):
     cache = pool.new_cache(2)
     slots = [s[0] for s in cache.slots]
     assert c.state_rows("k_window" if family == "gemma3_text" else "conv_state", slots) is None
-    got = model.generate(
-        ids, attention_mask=mask, past_key_values=cache, max_new_tokens=NEW, do_sample=False
-    )
+    got = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=NEW, do_sample=False)
     assert torch.equal(got, want)
     name = c.state_fields[0].name
     cache.sync()
@@ -189,7 +185,7 @@ def test_prefix_reuse_is_token_identical(models, family):
     assert pool.prefix.metrics.hit_tokens == 0
     # Computed up to the image boundary (hybrids keep one at 32 tokens), no further.
     assert cache.get_seq_length() == (32 if pool.prefix.spec is not None else 0)
-    out1 = model.generate(first, past_key_values=cache, max_new_tokens=NEW, do_sample=False)
+    out1 = model.generate(first, cache=cache, max_new_tokens=NEW, do_sample=False)
     pool.release(cache)
     assert torch.equal(
         out1, _reference(model, first, torch.ones_like(first), max_new_tokens=NEW, do_sample=False)
@@ -200,7 +196,7 @@ def test_prefix_reuse_is_token_identical(models, family):
         cache = pool.prefill(model, prompt)
         hit = cache.get_seq_length()
         assert least <= hit <= prompt.shape[1] - 1 and hit % 16 == 0
-        got = model.generate(prompt, past_key_values=cache, max_new_tokens=NEW, do_sample=False)
+        got = model.generate(prompt, cache=cache, max_new_tokens=NEW, do_sample=False)
         pool.release(cache)
         want = _reference(
             model, prompt, torch.ones_like(prompt), max_new_tokens=NEW, do_sample=False
@@ -219,15 +215,15 @@ def test_crop_rolls_back_attention(models):
     cache = pool.new_cache(1)
     ref = DynamicCache(config=model.config)
     with torch.no_grad():
-        a = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
-        b = model(input_ids=ids, past_key_values=ref, use_cache=True).logits
+        a = model(input_ids=ids, cache=cache, use_cache=True).logits
+        b = model(input_ids=ids, cache=ref, use_cache=True).logits
         assert torch.equal(a, b)
         cache.crop(-7)
         ref.crop(-7)
         assert cache.get_seq_length() == ref.get_seq_length() == 13
         nxt = ids[:, 13:16]
-        a = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits
-        b = model(input_ids=nxt, past_key_values=ref, use_cache=True).logits
+        a = model(input_ids=nxt, cache=cache, use_cache=True).logits
+        b = model(input_ids=nxt, cache=ref, use_cache=True).logits
     assert torch.equal(a, b)
     assert len(cache.block_tables[0].blocks) == 1  # 16 tokens: one block
     pool.release(cache)
@@ -250,7 +246,7 @@ def test_refusals(models):
     bf16 = _model(models, "qwen3_next", torch.bfloat16)
     cache = pool.new_cache(1)  # a float32 pool
     with pytest.raises(kvarena.LayoutMismatchError, match="dtype"):
-        bf16(input_ids=torch.ones(1, 3, dtype=torch.long), past_key_values=cache, use_cache=True)
+        bf16(input_ids=torch.ones(1, 3, dtype=torch.long), cache=cache, use_cache=True)
     pool.release(cache)
     _all_back(pool)
 

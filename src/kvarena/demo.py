@@ -170,6 +170,7 @@ def run_demo(config: DemoConfig, device: torch.device) -> Iterator[Check]:
     if device.type == "cpu":
         yield from _tier_checks(config.model, config.tp)
         yield from _transfer_checks(config.model, config.tp)
+        yield from _hf_checks()
 
     # Layer-major regions carved from one buffer, as paged KV kernels want them.
     kv = [
@@ -333,6 +334,59 @@ def _tier_checks(model: str, tp: int) -> Iterator[Check]:
         + ", ".join(f"{v:,} from {k}" for k, v in sorted(by_tier.items()))
         + f"; {r.verified_blocks:,} blocks and {r.verified_states} states checked, "
         f"{r.mismatches} wrong",
+    )
+
+
+def _hf_checks() -> Iterator[Check]:
+    """A tiny random Qwen3-Next generates with its cache in a kvarena pool: the same
+    tokens as with transformers' own cache, then again after a prefix restore."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the reference kernels' fallback notices
+    try:
+        yield from _hf_generate()
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def _hf_generate() -> Iterator[Check]:
+    from transformers import DynamicCache
+
+    from .integrations.transformers import KvarenaPool
+    from .integrations.transformers.tiny import tiny_model
+
+    model = tiny_model("qwen3_next")
+    pool = KvarenaPool.from_config(model.config, budget_bytes=16 << 20, dtype=model.dtype)
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, 128, (2, 40), generator=gen)
+    greedy = dict(max_new_tokens=16, do_sample=False)
+    want = model.generate(prompts, cache=DynamicCache(config=model.config), **greedy)
+    cache = pool.new_cache(2)
+    got = model.generate(prompts, cache=cache, **greedy)
+    pool.release(cache)
+    yield Check(
+        "transformers generate",
+        torch.equal(got, want),
+        f"tiny Qwen3-Next, batch 2: {got.shape[1] - prompts.shape[1]} tokens each, "
+        "identical to DynamicCache",
+    )
+    same = True
+    for prompt in (prompts[:1], torch.cat([prompts[:1, :36], prompts[1:, :8]], dim=1)):
+        cache = pool.prefill(model, prompt)
+        got = model.generate(prompt, cache=cache, **greedy)
+        pool.release(cache)
+        ref = model.generate(prompt, cache=DynamicCache(config=model.config), **greedy)
+        same &= torch.equal(got, ref)
+    m = pool.prefix.metrics
+    back = pool.cache.blocks.num_live == 0 and pool.cache.slots.num_free == pool.cache.num_slots
+    yield Check(
+        "transformers prefix reuse",
+        same and m.hit_tokens > 0 and m.images_read > 0 and back,
+        f"second prompt: {m.hit_tokens} tokens reused, state image restored, same tokens; "
+        "every block and slot returned",
     )
 
 

@@ -5,7 +5,7 @@ module imports it, ``import kvarena`` never does::
 
     pool = KvarenaPool.from_config(model.config, budget_bytes=1 << 30, dtype=model.dtype)
     cache = pool.new_cache(batch_size=2)
-    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
+    out = model.generate(**inputs, cache=cache, max_new_tokens=32)
     pool.release(cache)
 
 Supported: every model whose layers are full attention, sliding/chunked
@@ -27,7 +27,7 @@ from .cache import KvarenaCache
 from .layout import LINEAR_FAMILIES, HfLayout, hf_layout
 from .pool import KvarenaPool
 
-SUPPORTED_TRANSFORMERS = (">=5.0", "<6")
+SUPPORTED_TRANSFORMERS = (">=5.24", "<6")
 """The transformers versions the integration is tested with."""
 
 __all__ = [

@@ -24,11 +24,11 @@ from .layout import HfLayout, hf_layout
 
 
 def forward_with(model: Any, input_ids: torch.Tensor, cache: Any) -> Any:
-    """``model``'s forward over ``input_ids`` with ``cache``: transformers names
-    the argument ``past_key_values`` in attention models and ``cache`` in the
-    Mamba family."""
+    """``model``'s forward over ``input_ids`` with ``cache`` (transformers 5.x
+    renamed ``past_key_values`` to ``cache``; the older name is used where a
+    model still takes only it)."""
     params = inspect.signature(model.forward).parameters
-    name = "past_key_values" if "past_key_values" in params else "cache"
+    name = "cache" if "cache" in params or "past_key_values" not in params else "past_key_values"
     return model(input_ids=input_ids, use_cache=True, **{name: cache})
 
 
@@ -93,7 +93,7 @@ class KvarenaPool:
         tokens, so ``generate`` still has a token to feed) comes back as shared
         blocks and a restored state; the prompt is then computed up to each
         checkpoint boundary the policy asks for, where an image of the state
-        is kept for later prompts. ``generate(input_ids, past_key_values=cache)``
+        is kept for later prompts. ``generate(input_ids, cache=cache)``
         computes the rest."""
         if (
             not isinstance(input_ids, torch.Tensor)
