@@ -70,8 +70,13 @@ class BlockTable:
         one, or cached by the prefix cache). Returns the ``(old, new)`` copies."""
         start = check_count(start, "prepare_write: start")
         end = check_count(end, "prepare_write: end", lo=start)
-        self.reserve(end)
         bs, alloc = self.block_size, self.cache.blocks
+        if end <= len(self.blocks) * bs and end - start == 1:
+            # The decode step's fast path: one token into a block it holds alone.
+            b = self.blocks[start // bs]
+            if alloc.refcount(b) == 1 and not alloc.is_cached(b):
+                return []
+        self.reserve(end)
         touched = range(start // bs, -(-end // bs)) if end > start else range(0)
         shared = [
             i

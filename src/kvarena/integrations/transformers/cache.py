@@ -80,22 +80,37 @@ class _Rows:
         """Blocks for tokens ``[start, end)`` of every row, private (copied on write)."""
         if self._prepared == (start, end):
             return
+        changed = False
         for t in self.tables:
-            t.prepare_write(start, end)
+            held = len(t.blocks)
+            changed |= bool(t.prepare_write(start, end)) or len(t.blocks) != held
             t.tokens = max(t.tokens, end)
-        self._index.clear()
+        if changed:  # block ids moved: cached index tensors are stale
+            self._index.clear()
         self._prepared = (start, end)
 
     def index(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(block, row)`` index tensors ``[B, end - start]`` of the tokens."""
+        bs = self.cache.block_size
         key = (start, end)
         got = self._index.get(key)
         if got is None:
             flat = torch.stack([t.token_index(start, end) for t in self.tables])
-            bs = self.cache.block_size
             flat = flat.to(self.cache.device)
             got = self._index[key] = (flat // bs, flat % bs)
         return got
+
+    def blocks(self, tokens: int) -> tuple[torch.Tensor, int]:
+        """The rows' first ``ceil(tokens / block_size)`` blocks, row after row, as
+        one index tensor, and that count: a read gathers whole blocks (one
+        contiguous run per block and layer), not single tokens."""
+        n = -(-tokens // self.cache.block_size)
+        key = (-1, n)
+        got = self._index.get(key)
+        if got is None:
+            ids = [b for t in self.tables for b in t.blocks[:n]]
+            got = self._index[key] = (torch.tensor(ids, device=self.cache.device), torch.empty(0))
+        return got[0], n
 
     def changed(self) -> None:
         self._index.clear()
@@ -135,12 +150,27 @@ class PagedLayer(CacheLayerMixin):
         _check_dtype(value_states, self.v.dtype, "values", self.layer_idx)
         n, t = self.tokens, key_states.shape[-2]
         self.rows.prepare(n, n + t)
-        blk, row = self.rows.index(n, n + t)
-        self.k[blk, row] = key_states.transpose(1, 2)
-        self.v[blk, row] = value_states.transpose(1, 2)
+        if t == 1:  # a decode step: one token per row, written by plain indexing
+            bs = self.rows.cache.block_size
+            for r, table in enumerate(self.rows.tables):
+                b, o = table.blocks[n // bs], n % bs
+                self.k[b, o].copy_(key_states[r, :, 0])
+                self.v[b, o].copy_(value_states[r, :, 0])
+        else:
+            blk, row = self.rows.index(n, n + t)
+            self.k.index_put_((blk, row), key_states.transpose(1, 2))
+            self.v.index_put_((blk, row), value_states.transpose(1, 2))
         self.tokens = n + t
-        blk, row = self.rows.index(0, n + t)
-        return self.k[blk, row].transpose(1, 2), self.v[blk, row].transpose(1, 2)
+        ids, nb = self.rows.blocks(n + t)
+        b = key_states.shape[0]
+        return self._read(self.k, ids, b, nb, n + t), self._read(self.v, ids, b, nb, n + t)
+
+    def _read(
+        self, pages: torch.Tensor, ids: torch.Tensor, b: int, nb: int, s: int
+    ) -> torch.Tensor:
+        """``[B, heads, s, dim]`` from whole blocks (``[blocks, block, heads, dim]``)."""
+        got = pages.index_select(0, ids)  # [B * nb, block, heads, dim], one run per block
+        return got.view(b, nb * got.shape[1], *got.shape[2:])[:, :s].transpose(1, 2)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.tokens + query_length, 0
