@@ -230,6 +230,51 @@ def test_crop_rolls_back_attention(models):
     _all_back(pool)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_assisted_decoding_is_token_identical(models, family):
+    """A draft model proposes, the model verifies, crop() takes back the rejected
+    tokens: paged layers truncate, sliding rings step back into their rollback rows."""
+    model = _model(models, family)
+    helper = tiny_model(family, seed=0, num_hidden_layers=2 if family == "llama" else 4)
+    ids, mask = _prompts(1, 20, seed=4)
+    gen = dict(max_new_tokens=24, do_sample=False, assistant_model=helper)
+    want = _reference(model, ids, mask, **gen)
+    pool = _pool(model, rollback_tokens=32)
+    cache = pool.new_cache(1)
+    got = model.generate(ids, attention_mask=mask, cache=cache, **gen)
+    assert torch.equal(got, want)
+    pool.release(cache)
+    _all_back(pool)
+
+
+def test_crop_refusals_change_nothing(models):
+    model = _model(models, "gemma3_text")
+    pool = _pool(model, rollback_tokens=4)  # a 12-row ring for the 8-token window
+    cache = pool.new_cache(1)
+    ids, _ = _prompts(1, 30, seed=6)
+    with torch.no_grad():
+        forward_with(model, ids, cache)
+    for bad in (1, -31, 1.5):
+        with pytest.raises(kvarena.InvalidValueError, match="crop"):
+            cache.crop(bad)
+    with pytest.raises(kvarena.InvalidValueError, match="rolls back at most 5 tokens"):
+        cache.crop(-6)
+    assert cache.get_seq_length() == 30 and len(cache.block_tables[0].blocks) == 2
+    cache.crop(0)
+    cache.crop(-5)
+    assert cache.get_seq_length() == 25
+    assert all(layer.get_seq_length() == 25 for layer in cache.layers)
+    pool.release(cache)
+    nocrop = _pool(model)  # no rollback rows: transformers' own check refuses the draft
+    cache = nocrop.new_cache(1)
+    assert not cache.is_croppable
+    with pytest.raises(ValueError, match="cropped"):
+        model.generate(ids, cache=cache, max_new_tokens=4, assistant_model=model)
+    nocrop.release(cache)
+    _all_back(pool)
+    _all_back(nocrop)
+
+
 def test_refusals(models):
     model = _model(models, "qwen3_next")
     pool = _pool(model)

@@ -198,31 +198,43 @@ class PagedLayer(CacheLayerMixin):
 
 
 def _cropped(tokens: int, remove: int) -> int:
-    """transformers' crop argument: negative removes that many, non-negative is
-    the length to keep."""
-    keep = tokens + remove if remove < 0 else remove
-    if not 0 <= keep <= tokens:
-        raise InvalidValueError(f"crop({remove}) of a {tokens}-token cache is out of range")
-    return keep
+    """The length left by transformers' ``crop(remove)``: a negative ``remove``
+    takes that many tokens off, 0 takes none; a positive one (the old "final
+    length" spelling) is refused, as transformers refuses it."""
+    if isinstance(remove, bool) or not isinstance(remove, int) or remove > 0:
+        raise InvalidValueError(
+            f"crop({remove!r}): pass a negative int, the number of tokens to remove"
+        )
+    if -remove > tokens:
+        raise InvalidValueError(f"crop({remove}) of a {tokens}-token cache removes too much")
+    return tokens + remove
 
 
 class RingLayer(CacheLayerMixin):
-    """A sliding-window layer: a ring of ``window`` tokens in each row's slot.
+    """A sliding-window layer: a ring of ``window + rollback`` tokens in each
+    row's slot.
 
     It answers transformers' sliding contract: attention sees the last
     ``window - 1`` cached tokens plus the new ones; token ``p`` lives in ring
-    row ``p % window``."""
+    row ``p % rows``. The ``rollback`` extra rows still hold the tokens just
+    before the window, so ``crop`` can take back up to ``rollback + 1``
+    tokens and find the window it must keep intact."""
 
     is_sliding = True
-    is_croppable = False
 
     def __init__(self, rows: _Rows, index: int, group: int, tokens: int, window: int) -> None:
         super().__init__()
         self.rows, self.layer_idx, self.group = rows, index, group
         self.tokens, self.window = tokens, window
+        self.ring = {f.name: f for f in rows.cache.state_fields}["k_window"].shape[0]
+        self.written = tokens  # the ring holds positions [written - ring, written)
         self.is_initialized = True
         self.sliding_window = window
         self.cumulative_length = tokens
+
+    @property
+    def is_croppable(self) -> bool:
+        return self.ring > self.window
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         return None
@@ -230,19 +242,19 @@ class RingLayer(CacheLayerMixin):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        kr = self.rows.state("k_window")[self.group]  # [B, window, heads, dim]
+        kr = self.rows.state("k_window")[self.group]  # [B, ring, heads, dim]
         vr = self.rows.state("v_window")[self.group]
         _check_dtype(key_states, kr.dtype, "keys", self.layer_idx)
-        n, t, w = self.tokens, key_states.shape[-2], self.window
+        n, t, w, ring = self.tokens, key_states.shape[-2], self.window, self.ring
         kept = min(n, w - 1)
-        old = torch.arange(n - kept, n, device=kr.device) % w
+        old = torch.arange(n - kept, n, device=kr.device) % ring
         full_k = torch.cat([kr[:, old].transpose(1, 2), key_states], dim=-2)
         full_v = torch.cat([vr[:, old].transpose(1, 2), value_states], dim=-2)
-        m = min(t, w)
-        new = torch.arange(n + t - m, n + t, device=kr.device) % w
+        m = min(t, ring)
+        new = torch.arange(n + t - m, n + t, device=kr.device) % ring
         kr[:, new] = key_states[:, :, t - m :].transpose(1, 2)
         vr[:, new] = value_states[:, :, t - m :].transpose(1, 2)
-        self.tokens = self.cumulative_length = n + t
+        self.tokens = self.cumulative_length = self.written = n + t
         return full_k, full_v
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -258,12 +270,20 @@ class RingLayer(CacheLayerMixin):
         return self.window
 
     def reset(self) -> None:
-        self.tokens = self.cumulative_length = 0
+        self.tokens = self.cumulative_length = self.written = 0
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise InvalidValueError(
-            "a sliding-window ring cannot be cropped: the tokens it overwrote are gone"
-        )
+        keep = _cropped(self.tokens, tokens_to_remove)
+        # The window ending at `keep` must still be in the ring: its oldest
+        # token (keep - window + 1) not yet overwritten (written - ring).
+        oldest = max(keep - self.window + 1, 0)
+        if keep < self.tokens and oldest < self.written - self.ring:
+            raise InvalidValueError(
+                f"crop to {keep} tokens: the sliding ring of layer {self.layer_idx} holds "
+                f"{self.ring} rows for a {self.window}-token window, so it rolls back at most "
+                f"{self.ring - self.window + 1} tokens; build the pool with a larger rollback_tokens"
+            )
+        self.tokens = self.cumulative_length = keep
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         return None
@@ -507,28 +527,35 @@ class KvarenaCache(Cache):
                         layer.attach()
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last tokens of every row (paged layers only: rings and linear
-        states keep no history to roll back to)."""
+        """Drop the last tokens of every row: paged layers truncate their tables,
+        rings step back within their rollback rows. Linear-attention states
+        keep no per-token history (transformers' kernels return only the last
+        state), so a model with them is refused, as transformers refuses it."""
         self._check_live()
-        blocked = [
-            type(layer).__name__
-            for layer in self.layers
-            if isinstance(layer, (RingLayer, LinearLayer))
-        ]
-        if blocked:
+        linear = [layer.layer_idx for layer in self.layers if isinstance(layer, LinearLayer)]
+        if linear:
             raise InvalidValueError(
-                f"crop: this model has {blocked[0]} layers, whose state cannot roll back"
+                f"crop: layers {linear[:4]} are linear attention, whose state cannot roll back "
+                "(the kernels return only the final state, not one per token)"
             )
         for layer in self.layers:
-            layer.crop(tokens_to_remove)
-        keep = next((layer.tokens for layer in self.layers if isinstance(layer, PagedLayer)), 0)
-        for t in self.rows.tables:
-            t.truncate(min(keep, t.tokens))
+            if isinstance(layer, RingLayer):
+                layer.crop(tokens_to_remove)  # refuses before anything changed
+        for layer in self.layers:
+            if isinstance(layer, PagedLayer):
+                layer.crop(tokens_to_remove)
+        keep = next((layer.tokens for layer in self.layers if isinstance(layer, PagedLayer)), None)
+        if keep is not None:
+            for t in self.rows.tables:
+                t.truncate(min(keep, t.tokens))
         self.rows.changed()
 
     @property
     def is_croppable(self) -> bool:
-        return not any(isinstance(layer, (RingLayer, LinearLayer)) for layer in self.layers)
+        return all(
+            not isinstance(layer, LinearLayer) and getattr(layer, "is_croppable", True)
+            for layer in self.layers
+        )
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise InvalidValueError(

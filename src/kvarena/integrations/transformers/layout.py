@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ...checks import check_count
 from ...errors import InvalidValueError
 from ...layout import EntryField
 from ...models import ModelCache, ServingOptions
@@ -149,9 +150,18 @@ class HfLayout:
 
 
 def hf_layout(
-    config: Any, *, dtype: torch.dtype | str | None = None, block_size: int = 16, rollback: int = 0
+    config: Any,
+    *,
+    dtype: torch.dtype | str | None = None,
+    block_size: int = 16,
+    rollback_tokens: int = 0,
 ) -> HfLayout:
-    """The layout of ``config``'s (a transformers ``PretrainedConfig``) cache."""
+    """The layout of ``config``'s (a transformers ``PretrainedConfig``) cache.
+
+    ``rollback_tokens`` widens each sliding ring by that many rows, so
+    ``crop`` can take back up to ``rollback_tokens + 1`` tokens (a verified
+    draft's rejected tokens) without losing the window it must keep."""
+    rollback = check_count(rollback_tokens, "rollback_tokens", hi=MAX_DIM)
     from transformers.cache_utils import get_layer_types_and_kwargs
 
     if not hasattr(config, "get_text_config"):
@@ -195,8 +205,8 @@ def hf_layout(
     )
     state = (
         [
-            EntryField("k_window", n_ring, (window, hk, dk), dt),
-            EntryField("v_window", n_ring, (window, hv, dv), dt),
+            EntryField("k_window", n_ring, (window + rollback, hk, dk), dt),
+            EntryField("v_window", n_ring, (window + rollback, hv, dv), dt),
         ]
         if n_ring
         else []
@@ -216,7 +226,7 @@ def hf_layout(
     model = ModelCache(
         name=str(getattr(config, "_name_or_path", "") or model_type),
         family=f"transformers:{model_type}",
-        options=ServingOptions(block_size=block_size, spec_tokens=rollback),
+        options=ServingOptions(block_size=block_size),
         page_fields=tuple(page),
         state_fields=tuple(state),
         attention_layers=n_paged,

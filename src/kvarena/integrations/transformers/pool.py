@@ -55,15 +55,20 @@ class KvarenaPool:
         max_seqs: int = 8,
         dtype: torch.dtype | str | None = None,
         policy: CheckpointPolicy | None = None,
+        rollback_tokens: int = 0,
     ) -> KvarenaPool:
         """A pool for the model ``config`` describes, in ``budget_bytes`` on
         ``device``, for up to ``max_seqs`` concurrent requests.
 
         ``dtype`` is the dtype the model computes in (default: the config's,
-        else torch's default — what ``from_config`` builds a model in)."""
+        else torch's default — what ``from_config`` builds a model in).
+        ``rollback_tokens`` lets ``crop`` roll sliding-window layers back that
+        far (assisted decoding drafts at most that many tokens minus one)."""
         dev = check_device(device)
         check_count(block_size, "block_size", lo=1, hi=1 << 20)
-        layout = hf_layout(config, dtype=dtype, block_size=block_size)
+        layout = hf_layout(
+            config, dtype=dtype, block_size=block_size, rollback_tokens=rollback_tokens
+        )
         plan = plan_cache(layout.model, budget_bytes=budget_bytes, max_seqs=max_seqs)
         return cls(layout, plan, PrefixCache(plan, dev, policy=policy))
 
