@@ -47,8 +47,12 @@ def test_allocate_batch_takes_one_ascending_run_when_one_exists(total, per_req, 
             groups = s.allocate_batch(names)
             flat = [x for g in groups for x in g]
             assert all(list(g) == sorted(g) for g in groups)
-            if runs:  # the highest run, ascending
-                assert flat == list(range(max(runs), max(runs) + want))
+            assert len(set(flat)) == want
+            if runs:  # the highest run, entry by entry: each entry consecutive over the batch
+                top = max(runs)
+                assert sorted(flat) == list(range(top, top + want))
+                for e in range(per_req):
+                    assert [g[e] for g in groups] == list(range(top + e * n, top + (e + 1) * n))
             held.extend(names)
         elif held:
             s.free(held.pop(0))

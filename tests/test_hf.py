@@ -247,6 +247,81 @@ def test_assisted_decoding_is_token_identical(models, family):
     _all_back(pool)
 
 
+def _speculative(model, ids, cache, ref, new, k=4):
+    """Greedy decoding that verifies drafts: ``ref``'s own tokens with one of them
+    corrupted per round (at a rotating place, or none), so every round crops a
+    different number of rejected tokens."""
+    cache.activate_past_recording()
+    p = ids.shape[1]
+    with torch.no_grad():
+        out = ids
+        nxt = forward_with(model, ids, cache).logits[:, -1:].argmax(-1)
+        for rnd in range(4 * new):
+            if out.shape[1] - p >= new:
+                break
+            out = torch.cat([out, nxt], 1)
+            draft = ref[:, out.shape[1] : out.shape[1] + k].clone()
+            if rnd % (k + 1) < draft.shape[1]:
+                draft[0, rnd % (k + 1)] = (draft[0, rnd % (k + 1)] + 1) % 128
+            pred = forward_with(model, torch.cat([nxt, draft], 1), cache).logits.argmax(-1)
+            a = 0
+            while a < draft.shape[1] and pred[0, a] == draft[0, a]:
+                a += 1
+            out = torch.cat([out, draft[:, :a]], 1)
+            cache.crop(a - draft.shape[1])
+            nxt = pred[:, a : a + 1]
+    return out[:, : p + new]
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "kimi_linear", "mamba2", "gemma3_text", "llama"])
+def test_speculative_decoding_with_crop_is_token_identical(models, family):
+    """transformers refuses assisted generate on stateful models, so an engine's own
+    draft-and-verify loop drives the cache: crop rolls the linear states back
+    through the rollback entry (replaying the accepted tokens), and greedy
+    decoding gives the tokens plain greedy decoding gives."""
+    model = _model(models, family)
+    ids, mask = _prompts(1, 20, seed=1)
+    ref = _reference(model, ids, mask, max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    pool = _pool(model, rollback_tokens=8)
+    cache = pool.new_cache(1, model=model)
+    got = _speculative(model, ids, cache, ref, 24)
+    assert torch.equal(got, ref[:, :44])
+    pool.release(cache)
+    _all_back(pool)
+    assert not model._forward_pre_hooks and all(
+        not m._forward_pre_hooks for m in model.modules()
+    )  # the cache's hooks left with it
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h", "kimi_linear", "mamba2"])
+def test_crop_leaves_the_state_of_the_accepted_tokens(models, family):
+    """After a 5-token forward and crop(-3), the linear states are those of
+    processing only the 2 accepted tokens from the same point (up to the float
+    rounding of computing their inputs inside a longer forward)."""
+    model = _model(models, family)
+    pool = _pool(model, rollback_tokens=8)
+    ids, _ = _prompts(1, 24, seed=8)
+    a, b = pool.new_cache(1, model=model), pool.new_cache(1)
+    with torch.no_grad():
+        forward_with(model, ids[:, :19], a)
+        forward_with(model, ids[:, :19], b)
+        a.activate_past_recording()
+        forward_with(model, ids[:, 19:24], a)
+        with pytest.raises(kvarena.InvalidValueError, match="roll back only the 5 tokens"):
+            a.crop(-6)  # refused, nothing changed
+        a.crop(-3)
+        forward_with(model, ids[:, 19:21], b)
+    for name in ("conv_state", "recurrent_state"):
+        sa, sb = a.rows.state(name), b.rows.state(name)
+        assert torch.allclose(sa, sb, atol=1e-5, rtol=1e-4), (name, (sa - sb).abs().max())
+    assert a.get_seq_length() == b.get_seq_length()
+    with pytest.raises(kvarena.InvalidValueError, match="cropped already"):
+        a.crop(-1)
+    pool.release(a)
+    pool.release(b)
+    _all_back(pool)
+
+
 def test_crop_refusals_change_nothing(models):
     model = _model(models, "gemma3_text")
     pool = _pool(model, rollback_tokens=4)  # a 12-row ring for the 8-token window
@@ -281,7 +356,10 @@ def test_refusals(models):
     cache = pool.new_cache(1)
     with pytest.raises(kvarena.InvalidValueError, match="cannot roll back"):
         cache.crop(-1)
+    assert not cache.is_croppable
     pool.release(cache)
+    with pytest.raises(kvarena.InvalidValueError, match="rollback_tokens"):
+        pool.new_cache(1, model=model)  # no rollback entry in this pool
     with pytest.raises(kvarena.InvalidValueError, match="released already"):
         pool.release(cache)
     with pytest.raises(kvarena.InvalidValueError, match="one prompt"):

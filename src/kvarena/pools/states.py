@@ -8,8 +8,10 @@ slots, the ones a shrinking pool gives back, are the last to be used.
 A batch of requests takes ONE run of consecutive slots, ascending, where the
 free slots hold such a run: a kernel then reads the batch's states as one
 strided view ``state_view(name)[:, first:first + n]``, which no list of
-scattered slots can express. Within a request its slots ascend too, so its
-live state is the lowest of them and its rollback copies follow it.
+scattered slots can express. The run is laid out entry by entry (the batch's
+live states first, then each rollback copy's), so every entry of the batch
+is such a view. Within a request its slots ascend too, so its live state is
+the lowest of them and its rollback copies follow it.
 """
 
 from __future__ import annotations
@@ -134,8 +136,12 @@ class StateAllocator:
         else:
             flat = sorted(self._free.pop() for _ in range(want))
         out = []
+        n = len(reqs)
         for i, r in enumerate(reqs):
-            slots = flat[i * self._per_req : (i + 1) * self._per_req]
+            # Entry e of request i at flat[e * n + i]: each entry's slots over the
+            # batch form one consecutive run (the live states one view, the
+            # rollback copies another), and a request's own slots still ascend.
+            slots = [flat[e * n + i] for e in range(self._per_req)]
             self._slots[r] = slots
             for s in slots:
                 self._owner[s] = r

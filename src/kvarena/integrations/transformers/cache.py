@@ -16,6 +16,7 @@ layers hold no tensors of their own:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +49,13 @@ class _Rows:
         self._copies: set[str] = set()  # fields held as working copies
         self._index: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._prepared: tuple[int, int] | None = None
+        # Each row's first rollback entry, where a crop finds the state from
+        # before the last forward (None: the pool keeps no rollback entries).
+        self.rollback_index = (
+            torch.tensor([g[1] for g in slots], device=cache.device)
+            if slots and len(slots[0]) > 1
+            else None
+        )
 
     @property
     def live_slots(self) -> list[int]:
@@ -304,6 +312,7 @@ class LinearLayer(LinearAttentionCacheLayerMixin):
         fields = {f.name: f for f in rows.cache.state_fields}
         self.kernel = fields["conv_state"].shape[-1]
         self.has_recurrent = "recurrent_state" in fields
+        self.fields = ["conv_state", *(["recurrent_state"] if self.has_recurrent else [])]
         self.conv_kernel_size[0] = self.kernel
         self.has_previous_state[0] = started
         self.batch_size = len(rows.requests)
@@ -434,6 +443,122 @@ class NoneLayer(CacheLayerMixin):
         return None
 
 
+def linear_mixers(model: Any, layers: set[int]) -> dict[int, Any]:
+    """The module of each linear-attention layer that takes ``(hidden_states,
+    cache, attention_mask)`` and keeps the layer's state: the deepest module
+    carrying that ``layer_idx`` (the mixer, not the block around it)."""
+    found: dict[int, tuple[int, Any]] = {}
+    for name, module in model.named_modules():
+        idx = getattr(module, "layer_idx", None)
+        if idx not in layers:
+            continue
+        params = inspect.signature(module.forward).parameters
+        if not {"hidden_states", "cache", "attention_mask"} <= set(params):
+            continue
+        depth = name.count(".")
+        if idx not in found or depth > found[idx][0]:
+            found[idx] = (depth, module)
+    missing = sorted(layers - set(found))
+    if missing:
+        raise InvalidValueError(
+            f"the model has no linear-attention mixer for layers {missing[:4]}: is it the "
+            "model this pool was built for?"
+        )
+    return {i: m for i, (_, m) in found.items()}
+
+
+class _Replay:
+    """Rolls linear-attention states back by replaying accepted tokens.
+
+    transformers' kernels hand the cache only a layer's final state, never
+    one per token, so a crop cannot pick an earlier state out of a forward.
+    Instead, while the cache records (assisted decoding), each mixer's input
+    of the last forward is kept and its state from before that forward is
+    copied into the request's rollback entry (one slot per request, kvarena's
+    rollback copy). ``crop`` restores that entry and runs the mixer over the
+    tokens that were accepted: the state the forward would have left had it
+    stopped there. Hooks sit on the model's own mixers and are removed on
+    release."""
+
+    def __init__(self, cache: KvarenaCache, model: Any) -> None:
+        self.cache = cache
+        self.linear = {
+            layer.layer_idx: layer for layer in cache.layers if isinstance(layer, LinearLayer)
+        }
+        self.mixers = linear_mixers(model, set(self.linear))
+        self.inputs: dict[int, tuple[torch.Tensor, Any, bool]] = {}
+        self.replaying = False
+        self.handles = [
+            m.register_forward_pre_hook(self._before, with_kwargs=True)
+            for m in self.mixers.values()
+        ]
+
+    def _before(self, module: Any, args: tuple, kwargs: dict) -> None:
+        names = ("hidden_states", "cache", "attention_mask")
+        bound = dict(zip(names, args, strict=False)) | {k: kwargs[k] for k in names if k in kwargs}
+        if bound.get("cache") is not self.cache or not self.cache.recording or self.replaying:
+            return
+        layer = self.linear[module.layer_idx]
+        rows = self.cache.rows
+        for name in layer.fields:
+            live = rows.state(name)[layer.group]  # [B, ...]
+            rows.cache.state_view(name)[layer.group].index_copy_(0, rows.rollback_index, live)
+        hidden = bound["hidden_states"]
+        self.inputs[module.layer_idx] = (
+            hidden.detach().clone(),
+            bound.get("attention_mask"),
+            bool(layer.has_previous_state[0]),
+        )
+
+    def check(self, tokens_to_remove: int) -> None:
+        """Refuse (nothing changed) a bad crop, or one longer than the last forward."""
+        _cropped(1 << 62, tokens_to_remove)
+        unrecorded = sorted(set(self.linear) - set(self.inputs))
+        if tokens_to_remove and unrecorded:
+            raise InvalidValueError(
+                f"crop({tokens_to_remove}): layer {unrecorded[0]} kept no state from before its "
+                "last forward (recording was off, or that forward was cropped already)"
+            )
+        for idx, (hidden, _, _) in self.inputs.items():
+            if -tokens_to_remove > hidden.shape[1]:
+                raise InvalidValueError(
+                    f"crop({tokens_to_remove}): layer {idx} can roll back only the "
+                    f"{hidden.shape[1]} tokens of its last forward"
+                )
+
+    def roll_back(self, remove: int) -> None:
+        rows = self.cache.rows
+        for idx, (hidden, mask, started) in self.inputs.items():
+            if remove == 0:
+                continue
+            layer = self.linear[idx]
+            for name in layer.fields:
+                saved = rows.cache.state_view(name)[layer.group].index_select(
+                    0, rows.rollback_index
+                )
+                rows.state(name)[layer.group].copy_(saved)
+            layer.has_previous_state[0] = started
+            keep = hidden.shape[1] - remove
+            if keep:
+                if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+                    mask = mask[:, -hidden.shape[1] :][:, :keep]
+                self.replaying = True
+                try:
+                    with torch.no_grad():
+                        self.mixers[idx](
+                            hidden_states=hidden[:, :keep], cache=self.cache, attention_mask=mask
+                        )
+                finally:
+                    self.replaying = False
+        self.inputs.clear()
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        self.inputs.clear()
+
+
 class KvarenaCache(Cache):
     """A batch of requests in a :class:`KvarenaPool`, as transformers' ``Cache``.
 
@@ -441,10 +566,13 @@ class KvarenaCache(Cache):
     with ``pool.release(cache)`` (``generate`` never frees a cache passed in).
     """
 
-    def __init__(self, pool: KvarenaPool, rows: _Rows, tokens: int, started: bool) -> None:
+    def __init__(
+        self, pool: KvarenaPool, rows: _Rows, tokens: int, started: bool, model: Any = None
+    ) -> None:
         self.pool = pool
         self.rows = rows
         self.released = False
+        self.recording = False
         layout: HfLayout = pool.layout
         layers: list[Any] = []
         for i, (kind, g) in enumerate(zip(layout.kinds, layout.group, strict=True)):
@@ -459,6 +587,26 @@ class KvarenaCache(Cache):
                 layers.append(NoneLayer())
         super().__init__(layers=layers)
         self._tokens = tokens
+        self._replay: _Replay | None = None
+        if model is not None and any(isinstance(x, LinearLayer) for x in layers):
+            if rows.rollback_index is None:
+                raise InvalidValueError(
+                    "this pool keeps no rollback entry: build it with rollback_tokens > 0 "
+                    "for crop (assisted decoding) on linear-attention layers"
+                )
+            self._replay = _Replay(self, model)
+
+    def activate_past_recording(self) -> None:
+        """transformers asks before a draft is verified: from now on the cache keeps
+        what ``crop`` needs (the linear layers' inputs and earlier states)."""
+        self.recording = True
+        super().activate_past_recording()
+
+    def close(self) -> None:
+        """Remove the hooks this cache placed on the model (the pool calls it on release)."""
+        if self._replay is not None:
+            self._replay.close()
+            self._replay = None
 
     @property
     def requests(self) -> list[Hashable]:
@@ -533,11 +681,14 @@ class KvarenaCache(Cache):
         state), so a model with them is refused, as transformers refuses it."""
         self._check_live()
         linear = [layer.layer_idx for layer in self.layers if isinstance(layer, LinearLayer)]
-        if linear:
+        if linear and self._replay is None:
             raise InvalidValueError(
                 f"crop: layers {linear[:4]} are linear attention, whose state cannot roll back "
-                "(the kernels return only the final state, not one per token)"
+                "without a rollback entry (KvarenaPool(..., rollback_tokens=N) and "
+                "new_cache(..., model=model))"
             )
+        if self._replay is not None:
+            self._replay.check(tokens_to_remove)
         for layer in self.layers:
             if isinstance(layer, RingLayer):
                 layer.crop(tokens_to_remove)  # refuses before anything changed
@@ -549,11 +700,15 @@ class KvarenaCache(Cache):
             for t in self.rows.tables:
                 t.truncate(min(keep, t.tokens))
         self.rows.changed()
+        if self._replay is not None:
+            self._replay.roll_back(-tokens_to_remove)
 
     @property
     def is_croppable(self) -> bool:
         return all(
-            not isinstance(layer, LinearLayer) and getattr(layer, "is_croppable", True)
+            (self._replay is not None)
+            if isinstance(layer, LinearLayer)
+            else getattr(layer, "is_croppable", True)
             for layer in self.layers
         )
 

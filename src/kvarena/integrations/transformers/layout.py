@@ -158,9 +158,11 @@ def hf_layout(
 ) -> HfLayout:
     """The layout of ``config``'s (a transformers ``PretrainedConfig``) cache.
 
-    ``rollback_tokens`` widens each sliding ring by that many rows, so
-    ``crop`` can take back up to ``rollback_tokens + 1`` tokens (a verified
-    draft's rejected tokens) without losing the window it must keep."""
+    ``rollback_tokens`` makes ``crop`` possible (assisted decoding): each
+    sliding ring gets that many more rows, so a crop of up to
+    ``rollback_tokens + 1`` tokens still finds the window it must keep, and
+    linear-attention layers get a rollback entry per request, holding their
+    states from before the last forward."""
     rollback = check_count(rollback_tokens, "rollback_tokens", hi=MAX_DIM)
     from transformers.cache_utils import get_layer_types_and_kwargs
 
@@ -226,7 +228,9 @@ def hf_layout(
     model = ModelCache(
         name=str(getattr(config, "_name_or_path", "") or model_type),
         family=f"transformers:{model_type}",
-        options=ServingOptions(block_size=block_size),
+        # A rollback entry per request holds the linear states from before a
+        # verified draft, for crop to replay the accepted tokens from.
+        options=ServingOptions(block_size=block_size, spec_tokens=int(bool(rollback and n_linear))),
         page_fields=tuple(page),
         state_fields=tuple(state),
         attention_layers=n_paged,

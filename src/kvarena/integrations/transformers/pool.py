@@ -82,14 +82,27 @@ class KvarenaPool:
     ) -> _Rows:
         return _Rows(self.cache, requests, tables, slots)
 
-    def new_cache(self, batch_size: int) -> KvarenaCache:
+    def new_cache(self, batch_size: int, *, model: Any = None) -> KvarenaCache:
         """An empty cache for ``batch_size`` new requests: each row gets a block
-        table and a state slot (the batch's slots consecutive where they can be)."""
+        table and a state slot (the batch's slots consecutive where they can be).
+
+        ``model`` (with a pool built with ``rollback_tokens``) lets ``crop``
+        roll linear-attention states back — what assisted decoding needs: the
+        cache then watches the model's linear-attention mixers (hooks removed
+        on release)."""
         n = check_count(batch_size, "batch_size", lo=1, hi=self.plan.max_seqs)
         requests: list[Hashable] = [("hf", next(self._ids)) for _ in range(n)]
         slots = self.cache.allocate_states(requests) if self.cache.state_fields else []
         tables = [BlockTable(self.cache) for _ in requests] if self.cache.page_fields else []
-        return self._track(KvarenaCache(self, self._rows(requests, tables, slots), 0, False))
+        rows = self._rows(requests, tables, slots)
+        try:
+            cache = KvarenaCache(self, rows, 0, False, model=model)
+        except BaseException:
+            for r in requests:
+                if slots:
+                    self.cache.free_state(r)
+            raise
+        return self._track(cache)
 
     def prefill(self, model: Any, input_ids: torch.Tensor) -> KvarenaCache:
         """A cache for one prompt that reuses what the prefix cache holds of it.
@@ -183,6 +196,7 @@ class KvarenaPool:
         if cache.released:
             raise InvalidValueError("release: this cache was released already")
         cache.sync()
+        cache.close()
         rows = cache.rows
         for r, request in enumerate(rows.requests):
             prompt = self._prompts.pop(request, None)
