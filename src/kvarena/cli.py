@@ -21,7 +21,7 @@ from typer.core import TyperGroup
 try:  # typer >= 0.20 vendors click; older typer depends on it
     from typer._click.exceptions import ClickException, NoArgsIsHelpError
 except ImportError:  # pragma: no cover - depends on the typer release
-    from click.exceptions import ClickException, NoArgsIsHelpError  # type: ignore[no-redef]
+    from click.exceptions import ClickException, NoArgsIsHelpError  # type: ignore[no-redef,assignment]
 
 from .checks import check_count, check_device, parse_bytes
 from .demo import DemoConfig, run_demo, state_fields

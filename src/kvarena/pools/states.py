@@ -127,9 +127,9 @@ class StateAllocator:
         want = len(reqs) * self._per_req
         if self.num_free < want:
             raise StateAllocationError(want, self.num_free)
-        run = self._free.pop() if want == 1 else self._top_run(want)
+        run = None if want == 1 else self._top_run(want)
         if want == 1:
-            flat = [run]
+            flat = [self._free.pop()]
         elif run is not None:
             self._free.take_range(run, run + want)
             flat = list(range(run, run + want))

@@ -236,13 +236,11 @@ class RingLayer(CacheLayerMixin):
         self.tokens, self.window = tokens, window
         self.ring = {f.name: f for f in rows.cache.state_fields}["k_window"].shape[0]
         self.written = tokens  # the ring holds positions [written - ring, written)
+        # Rollback rows past the window make a crop possible.
+        self.is_croppable = self.ring > self.window
         self.is_initialized = True
         self.sliding_window = window
         self.cumulative_length = tokens
-
-    @property
-    def is_croppable(self) -> bool:
-        return self.ring > self.window
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         return None
@@ -322,7 +320,7 @@ class LinearLayer(LinearAttentionCacheLayerMixin):
         """Point the states at the rows' slots (again, after the rows changed)."""
         conv = self.rows.state("conv_state")[self.group]
         self.conv_states[0] = conv
-        self.dtype, self.device = conv.dtype, conv.device
+        self.dtype, self.device = conv.dtype, conv.device  # type: ignore[assignment]
         self.is_conv_states_initialized[0] = True
         if self.has_recurrent:
             self.recurrent_states[0] = self.rows.state("recurrent_state")[self.group]
@@ -500,9 +498,11 @@ class _Replay:
             return
         layer = self.linear[module.layer_idx]
         rows = self.cache.rows
+        saved = rows.rollback_index
+        assert saved is not None  # a replay is made only over rollback entries
         for name in layer.fields:
             live = rows.state(name)[layer.group]  # [B, ...]
-            rows.cache.state_view(name)[layer.group].index_copy_(0, rows.rollback_index, live)
+            rows.cache.state_view(name)[layer.group].index_copy_(0, saved, live)
         hidden = bound["hidden_states"]
         self.inputs[module.layer_idx] = (
             hidden.detach().clone(),
@@ -528,14 +528,14 @@ class _Replay:
 
     def roll_back(self, remove: int) -> None:
         rows = self.cache.rows
+        index = rows.rollback_index
+        assert index is not None
         for idx, (hidden, mask, started) in self.inputs.items():
             if remove == 0:
                 continue
             layer = self.linear[idx]
             for name in layer.fields:
-                saved = rows.cache.state_view(name)[layer.group].index_select(
-                    0, rows.rollback_index
-                )
+                saved = rows.cache.state_view(name)[layer.group].index_select(0, index)
                 rows.state(name)[layer.group].copy_(saved)
             layer.has_previous_state[0] = started
             keep = hidden.shape[1] - remove
