@@ -46,6 +46,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_transfer.py
 	$(PY) benchmarks/bench_prefix.py
 	$(PY) benchmarks/bench_tiers.py
+	$(PY) benchmarks/bench_hf_generate.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .hypothesis

@@ -135,3 +135,27 @@ def test_block_table_copies_on_write_and_truncates():
     assert c.blocks.num_live == 0
     with pytest.raises(kvarena.InvalidValueError, match="tokens"):
         t.truncate(3)
+
+
+def test_kv_blocks_store_and_restore_by_bytes():
+    """KV blocks (not only states) round-trip through image units, any unit size."""
+    c = _cache()
+    src = c.blocks.allocate(3)
+    before = [c.page_view("k")[:, b].clone() for b in src]
+    for unit in (None, 64, 96):
+        spec = c.block_checkpoint_spec(unit)
+        units = [c.blocks.allocate(spec.units_per_image) for _ in src]
+        c.store_blocks(spec, src, units)
+        dst = c.blocks.allocate(3)
+        c.restore_blocks(spec, units, dst)
+        for b, want in zip(dst, before, strict=True):  # every field byte (pads aside)
+            assert torch.equal(c.page_view("k")[:, b], want)
+        for b in [*dst, *(u for us in units for u in us)]:
+            c.blocks.release(b)
+    spec = c.block_checkpoint_spec()
+    units = [c.blocks.allocate(spec.units_per_image)]
+    c.blocks.release(src[0])  # a free block is neither read nor written
+    with pytest.raises(kvarena.InvalidValueError, match="free"):
+        c.store_blocks(spec, [src[0]], units)
+    with pytest.raises(kvarena.InvalidValueError, match="free"):
+        c.restore_blocks(spec, units, [src[0]])

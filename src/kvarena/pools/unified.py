@@ -65,6 +65,26 @@ class BoundaryMove:
     copied_bytes: int
 
 
+@dataclass(frozen=True)
+class _BlockReader:
+    """Blocks as the source of block images: live or cached ones may be read."""
+
+    blocks: BlockAllocator
+
+    def check_held(self, slots: object, what: str) -> np.ndarray:
+        return self.blocks.check_held(slots, f"{what} (blocks)", writing=False)
+
+
+@dataclass(frozen=True)
+class _BlockWriter:
+    """Blocks as the target of block images: only live ones may be written."""
+
+    blocks: BlockAllocator
+
+    def check_held(self, slots: object, what: str) -> np.ndarray:
+        return self.blocks.check_held(slots, f"{what} (blocks)", writing=True)
+
+
 class UnifiedCache:
     """PAGE blocks and STATE slots carved from one buffer on ``device``.
 
@@ -269,6 +289,49 @@ class UnifiedCache:
             self.state,
             slots,
             slot_holder=self.slots,
+        )
+
+    def block_checkpoint_spec(self, unit_bytes: int | None = None) -> CheckpointSpec:
+        """The image plan of one KV block (its PAGE fields), in units of ``unit_bytes``
+        (default a whole block stride): what :meth:`store_blocks` writes."""
+        if not self.page_fields or not isinstance(self.pages, EntryMajorArena):
+            raise InvalidValueError("block images need an entry-major PAGE pool")
+        unit = self.block_stride if unit_bytes is None else unit_bytes
+        key = -check_bytes(unit, "unit_bytes", lo=1)  # negative keys: PAGE specs
+        spec = self._specs.get(key)
+        if spec is None:
+            spec = self._specs[key] = CheckpointSpec.build(self.page_fields, -key)
+        return spec
+
+    def store_blocks(
+        self, spec: CheckpointSpec, blocks: Sequence[int], unit_lists: Sequence[Sequence[int]]
+    ) -> CopyStats:
+        """Copy each block's bytes (a live or cached block) into image units (blocks
+        held live): a KV block kept aside, e.g. before it is overwritten."""
+        if not isinstance(self.pages, EntryMajorArena):
+            raise InvalidValueError("block images need an entry-major PAGE pool")
+        return store(
+            spec,
+            self.pages,
+            blocks,
+            self.page_units(spec.unit_bytes),
+            unit_lists,
+            slot_holder=_BlockReader(self.blocks),
+        )
+
+    def restore_blocks(
+        self, spec: CheckpointSpec, unit_lists: Sequence[Sequence[int]], blocks: Sequence[int]
+    ) -> CopyStats:
+        """Copy block images back into live blocks."""
+        if not isinstance(self.pages, EntryMajorArena):
+            raise InvalidValueError("block images need an entry-major PAGE pool")
+        return restore(
+            spec,
+            self.page_units(spec.unit_bytes),
+            unit_lists,
+            self.pages,
+            blocks,
+            slot_holder=_BlockWriter(self.blocks),
         )
 
     # -- requests --------------------------------------------------------------

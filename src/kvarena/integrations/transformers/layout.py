@@ -94,7 +94,7 @@ LINEAR_FAMILIES: dict[str, Callable[[ConfigReader], LinearStates]] = {
 
 def _kv_shapes(model_type: str, c: ConfigReader) -> tuple[tuple[int, int], tuple[int, int]]:
     """Per-token ``(heads, dim)`` of what an attention layer hands ``Cache.update``."""
-    if model_type == "kimi_linear":  # MLA: the latent and the shared RoPE key
+    if c.has("kv_lora_rank"):  # MLA (DeepSeek, Kimi): the latent and the shared RoPE key
         return (1, c.integer("kv_lora_rank")), (1, c.integer("qk_rope_head_dim"))
     heads = (
         c.integer("num_key_value_heads")

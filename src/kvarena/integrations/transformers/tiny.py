@@ -54,6 +54,22 @@ TINY: dict[str, dict[str, Any]] = {
         n_groups=1,
         hybrid_override_pattern="M*M-",
     ),
+    "deepseek_v3": dict(
+        num_hidden_layers=2,
+        num_key_value_heads=4,
+        head_dim=8,  # DeepSeek's head_dim is the RoPE part of the key
+        moe_intermediate_size=32,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=12,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+    ),
     "kimi_linear": dict(
         num_hidden_layers=4,
         num_key_value_heads=4,
