@@ -426,3 +426,27 @@ def test_preset_refuses_a_nonsense_dtype():
                 "head_dim": 8,
             }
         )
+
+
+def test_layer_types_without_a_layout_are_refused_by_name():
+    """DeepSeek-V4's compressed-attention layers keep transformers' own cache classes
+    (compressor rings built from the config): refused, naming the types."""
+    from transformers import AutoConfig
+
+    with pytest.raises(kvarena.UnknownModelError, match="compressed_sparse_attention"):
+        hf_layout(AutoConfig.for_model("deepseek_v4"))
+
+
+def test_qwen3_5_preset_reads_its_text_config():
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("qwen3_5", dtype="bfloat16")
+    model = kvarena.model_cache(config.to_dict())
+    text = config.get_text_config(decoder=True)
+    assert model.attention_layers == text.layer_types.count("full_attention")
+    assert model.state_layers == text.layer_types.count("linear_attention")
+    assert hf_layout(config).counts == {
+        PAGED: model.attention_layers,
+        RING: 0,
+        LINEAR: model.state_layers,
+    }

@@ -269,6 +269,10 @@ _FAMILY_BY_TYPE = {
     "deepseek_v2": "mla",
     "deepseek_v3": "mla",
     "qwen3_next": "qwen3_next",
+    "qwen3_5": "qwen3_next",
+    "qwen3_5_text": "qwen3_next",
+    "qwen3_5_moe": "qwen3_next",
+    "qwen3_5_moe_text": "qwen3_next",
     "mamba2": "mamba2",
     "nemotron_h": "nemotron_h",
     "kimi_linear": "kimi_linear",
@@ -284,6 +288,9 @@ _FAMILY_BY_ARCH = {
     "DeepseekV3ForCausalLM": "mla",
     "DeepseekV2ForCausalLM": "mla",
     "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3_5ForCausalLM": "qwen3_next",
+    "Qwen3_5ForConditionalGeneration": "qwen3_next",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_next",
     "Mamba2ForCausalLM": "mamba2",
     "NemotronHForCausalLM": "nemotron_h",
     "KimiLinearForCausalLM": "kimi_linear",
@@ -542,9 +549,11 @@ def _qwen3_next_layers(c: ConfigReader) -> tuple[int, int]:
     return attn, layers - attn
 
 
-def _qwen3_next(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
+def _qwen3_next(name: str, root: ConfigReader, o: ServingOptions) -> ModelCache:
+    # Qwen3.5 keeps Qwen3-Next's layers, its multimodal config under text_config.
+    c = root.sub("text_config", optional=True) or root
     attn, gdn = _qwen3_next_layers(c)
-    model = _model_dtype(c, o)
+    model = _model_dtype(c if _config_dtype(c) else root, o)
     block = _block(o, 16)
     page = _kv_fields(
         attn,

@@ -85,6 +85,8 @@ def _kimi_linear(c: ConfigReader) -> LinearStates:
 
 LINEAR_FAMILIES: dict[str, Callable[[ConfigReader], LinearStates]] = {
     "qwen3_next": _qwen3_next,
+    "qwen3_5_text": _qwen3_next,  # Qwen3.5 keeps Qwen3-Next's Gated DeltaNet
+    "qwen3_5_moe_text": _qwen3_next,
     "mamba2": _mamba2_like("num_heads", "head_dim", "state_size"),
     "nemotron_h": _mamba2_like("mamba_num_heads", "mamba_head_dim", "ssm_state_size"),
     "kimi_linear": _kimi_linear,

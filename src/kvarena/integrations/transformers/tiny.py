@@ -43,6 +43,14 @@ TINY: dict[str, dict[str, Any]] = {
         moe_intermediate_size=32,
         shared_expert_intermediate_size=32,
     ),
+    "qwen3_5_text": dict(
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+    ),
     "mamba2": dict(
         num_hidden_layers=2, num_heads=8, head_dim=16, state_size=16, n_groups=1, expand=2
     ),
