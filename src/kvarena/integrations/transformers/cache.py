@@ -133,7 +133,22 @@ def _check_dtype(t: torch.Tensor, want: torch.dtype, what: str, layer: int) -> N
         )
 
 
-class PagedLayer(CacheLayerMixin):
+class _InPool:
+    """What every kvarena layer answers alike: its bytes stay in the pool (no
+    offload or prefetch), and beams are reordered once for all layers by
+    :meth:`KvarenaCache.reorder_cache`, not layer by layer."""
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        return None
+
+    def offload(self) -> None:
+        return None
+
+    def prefetch(self) -> None:
+        return None
+
+
+class PagedLayer(_InPool, CacheLayerMixin):
     """A full-attention layer over block tables."""
 
     is_sliding = False
@@ -195,15 +210,6 @@ class PagedLayer(CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         self.tokens = _cropped(self.tokens, tokens_to_remove)
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        return None  # the cache reorders the rows once for every layer
-
-    def offload(self) -> None:
-        return None
-
-    def prefetch(self) -> None:
-        return None
-
 
 def _cropped(tokens: int, remove: int) -> int:
     """The length left by transformers' ``crop(remove)``: a negative ``remove``
@@ -218,7 +224,7 @@ def _cropped(tokens: int, remove: int) -> int:
     return tokens + remove
 
 
-class RingLayer(CacheLayerMixin):
+class RingLayer(_InPool, CacheLayerMixin):
     """A sliding-window layer: a ring of ``window + rollback`` tokens in each
     row's slot.
 
@@ -291,17 +297,8 @@ class RingLayer(CacheLayerMixin):
             )
         self.tokens = self.cumulative_length = keep
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        return None
 
-    def offload(self) -> None:
-        return None
-
-    def prefetch(self) -> None:
-        return None
-
-
-class LinearLayer(LinearAttentionCacheLayerMixin):
+class LinearLayer(_InPool, LinearAttentionCacheLayerMixin):
     """A linear-attention layer whose conv and recurrent states are the rows' slots."""
 
     def __init__(self, rows: _Rows, index: int, group: int, started: bool) -> None:
@@ -384,22 +381,14 @@ class LinearLayer(LinearAttentionCacheLayerMixin):
                 t.zero_()
         self.has_previous_state[0] = False
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        return None
-
     def crop(self, tokens_to_remove: int) -> None:
         raise InvalidValueError(
-            "a linear-attention state cannot be cropped: it holds no per-token history"
+            "a linear-attention state is rolled back by its cache (KvarenaCache.crop), "
+            "not layer by layer"
         )
 
-    def offload(self) -> None:
-        return None
 
-    def prefetch(self) -> None:
-        return None
-
-
-class NoneLayer(CacheLayerMixin):
+class NoneLayer(_InPool, CacheLayerMixin):
     """A layer that keeps nothing (MLP / MoE / a KV-sharing consumer)."""
 
     supports_early_init = False
@@ -429,15 +418,6 @@ class NoneLayer(CacheLayerMixin):
         return None
 
     def crop(self, tokens_to_remove: int) -> None:
-        return None
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        return None
-
-    def offload(self) -> None:
-        return None
-
-    def prefetch(self) -> None:
         return None
 
 

@@ -32,6 +32,25 @@ def forward_with(model: Any, input_ids: torch.Tensor, cache: Any) -> Any:
     return model(input_ids=input_ids, use_cache=True, **{name: cache})
 
 
+def _check_prompt(input_ids: Any, what: str) -> None:
+    """One prompt: token ids of shape ``[1, tokens]``, at least one token."""
+    if (
+        not isinstance(input_ids, torch.Tensor)
+        or input_ids.dim() != 2
+        or input_ids.shape[0] != 1
+        or input_ids.shape[1] < 1
+        or input_ids.dtype not in (torch.int64, torch.int32)
+    ):
+        got = (
+            f"{tuple(input_ids.shape)} {input_ids.dtype}"
+            if isinstance(input_ids, torch.Tensor)
+            else type(input_ids).__name__
+        )
+        raise InvalidValueError(
+            f"{what} takes one prompt: integer input_ids of shape [1, tokens]; got {got}"
+        )
+
+
 class KvarenaPool:
     """Blocks and slots for a model's requests, with a prefix cache over them."""
 
@@ -113,15 +132,7 @@ class KvarenaPool:
         checkpoint boundary the policy asks for, where an image of the state
         is kept for later prompts. ``generate(input_ids, cache=cache)``
         computes the rest."""
-        if (
-            not isinstance(input_ids, torch.Tensor)
-            or input_ids.dim() != 2
-            or input_ids.shape[0] != 1
-        ):
-            raise InvalidValueError(
-                "prefill takes one prompt: input_ids of shape [1, tokens]; "
-                f"got {tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else input_ids!r}"
-            )
+        _check_prompt(input_ids, "prefill")
         tokens = input_ids[0].tolist()
         request: Hashable = ("hf", next(self._ids))
         adm = self.prefix.admit(request, tokens)
@@ -152,14 +163,7 @@ class KvarenaPool:
         (one row) into a new cache and return it with the first token (greedy).
         Ship ``cache.block_tables[0].blocks`` and ``cache.slots[0][:1]`` to the
         decode side, which continues with :meth:`adopt`."""
-        if (
-            not isinstance(input_ids, torch.Tensor)
-            or input_ids.dim() != 2
-            or input_ids.shape[0] != 1
-        ):
-            raise InvalidValueError(
-                "prefill_remote takes one prompt: input_ids of shape [1, tokens]"
-            )
+        _check_prompt(input_ids, "prefill_remote")
         cache = self.new_cache(1)
         try:
             with torch.no_grad():
