@@ -43,6 +43,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_entry_copy.py
 	$(PY) benchmarks/bench_checkpoint.py
 	$(PY) benchmarks/bench_boundary.py
+	$(PY) benchmarks/bench_spans.py
 	$(PY) benchmarks/bench_transfer.py
 	$(PY) benchmarks/bench_prefix.py
 	$(PY) benchmarks/bench_tiers.py

@@ -7,7 +7,7 @@
 
 Prints GB/s, ratios against memcpy and the loop, and the ops each issued.
 
-    python benchmarks/bench_checkpoint.py [--requests 64] [--unit-kib 2048] [--repeats 3]
+    python benchmarks/bench_checkpoint.py [--requests 64] [--unit-kib 16 256 2048] [--repeats 7]
 """
 
 from __future__ import annotations
@@ -106,28 +106,33 @@ def bench(name: str, requests: int, unit_bytes: int, repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--unit-kib", type=int, default=2048, help="PAGE unit size in KiB")
+    parser.add_argument(
+        "--unit-kib", type=int, nargs="+", default=[16, 256, 2048], help="PAGE unit sizes in KiB"
+    )
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS))
     args = parser.parse_args()
     print(
-        f"torch {torch.__version__}, cpu, {args.requests} requests, unit {args.unit_kib} KiB, "
-        f"median of {args.repeats}"
+        f"torch {torch.__version__}, cpu, {args.requests} requests, units "
+        f"{'/'.join(str(u) for u in args.unit_kib)} KiB, median of {args.repeats}"
     )
     header = (
-        f"{'layout':<20} {'image MB':>9} {'units':>5} {'ops kv/loop':>13} {'store GB/s':>11} "
-        f"{'restore GB/s':>13} {'loop GB/s':>10} {'memcpy GB/s':>12} {'kv/memcpy':>10} {'kv/loop':>8}"
+        f"{'layout':<20} {'unit':>8} {'image MB':>9} {'units':>5} {'ops kv/loop':>13} "
+        f"{'store GB/s':>11} {'restore GB/s':>13} {'loop GB/s':>10} {'memcpy GB/s':>12} "
+        f"{'store/mem':>10} {'restore/mem':>12} {'store/loop':>11}"
     )
     print(header)
     print("-" * len(header))
     for name in args.layouts:
-        r = bench(name, args.requests, args.unit_kib * 1024, args.repeats)
-        g = r["gbps"]
-        print(
-            f"{name:<20} {r['image_mb']:>9.2f} {r['units']:>5} {r['ops'][0]:>6}/{r['ops'][1]:<6} "
-            f"{g['kv']:>11.2f} {g['restore']:>13.2f} {g['loop']:>10.2f} {g['mem']:>12.2f} "
-            f"{g['kv'] / g['mem']:>9.2f}x {g['kv'] / g['loop']:>7.2f}x"
-        )
+        for unit in args.unit_kib:
+            r = bench(name, args.requests, unit * 1024, args.repeats)
+            g = r["gbps"]
+            print(
+                f"{name:<20} {unit:>4} KiB {r['image_mb']:>9.2f} {r['units']:>5} "
+                f"{r['ops'][0]:>6}/{r['ops'][1]:<6} {g['kv']:>11.2f} {g['restore']:>13.2f} "
+                f"{g['loop']:>10.2f} {g['mem']:>12.2f} {g['kv'] / g['mem']:>9.2f}x "
+                f"{g['restore'] / g['mem']:>11.2f}x {g['kv'] / g['loop']:>10.2f}x"
+            )
 
 
 if __name__ == "__main__":
