@@ -566,7 +566,6 @@ class KvarenaCache(Cache):
                 assert kind == NONE
                 layers.append(NoneLayer())
         super().__init__(layers=layers)
-        self._tokens = tokens
         self._replay: _Replay | None = None
         if model is not None and any(isinstance(x, LinearLayer) for x in layers):
             if rows.rollback_index is None:
@@ -656,9 +655,10 @@ class KvarenaCache(Cache):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last tokens of every row: paged layers truncate their tables,
-        rings step back within their rollback rows. Linear-attention states
-        keep no per-token history (transformers' kernels return only the last
-        state), so a model with them is refused, as transformers refuses it."""
+        rings step back within their rollback rows, linear-attention states are
+        restored from the rollback entry and replayed over the accepted tokens
+        (a cache made with ``model=`` in a pool with ``rollback_tokens``;
+        refused otherwise). Every check runs before anything changes."""
         self._check_live()
         linear = [layer.layer_idx for layer in self.layers if isinstance(layer, LinearLayer)]
         if linear and self._replay is None:
