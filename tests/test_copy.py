@@ -265,3 +265,41 @@ def test_large_batches_split_over_threads_move_exactly_the_spans(same_storage, m
     for s, d, k in zip(src.tolist(), dst.tolist(), lengths.tolist(), strict=True):
         expect[d : d + k] = source[s : s + k]
     assert torch.equal(target, expect) and stats.spans == 120
+
+
+@given(
+    count=st.integers(1, 600),
+    length=st.sampled_from([1, 3, 512, 1024, 4096, 16384, 16384 + 2048, 1 << 20]),
+)
+def test_pieces_cover_the_same_bytes_in_order(count, length):
+    """Spans cut into pieces (so numpy releases the GIL) name exactly the spans'
+    bytes, in the same order, and more than 500 items whenever pieces can be long
+    enough."""
+    from kvarena.copy.executor import MIN_PIECE_BYTES, NUMPY_GIL_ITEMS, _pieces
+
+    starts = np.arange(count, dtype=np.int64)[::-1] * (length + 7)
+    pieces, piece = _pieces(starts, length)
+    assert length % piece == 0 and pieces.size * piece == count * length
+    want = np.concatenate([np.arange(s, s + length) for s in starts[:50]])
+    got = np.concatenate([np.arange(p, p + piece) for p in pieces[: 50 * (length // piece)]])
+    assert np.array_equal(got, want)
+    if count <= NUMPY_GIL_ITEMS and length % 2 == 0 and length // 2 >= MIN_PIECE_BYTES:
+        assert pieces.size > count
+
+
+def test_few_short_spans_in_threads_are_byte_exact():
+    """300 spans of 16 KiB (a threaded batch whose groups are too small for numpy
+    to release the GIL without pieces), scattered both ways: every byte lands."""
+    n, length = 300, 16 << 10
+    rng = np.random.default_rng(3)
+    src_buf = torch.from_numpy(rng.integers(0, 256, n * length * 2, dtype=np.uint8))
+    dst_buf = torch.zeros(n * length * 2, dtype=torch.uint8)
+    src = rng.permutation(2 * n)[:n] * length
+    dst = rng.permutation(2 * n)[:n] * length
+    execute_batch(CopyBatch(src, dst, np.full(n, length)), src_buf, dst_buf, path="cpu")
+    for s, d in zip(src.tolist(), dst.tolist(), strict=True):
+        assert torch.equal(dst_buf[d : d + length], src_buf[s : s + length])
+    written = torch.zeros(dst_buf.numel(), dtype=torch.bool)
+    for d in dst.tolist():
+        written[d : d + length] = True
+    assert not dst_buf[~written].any()  # nothing outside the spans written
