@@ -15,10 +15,27 @@ from collections.abc import Callable
 import torch
 
 
+class Timings(dict[str, float]):
+    """Median seconds per method, plus every round's samples for paired ratios."""
+
+    def __init__(self, samples: dict[str, list[float]]) -> None:
+        super().__init__({name: statistics.median(s) for name, s in samples.items()})
+        self.samples = samples
+
+    def speed(self, name: str, baseline: str) -> float:
+        """How many times faster ``name`` ran than ``baseline``: the median over
+        rounds of the two methods' ratio IN ONE ROUND. Methods of one round run
+        back to back, so a slow spell of this shared machine (memcpy of the
+        same bytes measured 13-23 GB/s across runs) moves both alike; the ratio
+        of two medians would mix rounds."""
+        pairs = zip(self.samples[baseline], self.samples[name], strict=True)
+        return statistics.median(b / a for b, a in pairs)
+
+
 def side_by_side(
     methods: dict[str, Callable[[], object]], rounds: int, device: torch.device
-) -> dict[str, float]:
-    """Median seconds per method over ``rounds`` interleaved rounds."""
+) -> Timings:
+    """Median seconds per method over ``rounds`` interleaved rounds (and the samples)."""
 
     def sync() -> None:
         if device.type == "cuda":
@@ -39,4 +56,16 @@ def side_by_side(
             methods[name]()
             sync()
             samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(s) for name, s in samples.items()}
+    return Timings(samples)
+
+
+CACHE_FLUSH_BYTES = 64 << 20
+"""Twice the 32 MiB L3 of the CI machine class: writing this much leaves no
+operand of the previous method in any cache level."""
+
+
+def flush_caches(scratch: torch.Tensor) -> None:
+    """Write ``scratch`` (at least CACHE_FLUSH_BYTES) so the next timed copy reads
+    and writes memory, as the copy it is compared with does; a buffer filled
+    just before would otherwise serve its last L3-worth of bytes from cache."""
+    scratch.add_(1)

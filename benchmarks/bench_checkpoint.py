@@ -5,14 +5,17 @@
    copied one (layer, field) slice per request into a separate checkpoint pool.
 3. memcpy: one contiguous copy of the same total bytes.
 
-Prints GB/s, ratios against memcpy and the loop, and the ops each issued.
+Prints GB/s (medians), ratios against memcpy and the loop (the median of each
+round's ratio, benchmarks/_timing.py), and the ops each issued.
 
     python benchmarks/bench_checkpoint.py [--requests 64] [--unit-kib 16 256 2048] [--repeats 7]
+        [--placement allocated scattered]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -27,6 +30,8 @@ def _states(model: str, tp: int = 1) -> Callable[[], list[EntryField]]:
     return lambda: list(model_cache(model, ServingOptions(tp=tp)).state_fields)
 
 
+PLACEMENTS = ("allocated", "scattered")
+
 LAYOUTS: dict[str, Callable[[], list[EntryField]]] = {
     "qwen3-next gdn tp8": _states("qwen3-next-80b-a3b", 8),
     "mamba2-2.7b tp8": _states("mamba2-2.7b", 8),
@@ -36,7 +41,7 @@ LAYOUTS: dict[str, Callable[[], list[EntryField]]] = {
 }
 
 
-def bench(name: str, requests: int, unit_bytes: int, repeats: int) -> dict:
+def bench(name: str, requests: int, unit_bytes: int, repeats: int, placement: str) -> dict:
     fields = LAYOUTS[name]()
     # The real road: a cache whose PAGE blocks are the image units, planned for
     # the source states, the restore targets and every image's units.
@@ -56,8 +61,12 @@ def bench(name: str, requests: int, unit_bytes: int, repeats: int) -> dict:
         v = cache.state_view(f.name)
         for s in slots:
             v[:, s].copy_(torch.randn(v[:, s].shape, generator=gen).to(f.dtype))
-    # Scatter each image's units across the pool (reverse order: no accidental runs).
-    order = list(reversed(cache.blocks.allocate(n_units)))
+    # "allocated": units as the allocator hands them out (lowest first, so an
+    # image's units are consecutive blocks: strided families). "scattered":
+    # the same blocks in reverse, so no two units continue each other.
+    order = cache.blocks.allocate(n_units)
+    if placement == "scattered":
+        order.reverse()
     units = [order[c * units_per_image : (c + 1) * units_per_image] for c in range(requests)]
     ops = {"kvarena": 0}
 
@@ -100,6 +109,7 @@ def bench(name: str, requests: int, unit_bytes: int, repeats: int) -> dict:
         "units": spec.units_per_image,
         "ops": (ops["kvarena"], requests * sum(f.layers for f in carried)),
         "gbps": {k: nbytes / seconds / 1e9 for k, seconds in t.items()},
+        "ratios": (t.speed("kv", "mem"), t.speed("restore", "mem"), t.speed("kv", "loop")),
     }
 
 
@@ -111,27 +121,30 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS))
+    parser.add_argument(
+        "--placement", nargs="+", default=["allocated", "scattered"], choices=PLACEMENTS
+    )
     args = parser.parse_args()
     print(
         f"torch {torch.__version__}, cpu, {args.requests} requests, units "
         f"{'/'.join(str(u) for u in args.unit_kib)} KiB, median of {args.repeats}"
     )
     header = (
-        f"{'layout':<20} {'unit':>8} {'image MB':>9} {'units':>5} {'ops kv/loop':>13} "
+        f"{'layout':<20} {'units placed':<12} {'unit':>8} {'image MB':>9} {'units':>5} {'ops kv/loop':>13} "
         f"{'store GB/s':>11} {'restore GB/s':>13} {'loop GB/s':>10} {'memcpy GB/s':>12} "
         f"{'store/mem':>10} {'restore/mem':>12} {'store/loop':>11}"
     )
     print(header)
     print("-" * len(header))
     for name in args.layouts:
-        for unit in args.unit_kib:
-            r = bench(name, args.requests, unit * 1024, args.repeats)
+        for placement, unit in itertools.product(args.placement, args.unit_kib):
+            r = bench(name, args.requests, unit * 1024, args.repeats, placement)
             g = r["gbps"]
             print(
-                f"{name:<20} {unit:>4} KiB {r['image_mb']:>9.2f} {r['units']:>5} "
+                f"{name:<20} {placement:<12} {unit:>4} KiB {r['image_mb']:>9.2f} {r['units']:>5} "
                 f"{r['ops'][0]:>6}/{r['ops'][1]:<6} {g['kv']:>11.2f} {g['restore']:>13.2f} "
-                f"{g['loop']:>10.2f} {g['mem']:>12.2f} {g['kv'] / g['mem']:>9.2f}x "
-                f"{g['restore'] / g['mem']:>11.2f}x {g['kv'] / g['loop']:>10.2f}x"
+                f"{g['loop']:>10.2f} {g['mem']:>12.2f} {r['ratios'][0]:>9.2f}x "
+                f"{r['ratios'][1]:>11.2f}x {r['ratios'][2]:>10.2f}x"
             )
 
 

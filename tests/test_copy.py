@@ -303,3 +303,91 @@ def test_few_short_spans_in_threads_are_byte_exact():
     for d in dst.tolist():
         written[d : d + length] = True
     assert not dst_buf[~written].any()  # nothing outside the spans written
+
+
+@given(
+    families=st.lists(
+        st.tuples(
+            st.integers(1, 300),  # length
+            st.integers(1, 9),  # count
+            st.integers(0, 3),  # source step, in lengths (0: one source read again)
+            st.integers(1, 3),  # destination step, in lengths
+        ),
+        min_size=1,
+        max_size=5,
+    ),
+    extra=st.integers(0, 6),
+    seed=st.integers(0, 2**31),
+    same_storage=st.booleans(),
+    min_bytes=st.sampled_from([0, 64, 1024]),
+    path=st.sampled_from(PATHS),
+)
+def test_strided_families_move_exactly_their_spans(
+    families, extra, seed, same_storage, min_bytes, path
+):
+    """Spans in arithmetic families (blocks from every other slot, units over
+    consecutive blocks, one source read into several places) plus stragglers,
+    shuffled: each family moves as one strided copy, every byte lands, nothing
+    else is written, in one storage or two."""
+    rng = np.random.default_rng(seed)
+    spans: list[tuple[int, int, int]] = []
+    src_at, dst_at = 0, 0
+    for length, count, ss, ds in families:
+        step_s, step_d = ss * length, ds * length
+        spans += [(src_at + i * step_s, dst_at + i * step_d, length) for i in range(count)]
+        src_at += step_s * count + length + int(rng.integers(0, 50))
+        dst_at += step_d * count + length + int(rng.integers(0, 50))
+    for _ in range(extra):
+        length = int(rng.integers(1, 200))
+        spans.append((int(rng.integers(0, src_at + 1)), dst_at, length))
+        dst_at += length + int(rng.integers(0, 9))
+    order = rng.permutation(len(spans))
+    src = np.array([spans[i][0] for i in order], dtype=np.int64)
+    dst = np.array([spans[i][1] for i in order], dtype=np.int64)
+    length = np.array([spans[i][2] for i in order], dtype=np.int64)
+    src_size = int((src + length).max())
+    data = torch.from_numpy(rng.integers(0, 256, src_size, dtype=np.uint8))
+    if same_storage:  # sources below, destinations above, in one buffer
+        buf = torch.cat([data, torch.full((dst_at + 1,), 0xA5, dtype=torch.uint8)])
+        src_buf, dst_buf, shift = buf, buf, src_size
+    else:
+        src_buf, dst_buf, shift = data, torch.full((dst_at + 1,), 0xA5, dtype=torch.uint8), 0
+    expect = dst_buf.clone()
+    for s, d, n in zip(src.tolist(), dst.tolist(), length.tolist(), strict=True):
+        expect[shift + d : shift + d + n] = data[s : s + n]
+    stats = execute_batch(
+        CopyBatch(src, dst + shift, length),
+        src_buf,
+        dst_buf,
+        progression_min_bytes=min_bytes,
+        path=path,
+    )
+    assert torch.equal(dst_buf, expect)
+    assert stats.nbytes == int(length.sum()) and stats.spans == len(spans)
+    if min_bytes == 0 and extra == 0 and path != "triton":
+        assert stats.ops <= 2 * len(families)  # a call (or two) per family, not per span
+
+
+def test_a_strided_relocation_is_one_copy():
+    """Every other block of the upper half moved to every other block of the
+    lower half (a boundary move over interleaved live and free blocks): one call."""
+    block, count = 4096, 96
+    buf = torch.from_numpy(np.random.default_rng(1).integers(0, 256, 4 * count * block, dtype=np.uint8))
+    before = buf.clone()
+    src = 2 * count * block + np.arange(count, dtype=np.int64) * 2 * block + block
+    dst = np.arange(count, dtype=np.int64) * 2 * block
+    stats = execute_batch(CopyBatch(src, dst, np.full(count, block)), buf, buf)
+    assert stats.ops == 1 and stats.spans == count
+    expect = before.clone()
+    for s, d in zip(src.tolist(), dst.tolist(), strict=True):
+        expect[d : d + block] = before[s : s + block]
+    assert torch.equal(buf, expect)
+
+
+def test_thresholds_are_checked_at_the_door():
+    buf = torch.zeros(64, dtype=torch.uint8)
+    batch = CopyBatch(np.array([0]), np.array([32]), np.array([8]))
+    for kwargs in ({"large_span_bytes": 0}, {"progression_min_bytes": -1}, {"large_span_bytes": 1.5}):
+        with pytest.raises(ValueError, match="execute_batch"):
+            execute_batch(batch, buf, buf, **kwargs)
+    assert not buf.any()

@@ -94,3 +94,74 @@ def test_block_keys_chain_over_prefixes(tokens, bs, at):
         assert all(a != b for a, b in zip(other[i:], keys[i:], strict=True))
     if keys:  # another namespace root: no key in common
         assert not set(block_keys(b"s" * 16, arr, bs)) & set(keys)
+
+
+@given(
+    spans=st.lists(
+        st.tuples(st.integers(0, 60), st.integers(0, 60), st.sampled_from([1, 4, 16])),
+        max_size=40,
+    ),
+    min_bytes=st.integers(0, 80),
+)
+def test_progressions_are_strided_views_of_exactly_the_spans_they_cover(spans, min_bytes):
+    """Each family's rows are spans of the batch, covered once; steps are never
+    negative, destination rows never overlap, and every family is worth its call."""
+    from kvarena.spans import progressions
+
+    src = np.array([s for s, _, _ in spans], dtype=np.int64)
+    dst = np.array([d for _, d, _ in spans], dtype=np.int64)
+    length = np.array([n for _, _, n in spans], dtype=np.int64)
+    families, covered = progressions(src, dst, length, min_bytes)
+    rows = []
+    for s0, d0, count, n, ss, ds in families:
+        assert count >= 2 and count * n >= min_bytes and ss >= 0 and ds >= n
+        rows += [(s0 + i * ss, d0 + i * ds, n) for i in range(count)]
+    covered_spans = [spans[i] for i in np.flatnonzero(covered).tolist()]
+    assert sorted(rows) == sorted(covered_spans)
+    assert covered.sum() == len(rows)
+
+
+@given(
+    highest_first=st.booleans(),
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["push_many", "pop", "take_many", "take_range", "in_range"]),
+            st.lists(st.integers(0, 200), max_size=60),
+        ),
+        max_size=40,
+    ),
+)
+def test_free_ids_agree_with_a_plain_set(highest_first, ops):
+    """Whatever mix of single and bulk operations, FreeIds holds exactly the ids
+    a plain set would and pops the lowest (highest) of them, however many stale
+    heap entries the bulk takes left behind."""
+    from kvarena.pools.free_ids import FreeIds
+
+    model = set(range(0, 100, 3))
+    ids = FreeIds(model, highest_first=highest_first)
+    for op, values in ops:
+        if op == "push_many":
+            new = sorted(set(values) - model)
+            ids.push_many(new)
+            model |= set(new)
+        elif op == "pop" and model:
+            want = max(model) if highest_first else min(model)
+            assert ids.pop() == want
+            model.discard(want)
+        elif op == "take_many":
+            gone = [v for v in values if v in model]
+            assert ids.missing(values) == [v for v in values if v not in model]
+            ids.take_many(gone)
+            model -= set(gone)
+        elif op == "take_range" and values:
+            lo, hi = min(values), max(values) + 1
+            held = [v for v in range(lo, hi) if v in model]
+            if len(held) == hi - lo:  # take_range needs every id of the range free
+                ids.take_range(lo, hi)
+                model -= set(held)
+        elif op == "in_range" and values:
+            lo, hi = min(values), max(values)
+            assert ids.in_range(lo, hi) == sorted(v for v in model if lo <= v < hi)
+        assert len(ids) == len(model) and all(v in ids for v in model)
+    assert ids.descending() == sorted(model, reverse=True)
+    assert ids.below(150) == sorted(v for v in model if v < 150)

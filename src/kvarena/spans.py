@@ -28,3 +28,48 @@ def coalesce(
     head = np.concatenate(([True], ~joins))
     run = np.cumsum(head) - 1
     return s[head], d[head], np.bincount(run, weights=n).astype(np.int64)
+
+
+def progressions(
+    src: np.ndarray, dst: np.ndarray, length: np.ndarray, min_bytes: int
+) -> tuple[list[tuple[int, int, int, int, int, int]], np.ndarray]:
+    """Families of equal-length spans whose starts advance by one constant step
+    on each side, as ``(src0, dst0, count, length, src_step, dst_step)``, and a
+    mask of the spans they cover.
+
+    Such a family is ONE strided view per side (``count`` rows of ``length``
+    bytes, ``step`` apart), so it moves with one copy call however many spans
+    it holds: blocks relocated from every other slot, an image's units
+    scattered over consecutive blocks, one field of every layer. Only families
+    of at least two spans and ``min_bytes`` bytes are returned; within each
+    length, spans are taken in source order (then destination order), steps are never negative, rows
+    never overlap on the destination side, and a
+    span joins at most one family (the earlier one, where two share it).
+    """
+    covered = np.zeros(src.size, dtype=bool)
+    found: list[tuple[int, int, int, int, int, int]] = []
+    for value in np.unique(length).tolist():
+        idx = np.flatnonzero(length == value)
+        if idx.size < 2 or idx.size * value < min_bytes or value <= 0:
+            continue
+        # By source, then destination: one source read into several places
+        # (a step of 0) still advances evenly on the destination side.
+        order = idx[np.lexsort((dst[idx], src[idx]))]
+        s, d = src[order], dst[order]
+        ds, dd = np.diff(s), np.diff(d)
+        # Pair i links span i to span i+1; a run of equal pairs [p, q) is the
+        # family of spans p..q.
+        change = np.flatnonzero((ds[1:] != ds[:-1]) | (dd[1:] != dd[:-1])) + 1
+        first = np.concatenate(([0], change))
+        last = np.concatenate((change, [ds.size]))
+        wanted = ((last - first + 1) * value >= min_bytes) & (dd[first] >= value)
+        taken = -1
+        for p, q in zip(first[wanted].tolist(), last[wanted].tolist(), strict=True):
+            p = max(p, taken + 1)  # a span shared with the family before stays there
+            count = q - p + 1
+            if count < 2 or count * value < min_bytes:
+                continue
+            found.append((int(s[p]), int(d[p]), count, value, int(ds[p]), int(dd[p])))
+            covered[order[p : q + 1]] = True
+            taken = q
+    return found, covered

@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..checks import MAX_ENTRIES, check_count, check_ids, check_int
 from ..errors import Error, InvalidValueError
@@ -122,6 +123,19 @@ class BlockAllocator:
     def evictable_blocks(self) -> list[int]:
         """Evictable blocks, least recently used first."""
         return list(self._lru)
+
+    def partition(self, lo: int, hi: int) -> tuple[list[int], list[int], list[int]]:
+        """(free, evictable, live) block ids in ``[lo, hi)``, each lowest first:
+        what a boundary move over that range drops, evicts and relocates."""
+        lo, hi = max(0, lo), min(hi, self._capacity)
+        if lo >= hi:
+            return [], [], []
+        span = range(lo, hi)
+        return (
+            self._free.in_range(lo, hi),
+            sorted(self._lru.keys() & span),
+            sorted(self._refs.keys() & span),
+        )
 
     def free_blocks_below(self, limit: int) -> list[int]:
         """Free block ids under ``limit``, lowest first."""
@@ -282,34 +296,52 @@ class BlockAllocator:
             self.notify_evicted(None)
 
     # -- moving the boundary -------------------------------------------------
-    def move_many(self, moves: list[tuple[int, int]]) -> None:
+    def move_many(self, moves: Any) -> None:
         """Give each live ``old`` block's references and cached mark to free block
-        ``new`` (the caller copies the bytes; ``old`` becomes free). Checked whole
-        first: every source live, every target free and named once."""
-        olds = check_ids([o for o, _ in moves], "move_many: sources", lo=0, hi=self._capacity)
-        news = check_ids([n for _, n in moves], "move_many: targets", lo=0, hi=self._capacity)
-        bad = [o for o in olds.tolist() if o not in self._refs]
-        if bad:
-            raise InvalidValueError(f"block {bad[0]} is not live; only live blocks move")
-        targets = news.tolist()
-        bad = [n for n in targets if n not in self._free]
-        if bad or len(set(targets)) != len(targets) or set(targets) & set(olds.tolist()):
+        ``new`` (the caller copies the bytes; ``old`` becomes free). ``moves``:
+        ``(old, new)`` pairs, as a list or a ``[k, 2]`` integer array. Checked
+        whole first: every source live, every target free and named once."""
+        if isinstance(moves, (np.ndarray, torch.Tensor)):
+            flat: Any = moves
+            if moves.ndim != 2 or moves.shape[1] != 2:
+                raise InvalidValueError(
+                    f"move_many: moves must be (old, new) pairs, got shape {tuple(moves.shape)}"
+                )
+        else:
+            moves = list(moves)
+            bad = [m for m in moves if not isinstance(m, (tuple, list)) or len(m) != 2]
+            if bad:
+                raise InvalidValueError(f"move_many: moves must be (old, new) pairs, got {bad[0]!r}")
+            flat = [v for pair in moves for v in pair]
+        ids = check_ids(flat, "move_many: block ids", lo=0, hi=self._capacity).reshape(-1, 2)
+        if ids.size == 0:
+            return
+        sources, targets = ids[:, 0].tolist(), ids[:, 1].tolist()
+        refs = self._refs
+        if not refs.keys() >= set(sources):
+            bad = next(o for o in sources if o not in refs)
+            raise InvalidValueError(f"block {bad} is not live; only live blocks move")
+        taken = self._free.missing(targets)
+        if taken or len(set(targets)) != len(targets) or not set(targets).isdisjoint(sources):
             raise InvalidValueError(
                 f"move_many: targets must be distinct free blocks, got {targets[:8]}"
+                + (f" (block {taken[0]} is not free)" if taken else "")
             )
-        for old, new in zip(olds.tolist(), targets, strict=True):
-            self._free.take(new)
-            self._refs[new] = self._refs.pop(old)
-            if old in self._cached:
-                self._cached.discard(old)
-                self._cached.add(new)
-            self._free.push(old)
+        # Whole-set operations: a boundary move relocates thousands of blocks.
+        self._free.take_many(targets)
+        refs.update(zip(targets, [refs.pop(o) for o in sources], strict=True))
+        moved_cached = self._cached.intersection(sources)
+        if moved_cached:
+            remap = dict(zip(sources, targets, strict=True))
+            self._cached -= moved_cached
+            self._cached.update(remap[o] for o in moved_cached)
+        self._free.push_many(sources)
 
     def shrink(self, n: int) -> None:
         """Give up the ``n`` highest ids; every one of them must be free."""
         n = check_count(n, "BlockAllocator.shrink: n", hi=self._capacity)
         new = self._capacity - n
-        blocked = [b for b in range(new, self._capacity) if b not in self._free]
+        blocked = self._free.missing(range(new, self._capacity))
         if blocked:
             raise InvalidValueError(f"shrink by {n}: blocks {blocked[:8]} are not free")
         self._free.take_range(new, self._capacity)
@@ -318,6 +350,5 @@ class BlockAllocator:
     def grow(self, n: int) -> None:
         """Add ``n`` ids above the current capacity, free."""
         n = check_count(n, "BlockAllocator.grow: n")
-        for b in range(self._capacity, self._capacity + n):
-            self._free.push(b)
+        self._free.push_many(list(range(self._capacity, self._capacity + n)))
         self._capacity += n

@@ -4,12 +4,16 @@ Both allocators keep their free ids this way: a heap for the order, a set for
 membership. Taking a specific id (a relocation target, a range given up to
 the other pool) removes it from the set only; the heap drops such stale
 entries lazily when they surface, so every operation stays O(log n).
+
+A boundary move hands back or takes thousands of ids at once; the ``*_many``
+and range operations do that with set operations (loops in C) and one
+``heapify`` instead of a Python loop of heap pushes.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 
 class FreeIds:
@@ -31,6 +35,20 @@ class FreeIds:
         self._set.add(i)
         heapq.heappush(self._heap, self._sign * i)
 
+    def push_many(self, ids: list[int]) -> None:
+        """Push every id of ``ids`` (none of them free yet)."""
+        if not ids:
+            return
+        self._set.update(ids)
+        signed = [self._sign * i for i in ids] if self._sign < 0 else ids
+        # k pushes cost k log n; one heapify costs n: take the cheaper.
+        if len(ids) * max(1, len(self._heap).bit_length()) > len(self._heap) + len(ids):
+            self._heap.extend(signed)
+            heapq.heapify(self._heap)
+        else:
+            for i in signed:
+                heapq.heappush(self._heap, i)
+
     def pop(self) -> int:
         """The lowest (or highest) free id, taken out of the set."""
         while True:
@@ -43,9 +61,35 @@ class FreeIds:
         """Take one specific free id (the caller checked it is free)."""
         self._set.remove(i)
 
+    def take_many(self, ids: list[int]) -> None:
+        """Take these specific free ids (the caller checked they are free)."""
+        self._set.difference_update(ids)
+        self._compact()
+
     def take_range(self, lo: int, hi: int) -> None:
         """Take every id in ``[lo, hi)`` (the caller checked they are all free)."""
         self._set.difference_update(range(lo, hi))
+        self._compact()
+
+    def _compact(self) -> None:
+        # Taken ids stay in the heap until they surface; once they outnumber
+        # the free ones, rebuild it so it never grows past twice the set.
+        if len(self._heap) > 2 * len(self._set) + 64:
+            self._heap = [self._sign * i for i in self._set]
+            heapq.heapify(self._heap)
+
+    def missing(self, ids: Sequence[int]) -> list[int]:
+        """The ids of ``ids`` that are not free, in their order."""
+        free = self._set
+        if free.issuperset(ids):  # the common case, checked in C
+            return []
+        return [i for i in ids if i not in free]
+
+    def in_range(self, lo: int, hi: int) -> list[int]:
+        """Free ids in ``[lo, hi)``, lowest first."""
+        if hi - lo <= len(self._set):
+            return sorted(self._set.intersection(range(lo, hi)))
+        return sorted(i for i in self._set if lo <= i < hi)
 
     def descending(self) -> list[int]:
         """Every free id, highest first."""
@@ -53,4 +97,4 @@ class FreeIds:
 
     def below(self, limit: int) -> list[int]:
         """Free ids under ``limit``, lowest first."""
-        return sorted(i for i in self._set if i < limit)
+        return self.in_range(0, limit)

@@ -493,18 +493,17 @@ class UnifiedCache:
                 available=0,
             )
 
-    def _copy(self, moves: list[tuple[int, int]], stride: int, base: int) -> tuple[int, int]:
+    def _copy(self, pairs: np.ndarray, stride: int, base: int) -> tuple[int, int]:
         """Relocate whole strides (not just the fields' bytes: an image unit may use a
         block's tail) as ONE described batch, the checkpoints' machinery: runs
         consecutive on both sides coalesce, long spans go one ``copy_`` each and
         are split over the CPU's threads. Sources lie in the released range and
         targets outside it, so no copy reads bytes another one writes (the batch
         validation checks it again)."""
-        if not moves:
+        if not pairs.size:
             return 0, 0
-        pairs = np.array(moves, dtype=np.int64)
         batch = CopyBatch(
-            base + pairs[:, 0] * stride, base + pairs[:, 1] * stride, np.full(len(moves), stride)
+            base + pairs[:, 0] * stride, base + pairs[:, 1] * stride, np.full(len(pairs), stride)
         )
         stats = execute_batch(batch, self.buf, self.buf)
         return stats.ops, stats.nbytes
@@ -526,10 +525,7 @@ class UnifiedCache:
         """(new block count, free going, evictable going, live going) for growing by n."""
         n = _check_move("grow_state", n, self.slots.first, "slots remain below the STATE pool")
         new_blocks = min(self.blocks.capacity, self.geometry.blocks_below(self.slots.first - n))
-        going = range(new_blocks, self.blocks.capacity)
-        free = [b for b in going if self.blocks.is_free(b)]
-        evictable = [b for b in going if self.blocks.is_evictable(b)]
-        live = [b for b in going if self.blocks.refcount(b) > 0]
+        free, evictable, live = self.blocks.partition(new_blocks, self.blocks.capacity)
         return new_blocks, free, evictable, live
 
     def grow_state(self, n: int) -> BoundaryMove:
@@ -558,9 +554,9 @@ class UnifiedCache:
             evicted.extend(taken)
             targets.extend(taken)
             targets.sort()
-            moves = list(zip(live, targets, strict=True))
-            ops, copied = self._copy(moves, self.block_stride, 0)
-            self.blocks.move_many(moves)
+            pairs = np.column_stack((live, targets)).astype(np.int64).reshape(-1, 2)
+            ops, copied = self._copy(pairs, self.block_stride, 0)
+            self.blocks.move_many(pairs)
             self.blocks.shrink(self.blocks.capacity - new_blocks)
             self.slots.grow(n)
         move = BoundaryMove(
@@ -568,7 +564,7 @@ class UnifiedCache:
             blocks_after=self.blocks.capacity,
             slots_before=before[1],
             slots_after=self.slots.capacity,
-            block_remap=dict(moves),
+            block_remap=dict(zip(live, targets, strict=True)),
             slot_remap={},
             dropped_blocks=tuple(free),
             evicted_blocks=tuple(evicted),
@@ -598,7 +594,8 @@ class UnifiedCache:
             )
         before = (self.blocks.capacity, self.slots.capacity)
         moves = list(zip(live, sorted(room, reverse=True)[: len(live)], strict=True))
-        ops, copied = self._copy(moves, self.slot_stride, self.slot_base)
+        pairs = np.array(moves, dtype=np.int64).reshape(-1, 2)
+        ops, copied = self._copy(pairs, self.slot_stride, self.slot_base)
         for old, new in moves:
             self.slots.move(old, new)
         self.slots.shrink(n)
