@@ -80,6 +80,38 @@ def test_grow_relocates_live_blocks_one_copy_each_and_keeps_bytes():
     assert not raw[: c.state.field_offset("score")].any()
 
 
+def test_evenly_spaced_relocations_are_one_copy():
+    """Live blocks interleaved with free ones (every other block released) all
+    relocate with ONE strided copy, each block's bytes intact; a shrink over
+    evenly spaced live states moves them in ascending order, also one copy."""
+    c = make(state_slots=8)
+    blocks = c.blocks.allocate(c.num_blocks)
+    for b in blocks:
+        c.block_bytes_of(b).fill_(b % 251)
+    for b in blocks[::2]:
+        c.blocks.release(b)
+    move = c.grow_state(2)
+    assert len(move.block_remap) > 4 and move.copies == 1
+    for old, new in move.block_remap.items():
+        assert (c.block_bytes_of(new) == old % 251).all() and c.blocks.refcount(new) == 1
+    news = [move.block_remap[o] for o in sorted(move.block_remap)]
+    assert news == sorted(news)  # the blocks keep their order
+    reqs = [c.allocate_state(r)[0] for r in range(c.slots.num_free)]
+    for r, slot in enumerate(reqs):
+        c.slot_bytes_of(slot).fill_(r + 1)
+    first = c.slots.first
+    for r, slot in enumerate(reqs):
+        if slot >= first + 4 or (slot - first) % 2:  # live: first, first + 2
+            c.free_state(r)
+    move = c.shrink_state(4)
+    assert sorted(move.slot_remap) == [first, first + 2] and move.copies == 1
+    olds = sorted(move.slot_remap)
+    assert [move.slot_remap[o] for o in olds] == sorted(move.slot_remap.values())
+    for old, new in move.slot_remap.items():
+        r = reqs.index(old)
+        assert c.slots.slots_of(r) == (new,) and (c.slot_bytes_of(new) == r + 1).all()
+
+
 def test_shrink_relocates_live_states_upward_and_keeps_bytes():
     c = make(state_slots=6)
     reqs = [c.allocate_state(r)[0] for r in range(6)]  # fills top-down

@@ -593,7 +593,11 @@ class UnifiedCache:
                 available=len(room),
             )
         before = (self.blocks.capacity, self.slots.capacity)
-        moves = list(zip(live, sorted(room, reverse=True)[: len(live)], strict=True))
+        # The highest free slots take them, paired in ascending order: a run of
+        # states keeps its order (a request's consecutive slots stay ascending)
+        # and evenly spaced moves stay one strided copy.
+        targets = sorted(sorted(room, reverse=True)[: len(live)])
+        moves = list(zip(live, targets, strict=True))
         pairs = np.array(moves, dtype=np.int64).reshape(-1, 2)
         ops, copied = self._copy(pairs, self.slot_stride, self.slot_base)
         for old, new in moves:
