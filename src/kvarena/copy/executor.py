@@ -14,7 +14,9 @@ coalesced first, and families of equal spans whose starts advance by one
 constant step on each side (:func:`~kvarena.spans.progressions`: relocated
 blocks from every other slot, image units over consecutive blocks) move as
 one ``copy_`` between two strided views, which torch spreads over its own
-threads.
+threads, as are spans of :data:`TORCH_SPAN_BYTES` and more. What is left runs
+first, split over Python threads for large batches, so those threads never
+start while torch's OpenMP workers still spin after a parallel op.
 
 On CUDA a batch runs as ONE Triton kernel launch when Triton is importable
 (:mod:`kvarena.copy.triton_copy`), else as torch gathers and scatters over
