@@ -23,6 +23,14 @@ _COMMON: dict[str, Any] = dict(
     num_key_value_heads=2,
     head_dim=16,
 )
+_GATED_DELTANET = dict(
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+)
+"""The Gated DeltaNet layers' fields Qwen3-Next and Qwen3.5 share."""
+
 TINY: dict[str, dict[str, Any]] = {
     "llama": dict(num_hidden_layers=2),
     "qwen3": dict(num_hidden_layers=2),
@@ -34,10 +42,7 @@ TINY: dict[str, dict[str, Any]] = {
     "qwen3_next": dict(
         num_hidden_layers=4,
         layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
+        **_GATED_DELTANET,
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=32,
@@ -46,10 +51,7 @@ TINY: dict[str, dict[str, Any]] = {
     "qwen3_5_text": dict(
         num_hidden_layers=4,
         layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
+        **_GATED_DELTANET,
     ),
     "mamba2": dict(
         num_hidden_layers=2, num_heads=8, head_dim=16, state_size=16, n_groups=1, expand=2
