@@ -286,7 +286,8 @@ def _unified_checks(
     yield Check(
         "boundary moves",
         blocks_ok and image_ok and states_ok and bool(grow.block_remap) and bool(shrink.slot_remap),
-        f"grow +6 slots: {len(grow.block_remap)} live blocks relocated in {grow.copies} copies, "
+        f"grow +6 slots: {len(grow.block_remap)} live blocks relocated in {grow.copies} "
+        f"cop{'y' if grow.copies == 1 else 'ies'}, "
         f"checkpoint images among them; shrink: {len(shrink.slot_remap)} live states relocated; "
         "every byte followed its remap",
     )
