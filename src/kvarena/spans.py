@@ -20,8 +20,11 @@ def coalesce(
     """
     if src.size < 2:
         return src, dst, length
-    order = np.argsort(src, kind="stable")
-    s, d, n = src[order], dst[order], length[order]
+    if (np.diff(src) >= 0).all():  # already in source order: most batches are built so
+        s, d, n = src, dst, length
+    else:
+        order = np.argsort(src, kind="stable")
+        s, d, n = src[order], dst[order], length[order]
     joins = (s[1:] == s[:-1] + n[:-1]) & (d[1:] == d[:-1] + n[:-1])
     if not joins.any():
         return s, d, n
@@ -48,13 +51,20 @@ def progressions(
     """
     covered = np.zeros(src.size, dtype=bool)
     found: list[tuple[int, int, int, int, int, int]] = []
-    for value in np.unique(length).tolist():
-        idx = np.flatnonzero(length == value)
+    if src.size < 2:
+        return found, covered
+    # Batches arrive sorted by source (coalesce sorts them) and mostly of one
+    # length: then neither the sort nor the split by length is needed, which
+    # keeps this cheap for 100,000 short spans that form no family at all.
+    one_length = bool(length.min() == length.max())
+    ascending = bool((np.diff(src) > 0).all())
+    for value in [int(length[0])] if one_length else np.unique(length).tolist():
+        idx = np.arange(src.size) if one_length else np.flatnonzero(length == value)
         if idx.size < 2 or idx.size * value < min_bytes or value <= 0:
             continue
         # By source, then destination: one source read into several places
         # (a step of 0) still advances evenly on the destination side.
-        order = idx[np.lexsort((dst[idx], src[idx]))]
+        order = idx if ascending else idx[np.lexsort((dst[idx], src[idx]))]
         s, d = src[order], dst[order]
         ds, dd = np.diff(s), np.diff(d)
         # Pair i links span i to span i+1; a run of equal pairs [p, q) is the
