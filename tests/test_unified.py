@@ -386,6 +386,7 @@ def test_move_many_checks_every_move_before_changing_the_books():
     for moves, words in (
         ([(0, 5), (3, 6)], "block 3 is not live"),
         ([(0, 5), (1, 5)], "distinct free blocks"),
+        ([(0, 5), (0, 6)], "moves once"),
         ([(0, 1)], "distinct free blocks"),
         ([(0, 9)], "out of range"),
         ([(0, 5.0)], "must be an int"),

@@ -318,11 +318,14 @@ class BlockAllocator:
             return
         sources, targets = ids[:, 0].tolist(), ids[:, 1].tolist()
         refs = self._refs
-        if not refs.keys() >= set(sources):
+        source_set, target_set = set(sources), set(targets)
+        if len(source_set) != len(sources):
+            raise InvalidValueError(f"move_many: a block moves once, got sources {sources[:8]}")
+        if not refs.keys() >= source_set:
             bad = next(o for o in sources if o not in refs)
             raise InvalidValueError(f"block {bad} is not live; only live blocks move")
         taken = self._free.missing(targets)
-        if taken or len(set(targets)) != len(targets) or not set(targets).isdisjoint(sources):
+        if taken or len(target_set) != len(targets) or not target_set.isdisjoint(source_set):
             raise InvalidValueError(
                 f"move_many: targets must be distinct free blocks, got {targets[:8]}"
                 + (f" (block {taken[0]} is not free)" if taken else "")
@@ -330,7 +333,7 @@ class BlockAllocator:
         # Whole-set operations: a boundary move relocates thousands of blocks.
         self._free.take_many(targets)
         refs.update(zip(targets, [refs.pop(o) for o in sources], strict=True))
-        moved_cached = self._cached.intersection(sources)
+        moved_cached = self._cached & source_set
         if moved_cached:
             remap = dict(zip(sources, targets, strict=True))
             self._cached -= moved_cached
