@@ -52,7 +52,10 @@ def one_round(
     kept, _, _, live = cache.plan_grow_state(grow)
     pairs = list(zip(live, cache.blocks.free_blocks_below(kept)[: len(live)], strict=True))
     n = len(live) * cache.block_stride
-    src, dst = torch.full((max(1, n),), 7, dtype=torch.uint8), torch.ones(max(1, n), dtype=torch.uint8)
+    src, dst = (
+        torch.full((max(1, n),), 7, dtype=torch.uint8),
+        torch.ones(max(1, n), dtype=torch.uint8),
+    )
     views = [other.page_view(f.name) for f in other.page_fields]
     seconds: dict[str, float] = {}
     result: list = []

@@ -96,8 +96,11 @@ def test_describe_batch_and_refusals():
     st.integers(0, 2**31),
     st.sampled_from([64, 1 << 16]),
     st.sampled_from(PATHS),
+    st.sampled_from([0, 1 << 18]),
 )
-def test_execute_round_trip_and_sentinels(src_sizes, dst_sizes, copies, seed, large, path):
+def test_execute_round_trip_and_sentinels(
+    src_sizes, dst_sizes, copies, seed, large, path, progression
+):
     total = min(sum(src_sizes), sum(dst_sizes))
     plan = plan_segmented_copy(src_sizes, dst_sizes, total)
     rng = np.random.default_rng(seed)
@@ -107,7 +110,15 @@ def test_execute_round_trip_and_sentinels(src_sizes, dst_sizes, copies, seed, la
     src_buf = torch.from_numpy(rng.integers(0, 256, copies * len(src_sizes) * 256, dtype=np.uint8))
     dst_buf = torch.full((copies * len(dst_sizes) * 256,), 0xA5, dtype=torch.uint8)
     batch = describe_batch(plan, src_slots, dst_slots)
-    stats = execute_batch(batch, src_buf, dst_buf, large_span_bytes=large, path=path)
+    stats = execute_batch(
+        batch,
+        src_buf,
+        dst_buf,
+        large_span_bytes=large,
+        progression_min_bytes=progression,
+        torch_span_bytes=large,
+        path=path,
+    )
     assert stats.nbytes == copies * total and stats.path == path
     assert stats.ops <= 2 * batch.num_spans  # never per layer or field: at most 2 per span
     written = np.zeros(dst_buf.numel(), dtype=bool)
@@ -127,7 +138,13 @@ def test_execute_round_trip_and_sentinels(src_sizes, dst_sizes, copies, seed, la
     assert (dst_buf.numpy()[~written] == 0xA5).all()
     # Restore with the same plan, reversed, into a fresh source-shaped buffer.
     back = torch.zeros_like(src_buf)
-    execute_batch(describe_batch(plan.reversed(), dst_slots, src_slots), dst_buf, back, path=path)
+    execute_batch(
+        describe_batch(plan.reversed(), dst_slots, src_slots),
+        dst_buf,
+        back,
+        progression_min_bytes=progression,
+        path=path,
+    )
     for c in range(copies):
         left = total
         for b, n in zip(src_slots[c], src_sizes, strict=True):
@@ -374,7 +391,9 @@ def test_a_strided_relocation_is_one_copy():
     """Every other block of the upper half moved to every other block of the
     lower half (a boundary move over interleaved live and free blocks): one call."""
     block, count = 4096, 96
-    buf = torch.from_numpy(np.random.default_rng(1).integers(0, 256, 4 * count * block, dtype=np.uint8))
+    buf = torch.from_numpy(
+        np.random.default_rng(1).integers(0, 256, 4 * count * block, dtype=np.uint8)
+    )
     before = buf.clone()
     src = 2 * count * block + np.arange(count, dtype=np.int64) * 2 * block + block
     dst = np.arange(count, dtype=np.int64) * 2 * block
