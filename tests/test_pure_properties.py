@@ -125,7 +125,9 @@ def test_progressions_are_strided_views_of_exactly_the_spans_they_cover(spans, m
     highest_first=st.booleans(),
     ops=st.lists(
         st.tuples(
-            st.sampled_from(["push_many", "pop", "take_many", "take_range", "in_range"]),
+            st.sampled_from(
+                ["push_many", "pop", "take_many", "take_range", "in_range", "lowest_below"]
+            ),
             st.lists(st.integers(0, 200), max_size=60),
         ),
         max_size=40,
@@ -162,6 +164,33 @@ def test_free_ids_agree_with_a_plain_set(highest_first, ops):
         elif op == "in_range" and values:
             lo, hi = min(values), max(values)
             assert ids.in_range(lo, hi) == sorted(v for v in model if lo <= v < hi)
+        elif op == "lowest_below" and values:
+            limit, k = values[0], len(values)
+            assert ids.lowest_below(limit, k) == sorted(v for v in model if v < limit)[:k]
         assert len(ids) == len(model) and all(v in ids for v in model)
     assert ids.descending() == sorted(model, reverse=True)
     assert ids.below(150) == sorted(v for v in model if v < 150)
+
+
+@given(
+    size=st.integers(100, 3000),
+    taken=st.lists(st.integers(0, 3000), max_size=400),
+    pushed=st.lists(st.integers(0, 3000), max_size=100),
+    limit=st.integers(0, 3100),
+    k=st.integers(1, 12),
+)
+def test_lowest_below_walks_the_heap_to_the_same_answer(size, taken, pushed, limit, k):
+    """A few of many free ids (the heap walk, not the sort), with stale heap
+    entries from taken ids and ids pushed back: the k lowest below the limit."""
+    from kvarena.pools.free_ids import FreeIds
+
+    ids = FreeIds(range(size))
+    model = set(range(size))
+    gone = sorted(set(taken) & model)
+    ids.take_many(gone)
+    model -= set(gone)
+    back = sorted(set(pushed) - model)
+    ids.push_many(back)
+    model |= set(back)
+    assert 8 * k < len(model) or len(model) < 100  # mostly the walk
+    assert ids.lowest_below(limit, k) == sorted(v for v in model if v < limit)[:k]

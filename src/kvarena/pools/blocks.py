@@ -131,15 +131,17 @@ class BlockAllocator:
         if lo >= hi:
             return [], [], []
         span = range(lo, hi)
-        return (
-            self._free.in_range(lo, hi),
-            sorted(self._lru.keys() & span),
-            sorted(self._refs.keys() & span),
-        )
+        free = self._free.in_range(lo, hi)
+        lru, refs = self._lru, self._refs
+        if len(span) <= len(lru) + len(refs):  # a short range: look up each id
+            return free, [b for b in span if b in lru], [b for b in span if b in refs]
+        return free, sorted(lru.keys() & span), sorted(refs.keys() & span)
 
-    def free_blocks_below(self, limit: int) -> list[int]:
-        """Free block ids under ``limit``, lowest first."""
-        return self._free.below(limit)
+    def free_blocks_below(self, limit: int, k: int | None = None) -> list[int]:
+        """Free block ids under ``limit``, lowest first; only the ``k`` lowest if given."""
+        if k is None:
+            return self._free.below(limit)
+        return self._free.lowest_below(limit, k)
 
     def _check_id(self, block: Any) -> int:
         return check_int(block, "block id", lo=0, hi=self._capacity - 1)
@@ -311,7 +313,9 @@ class BlockAllocator:
             moves = list(moves)
             bad = [m for m in moves if not isinstance(m, (tuple, list)) or len(m) != 2]
             if bad:
-                raise InvalidValueError(f"move_many: moves must be (old, new) pairs, got {bad[0]!r}")
+                raise InvalidValueError(
+                    f"move_many: moves must be (old, new) pairs, got {bad[0]!r}"
+                )
             flat = [v for pair in moves for v in pair]
         ids = check_ids(flat, "move_many: block ids", lo=0, hi=self._capacity).reshape(-1, 2)
         if ids.size == 0:

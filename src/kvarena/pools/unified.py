@@ -533,15 +533,22 @@ class UnifiedCache:
         evicted if evictable, relocated below the new boundary if live."""
         self._fixed()
         new_blocks, free, evictable, live = self.plan_grow_state(n)
-        room_free = self.blocks.free_blocks_below(new_blocks)  # evictions above do not add to it
-        room_evict = [b for b in self.blocks.evictable_blocks() if b < new_blocks]  # LRU first
-        if len(live) > len(room_free) + len(room_evict):
+        # Free blocks below the new boundary: all free ones but those going
+        # (evictions above it do not add to them). Only the lowest few are named.
+        free_below = self.blocks.num_free - len(free)
+        room_free = self.blocks.free_blocks_below(new_blocks, len(live))
+        room_evict = (
+            [b for b in self.blocks.evictable_blocks() if b < new_blocks]  # LRU first
+            if len(live) > free_below
+            else []
+        )
+        if len(live) > free_below + len(room_evict):
             raise BoundaryMoveError(
                 f"grow_state({n}): {len(live)} live blocks sit above the new boundary (block "
-                f"{new_blocks}) but only {len(room_free)} free and {len(room_evict)} evictable blocks "
+                f"{new_blocks}) but only {free_below} free and {len(room_evict)} evictable blocks "
                 "lie below it",
                 needed=len(live),
-                available=len(room_free) + len(room_evict),
+                available=free_below + len(room_evict),
             )
         before = (self.blocks.capacity, self.slots.capacity)
         evicted = list(evictable)
