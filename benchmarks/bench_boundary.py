@@ -8,7 +8,11 @@ contiguous copy each. Prints relocated GB/s (the whole grow_state, bookkeeping
 included) next to a plain memcpy of the same bytes and the
 per-layer loop (one copy per field per layer per block), and the copies issued.
 
-    python benchmarks/bench_boundary.py [--budget-mib 1024] [--grow 64] [--repeats 3]
+    python benchmarks/bench_boundary.py [--budget-mib 1024] [--grow 64] [--repeats 5]
+        [--fixed-blocks 200000]
+
+A last line times the move's fixed cost: one slot grown in a cache of many
+small blocks, a handful relocated.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import time
 import torch
 from _timing import CACHE_FLUSH_BYTES, flush_caches
 
-from kvarena import UnifiedCache, plan_cache
+from kvarena import EntryField, ModelCache, UnifiedCache, plan_cache
 from kvarena.models import ServingOptions, model_cache
 
 
@@ -95,11 +99,37 @@ def one_round(
     )
 
 
+def fixed_cost(blocks: int, repeats: int) -> tuple[int, int, float]:
+    """(blocks in the cache, blocks relocated, median ms) of growing STATE by one
+    slot in a cache of about ``blocks`` small blocks whose lower half is free:
+    the part of a boundary move that is bookkeeping, whatever the cache size."""
+    page = [EntryField("k", 1, (64,), torch.uint8)]
+    state = [EntryField("s", 1, (4096,), torch.uint8)]
+    model = ModelCache.from_fields(page, state, block_size=16)
+    seconds, moved = [], 0
+    slots = 2 * 4096 * (repeats + 2)
+    stride = plan_cache(model, budget_bytes=1 << 20, max_seqs=2, clamp=False).block_stride
+    for _ in range(repeats):
+        plan = plan_cache(model, budget_bytes=blocks * stride + slots, max_seqs=2, clamp=False)
+        cache = UnifiedCache.from_plan(plan, "cpu")
+        live = cache.blocks.allocate(cache.num_blocks)
+        for b in live[: len(live) // 2]:
+            cache.blocks.release(b)
+        start = time.perf_counter()
+        move = cache.grow_state(1)
+        seconds.append(time.perf_counter() - start)
+        moved = len(move.block_remap)
+    return cache.num_blocks, moved, statistics.median(seconds) * 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-mib", type=int, default=1024)
     parser.add_argument("--grow", type=int, default=64, help="state slots to add")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--fixed-blocks", type=int, default=200_000, help="cache size for the fixed-cost line"
+    )
     args = parser.parse_args()
     print(
         f"torch {torch.__version__}, cpu, budget {args.budget_mib} MiB, grow STATE by {args.grow} slots"
@@ -128,6 +158,12 @@ def main() -> None:
             f"{nbytes / move_s / 1e9:>10.2f} {nbytes / loop_s / 1e9:>10.2f} "
             f"{nbytes / mem_s / 1e9:>12.2f} {vs_mem:>11.2f}x {vs_loop:>9.2f}x"
         )
+    fixed_cost(1000, 1)  # untimed first call
+    total, moved, ms = fixed_cost(args.fixed_blocks, args.repeats)
+    print(
+        f"fixed cost: STATE grown by 1 slot in a cache of {total:,} blocks, "
+        f"{moved} live blocks relocated: {ms:.2f} ms (median of {args.repeats})"
+    )
 
 
 if __name__ == "__main__":
