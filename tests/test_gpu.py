@@ -93,3 +93,31 @@ def test_cuda_unified_cache_moves_keep_bytes():
     assert move.block_remap  # every other block live: some had to move
     for old, new in move.block_remap.items():
         assert bool((cache.block_bytes_of(new) == old % 251).all())
+
+
+@pytest.mark.parametrize("path", CUDA_PATHS)
+def test_cuda_strided_families_match_the_cpu(path):
+    """Evenly spaced blocks (a strided family: one ``copy_`` on the torch path),
+    a source read twice, and stragglers: the device bytes equal the CPU's."""
+    from kvarena.copy import CopyBatch
+
+    block, count = 8192, 64
+    src = np.concatenate(
+        [
+            2 * count * block + np.arange(count) * 2 * block + block,  # every other block
+            np.full(4, block),  # one source (an odd block, never written) into four places
+            np.array([block + 5, 3 * block + 999, 2 * count * block + 7]),  # stragglers
+        ]
+    ).astype(np.int64)
+    dst = np.concatenate(
+        [np.arange(count) * 2 * block, 4 * count * block + np.arange(7) * 2 * block]
+    ).astype(np.int64)
+    length = np.array([block] * (count + 4) + [100, 3000, block], dtype=np.int64)
+    data = torch.from_numpy(
+        np.random.default_rng(2).integers(0, 256, 5 * count * block, dtype=np.uint8)
+    )
+    want = data.clone()
+    execute_batch(CopyBatch(src, dst, length), want, want, path="cpu")
+    got = data.to("cuda")
+    execute_batch(CopyBatch(src, dst, length), got, got, path=path)
+    assert torch.equal(got.cpu(), want)
