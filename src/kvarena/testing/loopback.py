@@ -111,39 +111,26 @@ class _Side:
         self.requests[request] = (blocks, slots)
         return {"blocks": blocks, "slots": slots, "digests": self.digests(blocks, slots)}
 
+    def _route(self, request: str, dst: dict) -> tuple[tuple, dict]:
+        """The sender's arguments for a filled request and an ``expect`` answer:
+        ``post`` and ``ship`` take the same ones."""
+        from ..transfer.geometry import CacheGeometry
+
+        blocks, slots = self.requests[request]
+        geometry = CacheGeometry.from_dict(dst["geometry"])
+        return (blocks, slots, dst["blocks"], dst["slots"], geometry), {"transfer": dst["transfer"]}
+
     def _post(self, peer: str, request: str, dst: dict, timeout_s: float) -> Shipment:
         """Post a filled request's WRITE into ``dst`` (an ``expect`` answer), not waiting."""
-        from ..transfer.geometry import CacheGeometry
-
-        blocks, slots = self.requests[request]
-        return self.sender.post(
-            peer,
-            request,
-            blocks,
-            slots,
-            dst["blocks"],
-            dst["slots"],
-            CacheGeometry.from_dict(dst["geometry"]),
-            transfer=dst["transfer"],
-            timeout_s=timeout_s,
-        )
+        args, kwargs = self._route(request, dst)
+        return self.sender.post(peer, request, *args, **kwargs, timeout_s=timeout_s)
 
     def ship(self, peer: str, request: str, dst: dict, timeout_s: float) -> dict:
-        from ..transfer.geometry import CacheGeometry
-
-        blocks, slots = self.requests[request]
+        blocks, _ = self.requests[request]
         before = [self.cache.blocks.refcount(b) for b in blocks]
-        result = self.sender.ship(  # the blocking road (post + check with back-off)
-            peer,
-            request,
-            blocks,
-            slots,
-            dst["blocks"],
-            dst["slots"],
-            CacheGeometry.from_dict(dst["geometry"]),
-            transfer=dst["transfer"],
-            timeout_s=timeout_s,
-        )
+        args, kwargs = self._route(request, dst)
+        # The blocking road (post + check with back-off).
+        result = self.sender.ship(peer, request, *args, **kwargs, timeout_s=timeout_s)
         assert [self.cache.blocks.refcount(b) for b in blocks] == before  # pins released
         return {
             "descriptors": result.descriptors,
@@ -161,10 +148,9 @@ class _Side:
         descriptor over the same number of bytes.
         """
         from ..transfer.descriptors import plan_request
-        from ..transfer.geometry import CacheGeometry
 
-        geo_dst = CacheGeometry.from_dict(dst["geometry"])
-        blocks, slots = self.requests[request]
+        args, kwargs = self._route(request, dst)
+        blocks, slots, _, _, geo_dst = args
         plan = plan_request(self.ep.geometry(), geo_dst, blocks, dst["blocks"], slots, dst["slots"])
         page_pieces = sum(f.layers for f in self.cache.page_fields)
         local_rows, remote_rows = [], []
@@ -200,16 +186,7 @@ class _Side:
                 raise HarnessError(f"benchmark transfer ended in {state}")
 
         methods = {
-            "kvarena": lambda: self.sender.ship(
-                peer,
-                request,
-                blocks,
-                slots,
-                dst["blocks"],
-                dst["slots"],
-                geo_dst,
-                transfer=dst["transfer"],
-            ),
+            "kvarena": lambda: self.sender.ship(peer, request, *args, **kwargs),
             "per_layer": lambda: post(local_rows, remote_rows),
             "raw": lambda: post(raw_local, raw_remote),
         }
