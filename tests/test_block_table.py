@@ -137,6 +137,24 @@ def test_block_table_copies_on_write_and_truncates():
         t.truncate(3)
 
 
+def test_a_refused_prepare_write_leaves_table_and_pool_as_they_were():
+    """Copy-on-write blocks plus new ones counted together before either is taken:
+    a write that cannot get both takes neither."""
+    c = _cache()
+    t = BlockTable(c)
+    t.prepare_write(0, 8)
+    t.tokens = 8
+    u = t.fork()  # both blocks shared now
+    others = c.blocks.allocate(c.blocks.num_free - 1)  # room for 1 block, the write needs 2
+    books = (list(u.blocks), c.blocks.num_free, [c.blocks.refcount(b) for b in t.blocks])
+    with pytest.raises(kvarena.BlockAllocationError, match="wanted 2"):
+        u.prepare_write(4, 12)  # copy the shared second block + one new block
+    assert (list(u.blocks), c.blocks.num_free, [c.blocks.refcount(b) for b in t.blocks]) == books
+    assert u.prepare_write(4, 8) == [(t.blocks[1], u.blocks[1])]  # 1 copy fits
+    for b in others:
+        c.blocks.release(b)
+
+
 def test_kv_blocks_store_and_restore_by_bytes():
     """KV blocks (not only states) round-trip through image units, any unit size."""
     c = _cache()

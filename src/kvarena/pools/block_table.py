@@ -17,6 +17,7 @@ import torch
 
 from ..checks import check_count
 from ..errors import InvalidValueError
+from .blocks import BlockAllocationError
 from .unified import UnifiedCache
 
 
@@ -76,13 +77,21 @@ class BlockTable:
             b = self.blocks[start // bs]
             if alloc.refcount(b) == 1 and not alloc.is_cached(b):
                 return []
-        self.reserve(end)
-        touched = range(start // bs, -(-end // bs)) if end > start else range(0)
+        touched = (
+            range(start // bs, min(len(self.blocks), -(-end // bs))) if end > start else range(0)
+        )
+        # Only blocks already held can be shared; the ones reserved now are new.
         shared = [
             i
             for i in touched
             if alloc.refcount(self.blocks[i]) > 1 or alloc.is_cached(self.blocks[i])
         ]
+        # All or nothing: the reserve and the copies' blocks are counted before
+        # either takes one, so a refusal leaves the table and the pool as they were.
+        wanted = max(0, -(-end // bs) - len(self.blocks)) + len(shared)
+        if wanted > alloc.num_free + alloc.num_evictable:
+            raise BlockAllocationError(wanted, alloc.num_free, alloc.num_evictable)
+        self.reserve(end)
         if not shared:
             return []
         new = alloc.allocate(len(shared))
@@ -96,8 +105,7 @@ class BlockTable:
 
     def fork(self) -> BlockTable:
         """A second table over the same blocks (one more reference on each)."""
-        for b in self.blocks:
-            self.cache.blocks.retain(b)
+        self.cache.blocks.pin(self.blocks, "BlockTable.fork: blocks")
         return BlockTable(self.cache, list(self.blocks), tokens=self.tokens)
 
     def truncate(self, tokens: int) -> list[int]:

@@ -210,13 +210,25 @@ class UnifiedCache:
         """``[layers, total_slots, *shape]``: slots ``>= slots.first`` are the pool's."""
         return self.state.view(name)
 
+    def _block_pages(self, what: str) -> EntryMajorArena:
+        """The PAGE pool, for what needs each block as one contiguous entry
+        (block bytes, images, block copies); refused for a layer-major pool or
+        a cache without PAGE fields."""
+        if not self.page_fields or not isinstance(self.pages, EntryMajorArena):
+            raise InvalidValueError(
+                f"{what} needs an entry-major PAGE pool (a block is one contiguous entry); "
+                + (
+                    "this cache's is layer-major, with no contiguous block: use page_view"
+                    if self.page_fields
+                    else "this cache has no PAGE fields"
+                )
+            )
+        return self.pages
+
     def block_bytes_of(self, block: int) -> torch.Tensor:
         """Block ``block``'s field bytes (``block_bytes``); the id must be in the PAGE pool now."""
-        if not isinstance(self.pages, EntryMajorArena):
-            raise InvalidValueError(
-                "a layer-major PAGE region has no contiguous block; use page_view"
-            )
-        return self.pages.entry(check_int(block, "block id", lo=0, hi=self.num_blocks - 1))
+        pages = self._block_pages("block_bytes_of")
+        return pages.entry(check_int(block, "block id", lo=0, hi=self.num_blocks - 1))
 
     def slot_bytes_of(self, slot: int) -> torch.Tensor:
         """Slot ``slot``'s field bytes (``slot_bytes``); the id must be in the STATE pool now."""
@@ -246,11 +258,7 @@ class UnifiedCache:
         The units' liveness is the block allocator's, read at each copy, so the
         same object stays true across boundary moves.
         """
-        if not isinstance(self.pages, EntryMajorArena) or not self.page_fields:
-            raise InvalidValueError(
-                "image units need an entry-major PAGE pool; this cache has "
-                + ("a layer-major one" if self.page_fields else "no PAGE fields")
-            )
+        self._block_pages("image units")
         unit = self.block_stride if unit_bytes is None else unit_bytes
         unit = check_bytes(unit, "unit_bytes", lo=1)
         if unit > self.block_stride:
@@ -294,8 +302,7 @@ class UnifiedCache:
     def block_checkpoint_spec(self, unit_bytes: int | None = None) -> CheckpointSpec:
         """The image plan of one KV block (its PAGE fields), in units of ``unit_bytes``
         (default a whole block stride): what :meth:`store_blocks` writes."""
-        if not self.page_fields or not isinstance(self.pages, EntryMajorArena):
-            raise InvalidValueError("block images need an entry-major PAGE pool")
+        self._block_pages("block images")
         unit = self.block_stride if unit_bytes is None else unit_bytes
         key = -check_bytes(unit, "unit_bytes", lo=1)  # negative keys: PAGE specs
         spec = self._specs.get(key)
@@ -308,11 +315,9 @@ class UnifiedCache:
     ) -> CopyStats:
         """Copy each block's bytes (a live or cached block) into image units (blocks
         held live): a KV block kept aside, e.g. before it is overwritten."""
-        if not isinstance(self.pages, EntryMajorArena):
-            raise InvalidValueError("block images need an entry-major PAGE pool")
         return store(
             spec,
-            self.pages,
+            self._block_pages("store_blocks"),
             blocks,
             self.page_units(spec.unit_bytes),
             unit_lists,
@@ -323,13 +328,12 @@ class UnifiedCache:
         self, spec: CheckpointSpec, unit_lists: Sequence[Sequence[int]], blocks: Sequence[int]
     ) -> CopyStats:
         """Copy block images back into live blocks."""
-        if not isinstance(self.pages, EntryMajorArena):
-            raise InvalidValueError("block images need an entry-major PAGE pool")
+        pages = self._block_pages("restore_blocks")
         return restore(
             spec,
             self.page_units(spec.unit_bytes),
             unit_lists,
-            self.pages,
+            pages,
             blocks,
             slot_holder=_BlockWriter(self.blocks),
         )
@@ -362,9 +366,7 @@ class UnifiedCache:
                 f"{self.plan.model} keeps no per-request state (no STATE fields); "
                 "its requests hold blocks only"
             )
-        groups = self.slots.allocate_batch(
-            list(requests) if isinstance(requests, tuple) else requests
-        )
+        groups = self.slots.allocate_batch(requests)
         for slots in groups:
             for s in slots:
                 self.state.entry(s).zero_()
@@ -435,16 +437,7 @@ class UnifiedCache:
             staged = rows.index_select(0, torch.as_tensor(s, device=self.device))
             rows.index_copy_(0, torch.as_tensor(d, device=self.device), staged)
             return
-        base = self.slot_base
-        execute_batch(
-            CopyBatch(
-                base + s * self.slot_stride,
-                base + d * self.slot_stride,
-                np.full(s.size, self.slot_bytes),
-            ),
-            self.buf,
-            self.buf,
-        )
+        self._copy_entries(s, d, self.slot_base, self.slot_stride, self.slot_bytes)
 
     def fork_state(self, request: Hashable, new_request: Hashable) -> tuple[int, ...]:
         """Slots for ``new_request`` holding a copy of ``request``'s states (every
@@ -457,20 +450,22 @@ class UnifiedCache:
     def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy whole blocks (every layer of each), ``src[i]`` into ``dst[i]``:
         the copy half of copy-on-write. Targets must be held for writing."""
-        if not isinstance(self.pages, EntryMajorArena):
-            raise InvalidValueError("a layer-major PAGE region has no contiguous block to copy")
+        self._block_pages("copy_blocks")
         s = self.blocks.check_held(src, "copy_blocks: src", writing=False)
         d = self.blocks.check_held(dst, "copy_blocks: dst", writing=True)
         if s.size != d.size:
             raise InvalidValueError(
                 f"copy_blocks: {s.size} sources but {d.size} targets; they pair one to one"
             )
-        if s.size == 0:
-            return
-        execute_batch(
-            CopyBatch(
-                s * self.block_stride, d * self.block_stride, np.full(s.size, self.block_bytes)
-            ),
+        self._copy_entries(s, d, 0, self.block_stride, self.block_bytes)
+
+    def _copy_entries(
+        self, src: np.ndarray, dst: np.ndarray, base: int, stride: int, nbytes: int
+    ) -> CopyStats:
+        """Entry ``src[i]`` into entry ``dst[i]`` of a pool at ``base`` with ``stride``,
+        ``nbytes`` of each, as one described batch (evenly spaced entries are one copy)."""
+        return execute_batch(
+            CopyBatch(base + src * stride, base + dst * stride, np.full(src.size, nbytes)),
             self.buf,
             self.buf,
         )
@@ -496,16 +491,11 @@ class UnifiedCache:
     def _copy(self, pairs: np.ndarray, stride: int, base: int) -> tuple[int, int]:
         """Relocate whole strides (not just the fields' bytes: an image unit may use a
         block's tail) as ONE described batch, the checkpoints' machinery: runs
-        consecutive on both sides coalesce, long spans go one ``copy_`` each and
-        are split over the CPU's threads. Sources lie in the released range and
+        consecutive on both sides coalesce and evenly spaced moves are one
+        strided copy. Sources lie in the released range and
         targets outside it, so no copy reads bytes another one writes (the batch
         validation checks it again)."""
-        if not pairs.size:
-            return 0, 0
-        batch = CopyBatch(
-            base + pairs[:, 0] * stride, base + pairs[:, 1] * stride, np.full(len(pairs), stride)
-        )
-        stats = execute_batch(batch, self.buf, self.buf)
+        stats = self._copy_entries(pairs[:, 0], pairs[:, 1], base, stride, stride)
         return stats.ops, stats.nbytes
 
     def add_move_listener(self, listener: Callable[[BoundaryMove], None]) -> None:
