@@ -325,16 +325,24 @@ def detect_family(config: Mapping[str, Any]) -> str:
 # -- helpers -------------------------------------------------------------------
 
 
+def _dtype_name(c: ConfigReader, key: str) -> str:
+    """A dtype named by config field ``key`` ("auto" passes through), checked."""
+    name = c.string(key)
+    if name.startswith("torch."):  # str(torch.bfloat16) in configs saved from objects
+        name = name[len("torch.") :]
+    if name != "auto" and name not in _DTYPES:
+        raise ConfigError(f"{c.where}: {key} {name!r} unsupported; legal: {sorted(_DTYPES)}")
+    return name
+
+
 def _config_dtype(c: ConfigReader) -> str | None:
     """The config's ``torch_dtype`` (or transformers 5's ``dtype``), None when it names none."""
     for key in ("torch_dtype", "dtype"):
         if c.has(key):
-            name = c.string(key)
-            if name.startswith("torch."):  # str(torch.bfloat16) in configs saved from objects
-                name = name[len("torch.") :]
-            if name not in _DTYPES:
+            name = _dtype_name(c, key)
+            if name == "auto":
                 raise ConfigError(
-                    f"{c.where}: {key} {name!r} unsupported; legal: {sorted(_DTYPES)}"
+                    f"{c.where}: {key} 'auto' names no dtype; legal: {sorted(_DTYPES)}"
                 )
             return name
     return None
@@ -653,12 +661,8 @@ def _ssm_dtype(c: ConfigReader, o: ServingOptions, model: torch.dtype) -> torch.
     """Mamba's SSM state: the serving option, else the config's
     ``mamba_ssm_cache_dtype`` (vLLM honours it too), else the model dtype."""
     if o.state_dtype == "auto" and c.has("mamba_ssm_cache_dtype"):
-        name = c.string("mamba_ssm_cache_dtype")
+        name = _dtype_name(c, "mamba_ssm_cache_dtype")
         if name != "auto":
-            if name not in _DTYPES:
-                raise ConfigError(
-                    f"{c.where}: mamba_ssm_cache_dtype {name!r} unsupported; legal: {sorted(_DTYPES)}"
-                )
             return _DTYPES[name]
     return _state_dtype(o, model)
 
