@@ -152,7 +152,6 @@ def test_free_ids_agree_with_a_plain_set(highest_first, ops):
             model.discard(want)
         elif op == "take_many":
             gone = [v for v in values if v in model]
-            assert ids.missing(values) == [v for v in values if v not in model]
             ids.take_many(gone)
             model -= set(gone)
         elif op == "take_range" and values:

@@ -10,6 +10,7 @@ import math
 import os
 
 import numpy as np
+import pytest
 import torch
 from conftest import plan_for
 from hypothesis import given, settings
@@ -179,3 +180,19 @@ def test_nonsense_at_every_door_is_a_typed_refusal():
         except Exception as exc:
             raise AssertionError(f"{name}: {type(exc).__name__}: {exc}") from exc
         raise AssertionError(f"{name}: accepted")
+
+
+def test_a_bool_among_integer_ids_is_refused():
+    """numpy reads ``[1, True]`` as ``[1, 1]``; the id check must not."""
+    from kvarena.checks import check_ids
+    from kvarena.pools.blocks import BlockAllocator
+
+    for ids in ([1, True], (0, np.False_), [2, 3, False]):
+        with pytest.raises(Error, match="must be an int"):
+            check_ids(ids, "ids", lo=0, hi=8)
+    blocks = BlockAllocator(8)
+    held = blocks.allocate(2)
+    with pytest.raises(Error, match="must be an int"):
+        blocks.pin([held[1], True], "pin")
+    assert [blocks.refcount(b) for b in held] == [1, 1]
+    assert check_ids([1, 2, np.int64(3)], "ids", lo=0, hi=8).tolist() == [1, 2, 3]

@@ -8,6 +8,7 @@ holds exactly the bytes written to it, and the allocators' books balance.
 import math
 import os
 
+import numpy as np
 import torch
 from conftest import plan_for
 from hypothesis import settings
@@ -16,6 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvarena import EntryField
 from kvarena.pools import BoundaryMoveError, UnifiedCache
+from kvarena.pools.blocks import EVICTABLE, LIVE
 
 EXAMPLES = int(os.environ.get("KVARENA_STATEFUL_EXAMPLES", "50"))
 STEPS = 60  # 50 examples of up to 60 steps: about 3,000 steps by default
@@ -207,6 +209,13 @@ class UnifiedCacheMachine(RuleBasedStateMachine):
             assert blocks.refcount(v["id"]) == v["refs"]
             assert blocks.is_evictable(v["id"]) == (v["refs"] == 0)
             assert blocks.is_cached(v["id"]) == v["cached"]
+        # The kind array the allocator checks ids against agrees with its books.
+        kinds = blocks._kind
+        assert kinds.size == blocks.capacity
+        assert sorted(np.flatnonzero(kinds == LIVE).tolist()) == blocks.live_blocks()
+        assert sorted(np.flatnonzero(kinds == EVICTABLE).tolist()) == sorted(
+            blocks.evictable_blocks()
+        )
         held = [s for r in self.requests.values() for s in r]
         assert len(held) == len(set(held)) == slots.num_live
         assert all(slots.first <= s < slots.total and not slots.is_free(s) for s in held)

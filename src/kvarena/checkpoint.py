@@ -11,6 +11,7 @@ whole batch of requests in one vectorized pass.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -166,6 +167,16 @@ def _check_batch(
         raise CheckpointMismatchError(
             f"{slot_arr.size} slots but {len(unit_lists)} unit lists; one list per slot"
         )
+    whole = _all_units(unit_lists, spec.units_per_image)
+    if whole is not None:
+        # One check of every unit at once; a refusal is checked again list by
+        # list below, so the message names the list that holds the bad unit.
+        try:
+            ids = pages.check_units(whole, "unit_lists", writing=writing_units)
+        except InvalidValueError:
+            pass
+        else:
+            return slot_arr, ids.reshape(len(unit_lists), spec.units_per_image)
     rows = []
     for c, units in enumerate(unit_lists):
         ids = pages.check_units(units, f"unit_lists[{c}]", writing=writing_units)
@@ -176,6 +187,14 @@ def _check_batch(
         rows.append(ids)
     unit_arr = np.stack(rows) if rows else np.zeros((0, spec.units_per_image), dtype=np.int64)
     return slot_arr, unit_arr
+
+
+def _all_units(unit_lists: Sequence[Sequence[int]], per_image: int) -> list[int] | None:
+    """Every unit of ``unit_lists`` in one flat list when each is a list or
+    tuple of ``per_image`` units (what allocators hand out), else None."""
+    if not all(isinstance(u, (list, tuple)) and len(u) == per_image for u in unit_lists):
+        return None
+    return list(itertools.chain.from_iterable(unit_lists))
 
 
 def _bases(

@@ -85,6 +85,9 @@ def integer_array(values: Any, what: str) -> np.ndarray:
     return arr.astype(np.int64)
 
 
+_BOOL_TYPES = frozenset({bool, np.bool_})
+
+
 def check_ids(values: Any, what: str, *, lo: int, hi: int) -> np.ndarray:
     """Ids in ``[lo, hi)`` as an int64 array, from a sequence of ints or an integer array.
 
@@ -100,14 +103,20 @@ def check_ids(values: Any, what: str, *, lo: int, hi: int) -> np.ndarray:
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
         raise InvalidValueError(f"{what} must be a sequence of ints, got {values!r}")
     if isinstance(values, (list, tuple)) and values:
-        # Fast path: a list that numpy reads as plain integers (no bool, float,
+        # Fast path: a list that numpy reads as plain integers (no float,
         # string or oversized int: those give another dtype and take the slow,
-        # item-by-item path, which names the offending item).
+        # item-by-item path, which names the offending item). A bool among
+        # ints reads as 0 or 1 to numpy, so the item types are looked at too.
         try:
             fast = np.asarray(values)
         except (ValueError, TypeError, OverflowError):
             fast = None
-        if fast is not None and fast.ndim == 1 and fast.dtype.kind in "iu":
+        if (
+            fast is not None
+            and fast.ndim == 1
+            and fast.dtype.kind in "iu"
+            and _BOOL_TYPES.isdisjoint(map(type, values))
+        ):
             return check_ids(fast, what, lo=lo, hi=hi)
     ids = [check_int(v, f"{what}[{i}]") for i, v in enumerate(values)]
     for v in ids:

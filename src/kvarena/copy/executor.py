@@ -141,6 +141,20 @@ def _check_reads_miss_writes(src: np.ndarray, dst: np.ndarray, length: np.ndarra
 
 def validate_batch(batch: CopyBatch, src_buf: torch.Tensor, dst_buf: torch.Tensor) -> None:
     """Refuse a batch that would read or write outside its buffers, or race itself."""
+    _checked_spans(batch, src_buf, dst_buf)
+
+
+def _checked_spans(
+    batch: CopyBatch, src_buf: torch.Tensor, dst_buf: torch.Tensor
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The batch's non-empty spans, coalesced, once every check has passed.
+
+    Overlaps are looked for among the COALESCED spans: a merged span covers
+    exactly the bytes of the spans it joins on each side, and spans it joins
+    tile its range without overlapping, so two spans overlap (or a span reads
+    what one writes) in the batch exactly when they do after merging; the
+    sorts behind the checks then run over a few long spans, not thousands.
+    """
     check_byte_buffer(src_buf, "copy source buffer")
     check_byte_buffer(dst_buf, "copy destination buffer")
     if src_buf.device != dst_buf.device:
@@ -151,7 +165,7 @@ def validate_batch(batch: CopyBatch, src_buf: torch.Tensor, dst_buf: torch.Tenso
     if not (batch.src.shape == batch.dst.shape == batch.length.shape == (n,)):
         raise InvalidValueError("copy batch arrays must be 1-D of one length")
     if n == 0:
-        return
+        return batch.src, batch.dst, batch.length
     if batch.length.min() < 0:
         raise CopyBoundsError(f"copy batch holds a negative length {int(batch.length.min())}")
     for name, starts, buf in (("source", batch.src, src_buf), ("destination", batch.dst, dst_buf)):
@@ -168,12 +182,15 @@ def validate_batch(batch: CopyBatch, src_buf: torch.Tensor, dst_buf: torch.Tenso
             raise CopyBoundsError(
                 f"copy batch {name} spans reach byte {hi} but the {name} buffer holds [0, {size})"
             )
-    _check_disjoint(batch.dst, batch.length, "copy batch destination")
+    keep = batch.length > 0
+    src, dst, length = coalesce(batch.src[keep], batch.dst[keep], batch.length[keep])
+    _check_disjoint(dst, length, "copy batch destination")
     if src_buf.untyped_storage().data_ptr() == dst_buf.untyped_storage().data_ptr():
         # Reading one byte twice is fine (one state into two images); reading
         # a byte another span of the batch writes is a race.
         shift = src_buf.storage_offset() - dst_buf.storage_offset()
-        _check_reads_miss_writes(batch.src + shift, batch.dst, batch.length)
+        _check_reads_miss_writes(src + shift, dst, length)
+    return src, dst, length
 
 
 NUMPY_GIL_ITEMS = 500
@@ -439,10 +456,9 @@ def execute_batch(
         progression_min_bytes, "execute_batch: progression_min_bytes"
     )
     torch_span_bytes = check_bytes(torch_span_bytes, "execute_batch: torch_span_bytes", lo=1)
-    validate_batch(batch, src_buf, dst_buf)
+    src, dst, length = _checked_spans(batch, src_buf, dst_buf)
     keep = batch.length > 0
-    spans, nbytes = int(keep.sum()), int(batch.length[keep].sum())
-    src, dst, length = coalesce(batch.src[keep], batch.dst[keep], batch.length[keep])
+    spans, nbytes = int(keep.sum()), int(length.sum())
     if spans == 0:
         return CopyStats(spans=0, nbytes=0, ops=0, path="empty")
     if path == "auto":

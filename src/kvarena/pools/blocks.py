@@ -60,11 +60,20 @@ class EvictionCallbackError(Error, RuntimeError):
         )
 
 
+FREE, LIVE, EVICTABLE = 0, 1, 2
+"""The kinds of block a :class:`BlockAllocator` records in its kind array."""
+
+
 class BlockAllocator:
     """Blocks ``[0, capacity)``: O(log n) alloc/free, refcounts, LRU evictables.
 
     States of a block id: free, live (refcount > 0), or evictable (refcount 0,
     cached, in the LRU). ``free + live + evictable == capacity`` always.
+
+    Beside the books kept per block (refcounts, the LRU, the free heap) a
+    numpy array holds each block's kind, changed wherever a block changes
+    kind: checking the tens of thousands of ids a checkpoint or a boundary
+    move names is then one gather, not a Python loop over sets.
     """
 
     def __init__(
@@ -76,6 +85,7 @@ class BlockAllocator:
     ) -> None:
         self._capacity = check_count(capacity, "BlockAllocator: capacity", hi=MAX_ENTRIES)
         self._free = FreeIds(range(self._capacity))
+        self._kind = np.zeros(self._capacity, dtype=np.int8)  # FREE / LIVE / EVICTABLE
         self._refs: dict[int, int] = {}
         self._cached: set[int] = set()
         self._lru: OrderedDict[int, None] = OrderedDict()
@@ -130,12 +140,12 @@ class BlockAllocator:
         lo, hi = max(0, lo), min(hi, self._capacity)
         if lo >= hi:
             return [], [], []
-        span = range(lo, hi)
-        free = self._free.in_range(lo, hi)
-        lru, refs = self._lru, self._refs
-        if len(span) <= len(lru) + len(refs):  # a short range: look up each id
-            return free, [b for b in span if b in lru], [b for b in span if b in refs]
-        return free, sorted(lru.keys() & span), sorted(refs.keys() & span)
+        kinds = self._kind[lo:hi]
+
+        def of(kind: int) -> list[int]:
+            return (np.flatnonzero(kinds == kind) + lo).tolist()
+
+        return of(FREE), of(EVICTABLE), of(LIVE)
 
     def free_blocks_below(self, limit: int, k: int | None = None) -> list[int]:
         """Free block ids under ``limit``, lowest first; only the ``k`` lowest if given."""
@@ -155,9 +165,10 @@ class BlockAllocator:
         now, so it stays true across boundary moves.
         """
         ids = check_ids(blocks, what, lo=0, hi=self._capacity)
-        refs, lru = self._refs, self._lru
-        bad = [b for b in ids.tolist() if b not in refs and (writing or b not in lru)]
-        for b in bad[:1]:
+        kinds = self._kind[ids]
+        unheld = kinds != LIVE if writing else kinds == FREE
+        if unheld.any():
+            b = int(ids[int(np.argmax(unheld))])  # the first one named
             state = "evictable" if b in self._lru else "free"
             need = "live (allocated)" if writing else "live or evictable"
             raise InvalidValueError(f"{what}: block {b} is {state}; it must be {need}")
@@ -178,6 +189,7 @@ class BlockAllocator:
         blocks = [self._free.pop() for _ in range(n)]
         for b in blocks:
             self._refs[b] = 1
+        self._kind[blocks] = LIVE
         self.notify_evicted(blocks)
         return blocks
 
@@ -187,6 +199,7 @@ class BlockAllocator:
         if block in self._lru:
             del self._lru[block]
             self._refs[block] = 1
+            self._kind[block] = LIVE
         elif block in self._refs:
             self._refs[block] += 1
         else:
@@ -214,8 +227,10 @@ class BlockAllocator:
         del self._refs[block]
         if block in self._cached:
             self._lru[block] = None
+            self._kind[block] = EVICTABLE
         else:
             self._free.push(block)
+            self._kind[block] = FREE
 
     def set_cached(self, block: int, cached: bool = True) -> None:
         """Mark a live block as holding a prefix-cached key (or not)."""
@@ -244,6 +259,7 @@ class BlockAllocator:
         del self._lru[block]
         self._cached.discard(block)
         self._free.push(block)
+        self._kind[block] = FREE
         self._evicted.append(block)
 
     @contextmanager
@@ -325,10 +341,11 @@ class BlockAllocator:
         source_set, target_set = set(sources), set(targets)
         if len(source_set) != len(sources):
             raise InvalidValueError(f"move_many: a block moves once, got sources {sources[:8]}")
-        if not refs.keys() >= source_set:
-            bad = next(o for o in sources if o not in refs)
+        dead = self._kind[ids[:, 0]] != LIVE
+        if dead.any():
+            bad = sources[int(np.argmax(dead))]
             raise InvalidValueError(f"block {bad} is not live; only live blocks move")
-        taken = self._free.missing(targets)
+        taken = ids[:, 1][self._kind[ids[:, 1]] != FREE].tolist()
         if taken or len(target_set) != len(targets) or not target_set.isdisjoint(source_set):
             raise InvalidValueError(
                 f"move_many: targets must be distinct free blocks, got {targets[:8]}"
@@ -343,19 +360,23 @@ class BlockAllocator:
             self._cached -= moved_cached
             self._cached.update(remap[o] for o in moved_cached)
         self._free.push_many(sources)
+        self._kind[ids[:, 1]] = LIVE
+        self._kind[ids[:, 0]] = FREE
 
     def shrink(self, n: int) -> None:
         """Give up the ``n`` highest ids; every one of them must be free."""
         n = check_count(n, "BlockAllocator.shrink: n", hi=self._capacity)
         new = self._capacity - n
-        blocked = self._free.missing(range(new, self._capacity))
+        blocked = (np.flatnonzero(self._kind[new:] != FREE) + new).tolist()
         if blocked:
             raise InvalidValueError(f"shrink by {n}: blocks {blocked[:8]} are not free")
         self._free.take_range(new, self._capacity)
         self._capacity = new
+        self._kind = self._kind[:new].copy()
 
     def grow(self, n: int) -> None:
         """Add ``n`` ids above the current capacity, free."""
         n = check_count(n, "BlockAllocator.grow: n")
         self._free.push_many(list(range(self._capacity, self._capacity + n)))
         self._capacity += n
+        self._kind = np.concatenate((self._kind, np.zeros(n, dtype=np.int8)))

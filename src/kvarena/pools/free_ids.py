@@ -13,7 +13,7 @@ and range operations do that with set operations (loops in C) and one
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 
 class FreeIds:
@@ -77,13 +77,6 @@ class FreeIds:
         if len(self._heap) > 2 * len(self._set) + 64:
             self._heap = [self._sign * i for i in self._set]
             heapq.heapify(self._heap)
-
-    def missing(self, ids: Sequence[int]) -> list[int]:
-        """The ids of ``ids`` that are not free, in their order."""
-        free = self._set
-        if free.issuperset(ids):  # the common case, checked in C
-            return []
-        return [i for i in ids if i not in free]
 
     def in_range(self, lo: int, hi: int) -> list[int]:
         """Free ids in ``[lo, hi)``, lowest first."""

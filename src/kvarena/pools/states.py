@@ -95,8 +95,8 @@ class StateAllocator:
         PAGE by a boundary move is refused, one gained from it is accepted.
         """
         ids = check_ids(slots, what, lo=self._first, hi=self._total)
-        owner = self._owner
-        for s in [s for s in ids.tolist() if s not in owner][:1]:
+        unheld = set(ids.tolist()).difference(self._owner)
+        for s in [s for s in ids.tolist() if s in unheld][:1]:
             raise InvalidValueError(
                 f"{what}: slot {s} is free; only slots a request holds can be copied"
             )
