@@ -329,6 +329,7 @@ def test_few_short_spans_in_threads_are_byte_exact():
             st.integers(1, 9),  # count
             st.integers(0, 3),  # source step, in lengths (0: one source read again)
             st.integers(1, 3),  # destination step, in lengths
+            st.booleans(),  # destination rows walk down
         ),
         min_size=1,
         max_size=5,
@@ -344,15 +345,17 @@ def test_strided_families_move_exactly_their_spans(
     families, extra, seed, same_storage, min_bytes, torch_span, path
 ):
     """Spans in arithmetic families (blocks from every other slot, units over
-    consecutive blocks, one source read into several places) plus stragglers,
+    consecutive blocks, one source read into several places, rows written
+    downward) plus stragglers,
     shuffled: each family moves as one strided copy, every byte lands, nothing
     else is written, in one storage or two."""
     rng = np.random.default_rng(seed)
     spans: list[tuple[int, int, int]] = []
     src_at, dst_at = 0, 0
-    for length, count, ss, ds in families:
+    for length, count, ss, ds, down in families:
         step_s, step_d = ss * length, ds * length
-        spans += [(src_at + i * step_s, dst_at + i * step_d, length) for i in range(count)]
+        rows = range(count - 1, -1, -1) if down else range(count)
+        spans += [(src_at + i * step_s, dst_at + j * step_d, length) for i, j in enumerate(rows)]
         src_at += step_s * count + length + int(rng.integers(0, 50))
         dst_at += step_d * count + length + int(rng.integers(0, 50))
     for _ in range(extra):
@@ -399,6 +402,29 @@ def test_a_strided_relocation_is_one_copy():
     dst = np.arange(count, dtype=np.int64) * 2 * block
     stats = execute_batch(CopyBatch(src, dst, np.full(count, block)), buf, buf)
     assert stats.ops == 1 and stats.spans == count
+    expect = before.clone()
+    for s, d in zip(src.tolist(), dst.tolist(), strict=True):
+        expect[d : d + block] = before[s : s + block]
+    assert torch.equal(buf, expect)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_a_downward_family_is_one_numpy_copy_per_thread(interleaved):
+    """States read upward into blocks written downward (slots come from the top,
+    blocks from the bottom) move as one strided numpy copy per thread, also
+    when the rows read and the rows written interleave in one storage."""
+    block, count = 64 * 1024, 96  # 6 MiB: large enough to be split over threads
+    rng = np.random.default_rng(2)
+    buf = torch.from_numpy(rng.integers(0, 256, 2 * count * block + block, dtype=np.uint8))
+    before = buf.clone()
+    if interleaved:  # odd blocks read upward, even blocks written downward
+        src = np.arange(count, dtype=np.int64) * 2 * block + block
+        dst = (count - 1 - np.arange(count, dtype=np.int64)) * 2 * block
+    else:
+        src = count * block + np.arange(count, dtype=np.int64) * block
+        dst = (count - 1 - np.arange(count, dtype=np.int64)) * block
+    stats = execute_batch(CopyBatch(src, dst, np.full(count, block)), buf, buf)
+    assert stats.path == "cpu" and 1 <= stats.ops <= torch.get_num_threads()
     expect = before.clone()
     for s, d in zip(src.tolist(), dst.tolist(), strict=True):
         expect[d : d + block] = before[s : s + block]

@@ -34,7 +34,12 @@ def coalesce(
 
 
 def progressions(
-    src: np.ndarray, dst: np.ndarray, length: np.ndarray, min_bytes: int
+    src: np.ndarray,
+    dst: np.ndarray,
+    length: np.ndarray,
+    min_bytes: int,
+    *,
+    descending_below: int = 0,
 ) -> tuple[list[tuple[int, int, int, int, int, int]], np.ndarray]:
     """Families of equal-length spans whose starts advance by one constant step
     on each side, as ``(src0, dst0, count, length, src_step, dst_step)``, and a
@@ -45,9 +50,17 @@ def progressions(
     it holds: blocks relocated from every other slot, an image's units
     scattered over consecutive blocks, one field of every layer. Only families
     of at least two spans and ``min_bytes`` bytes are returned; within each
-    length, spans are taken in source order (then destination order), steps are never negative, rows
-    never overlap on the destination side, and a
-    span joins at most one family (the earlier one, where two share it).
+    length, spans are taken in source order (then destination order), so the
+    source step is never negative; rows never overlap on the destination
+    side, and a span joins at most one family (the earlier one, where two
+    share it).
+
+    ``descending_below`` also admits families whose destination step is
+    negative, of spans shorter than that many bytes: rows read upward and
+    written downward, as when states taken top-down (slots are handed out
+    from the top) go to blocks taken bottom-up. torch views cannot have
+    negative strides, so only a copier that can walk them (numpy, on CPU)
+    asks for these, and only for spans it moves faster as one family.
     """
     covered = np.zeros(src.size, dtype=bool)
     found: list[tuple[int, int, int, int, int, int]] = []
@@ -72,7 +85,10 @@ def progressions(
         change = np.flatnonzero((ds[1:] != ds[:-1]) | (dd[1:] != dd[:-1])) + 1
         first = np.concatenate(([0], change))
         last = np.concatenate((change, [ds.size]))
-        wanted = ((last - first + 1) * value >= min_bytes) & (dd[first] >= value)
+        step = dd[first]
+        down = value < descending_below
+        apart = (step >= value) | (down & (step <= -value))  # destination rows disjoint
+        wanted = ((last - first + 1) * value >= min_bytes) & apart
         taken = -1
         for p, q in zip(first[wanted].tolist(), last[wanted].tolist(), strict=True):
             p = max(p, taken + 1)  # a span shared with the family before stays there
