@@ -2,12 +2,13 @@
 
 Interleaving the methods means a noisy neighbour or a frequency change hits
 all of them alike, so the ratios printed are fair even when absolute numbers
-drift; the order rotates round by round, so no method always follows the same
-one. Each method runs once untimed first (page first-touch, allocator).
+drift; the order is shuffled round by round (seeded), so no method always
+follows the same one. Each method runs once untimed first (page first-touch, allocator).
 """
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -46,12 +47,15 @@ def side_by_side(
     sync()
     samples: dict[str, list[float]] = {name: [] for name in methods}
     names = list(methods)
-    for r in range(rounds):
-        # Rotate the order each round: a method right after a torch parallel op
-        # finds torch's OpenMP workers still spinning on the cores (measured on
-        # 2 cores: a threaded copy after a torch copy_ ran at 0.66x memcpy,
-        # 0.93x with OMP_WAIT_POLICY=PASSIVE), so every method takes each place.
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+    shuffle = random.Random(0)
+    for _ in range(rounds):
+        # A new order each round, so no method always follows the same one: a
+        # method right after a torch parallel op finds torch's OpenMP workers
+        # still spinning on the cores (measured on 2 cores: a threaded copy
+        # after a torch copy_ ran at 0.66x memcpy, 0.93x with
+        # OMP_WAIT_POLICY=PASSIVE). A rotation would keep each method's
+        # predecessor the same in every round.
+        for name in shuffle.sample(names, len(names)):
             start = time.perf_counter()
             methods[name]()
             sync()

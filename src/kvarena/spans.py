@@ -58,9 +58,9 @@ def progressions(
     ``descending_below`` also admits families whose destination step is
     negative, of spans shorter than that many bytes: rows read upward and
     written downward, as when states taken top-down (slots are handed out
-    from the top) go to blocks taken bottom-up. torch views cannot have
-    negative strides, so only a copier that can walk them (numpy, on CPU)
-    asks for these, and only for spans it moves faster as one family.
+    from the top) go to blocks taken bottom-up. No torch view has a
+    negative stride, so such a family is moved by a reversed row index, and
+    only a copier that moves those spans faster that way asks for them.
     """
     covered = np.zeros(src.size, dtype=bool)
     found: list[tuple[int, int, int, int, int, int]] = []

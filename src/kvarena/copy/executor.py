@@ -16,8 +16,7 @@ blocks from every other slot, image units over consecutive blocks) move as
 one ``copy_`` between two strided views, which torch spreads over its own
 threads, as are spans of :data:`TORCH_SPAN_BYTES` and more. A family whose
 destination steps DOWN (states from slots handed out top-down into blocks
-handed out bottom-up) is one numpy copy between row views of negative stride
-on CPU. What is left runs first, split over Python threads for large batches,
+handed out bottom-up) is one ``index_select`` over a reversed row index. What is left runs first, split over Python threads for large batches,
 so those threads never start while torch's OpenMP workers still spin after a
 parallel op.
 
@@ -39,7 +38,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from numpy.lib.stride_tricks import as_strided
 
 from ..checks import check_bytes
 from ..errors import InvalidValueError
@@ -444,43 +442,33 @@ def _in_threads(
     return _on_threads(_shares(length, threads), work)
 
 
-Family = tuple[int, int, int, int, int, int]
-"""``(src, dst, count, length, src_step, dst_step)``: :func:`~kvarena.spans.progressions`."""
+def _copy_downward(
+    src_buf: torch.Tensor,
+    dst_buf: torch.Tensor,
+    src: int,
+    dst: int,
+    count: int,
+    length: int,
+    src_step: int,
+    dst_step: int,
+) -> None:
+    """One family whose destination rows walk DOWN (``dst_step < 0``) as one
+    ``index_select`` into the destination rows taken upward: torch views
+    cannot have negative strides, but row ``k`` from the bottom is source row
+    ``count - 1 - k``, so a reversed row index says the same.
 
-
-def _copy_downward(src_buf: torch.Tensor, dst_buf: torch.Tensor, families: list[Family]) -> int:
-    """Families whose destination rows walk DOWN (``dst_step < 0``), as numpy
-    row views, which may have negative strides (torch's may not). All of them
-    go in one pass over Python threads, each thread a run of rows of about
-    equal bytes: a batch of 64 images scattered in reverse is 64 families,
-    and starting threads per family would cost more than it splits.
-
-    Measured on the 2-core CI machine class (300 MiB, paired rounds): rows of
-    16 KiB, 256 KiB and 4.7 MB, 0.91-1.06x memcpy on two threads, 0.61-0.78x on
-    one; the same family as separate short spans ran at 0.64-0.72x. Where two
-    views' extents overlap in one storage numpy copies the source first:
-    correct (the batch is validated), only slower.
+    Measured on the 2-core CI machine class (300 MiB, paired rounds, right
+    after a torch copy): rows of 16 KiB 0.94x memcpy, 256 KiB 0.76x; numpy
+    row views of negative stride on two Python threads 0.83x and 0.70x
+    (they share the cores with torch's OpenMP workers still spinning), the
+    same spans as separate short spans 0.64-0.72x.
     """
-    src_np, dst_np = src_buf.numpy(), dst_buf.numpy()
-    views = [
-        (as_strided(src_np[s:], (c, n), (ss, 1)), as_strided(dst_np[d:], (c, n), (ds, 1)))
-        for s, d, c, n, ss, ds in families
-    ]
-    counts = np.array([f[2] for f in families], dtype=np.int64)
-    first = np.concatenate(([0], np.cumsum(counts))).tolist()  # each family's first row
-    row_bytes = np.repeat(np.array([f[3] for f in families], dtype=np.int64), counts)
-
-    def work(a: int, b: int) -> int:  # rows [a, b) of all families in a row
-        ops = 0
-        for (src_rows, dst_rows), lo, hi in zip(views, first, first[1:], strict=False):
-            i, j = max(a, lo) - lo, min(b, hi) - lo
-            if i < j:
-                dst_rows[i:j] = src_rows[i:j]
-                ops += 1
-        return ops
-
-    threads = _threads_for("cpu", int(row_bytes.sum()), row_bytes.size)
-    return _on_threads(_shares(row_bytes, threads), work)
+    rows = (count, length)
+    bottom = dst + (count - 1) * dst_step
+    view_dst = dst_buf.as_strided(rows, (-dst_step, 1), dst_buf.storage_offset() + bottom)
+    view_src = src_buf.as_strided(rows, (src_step, 1), src_buf.storage_offset() + src)
+    upward = torch.arange(count - 1, -1, -1, device=src_buf.device)
+    torch.index_select(view_src, 0, upward, out=view_dst)
 
 
 def execute_batch(
@@ -534,9 +522,9 @@ def execute_batch(
         ops = triton_copy(src_buf, dst_buf, src, dst, length)
         return CopyStats(spans=spans, nbytes=nbytes, ops=ops, path="triton")
 
-    # Downward families only on CPU (numpy walks negative strides) and of spans
-    # shorter than torch_span_bytes: longer ones run faster one torch copy_
-    # each (paired A/B, 64 spans of 4.7 MB: 0.94-0.96x the downward family).
+    # Downward families of spans shorter than torch_span_bytes, on CPU (the
+    # devices they were measured on): longer spans run faster one torch copy_
+    # each (paired A/B, 64 spans of 4.7 MB: 0.94-0.96x as one family).
     families, covered = progressions(
         src,
         dst,
@@ -546,8 +534,7 @@ def execute_batch(
     )
     # Strided families and very long spans go to torch, whose copy_ runs on
     # its own OpenMP team; the rest (short spans grouped by length, long ones
-    # one memcpy each, families written downward) on Python threads. The
-    # threads go FIRST: torch's workers spin on the cores for a while after
+    # one memcpy each) on Python threads. The threads go FIRST: torch's workers spin on the cores for a while after
     # each parallel op, and threads started then share the cores with them
     # (measured: 0.66x memcpy).
     alone = ~covered & (length >= torch_span_bytes)
@@ -562,13 +549,12 @@ def execute_batch(
             )
         else:
             ops += _copy_spans(src_buf, dst_buf, r_src, r_dst, r_len, large_span_bytes, path)
-    downward = [f for f in families if f[5] < 0]
-    if downward:
-        ops += _copy_downward(src_buf, dst_buf, downward)
     for family in families:
-        if family[5] >= 0:
+        if family[5] < 0:
+            _copy_downward(src_buf, dst_buf, *family)
+        else:
             _copy_progression(src_buf, dst_buf, *family)
-            ops += 1
+        ops += 1
     for s, d, n in zip(
         src[alone].tolist(), dst[alone].tolist(), length[alone].tolist(), strict=True
     ):
