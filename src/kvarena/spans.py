@@ -39,7 +39,7 @@ def progressions(
     length: np.ndarray,
     min_bytes: int,
     *,
-    descending_below: int = 0,
+    descending: bool = False,
 ) -> tuple[list[tuple[int, int, int, int, int, int]], np.ndarray]:
     """Families of equal-length spans whose starts advance by one constant step
     on each side, as ``(src0, dst0, count, length, src_step, dst_step)``, and a
@@ -55,12 +55,11 @@ def progressions(
     side, and a span joins at most one family (the earlier one, where two
     share it).
 
-    ``descending_below`` also admits families whose destination step is
-    negative, of spans shorter than that many bytes: rows read upward and
-    written downward, as when states taken top-down (slots are handed out
-    from the top) go to blocks taken bottom-up. No torch view has a
-    negative stride, so such a family is moved by a reversed row index, and
-    only a copier that moves those spans faster that way asks for them.
+    ``descending`` also admits families whose destination step is negative:
+    rows read upward and written downward, as when states taken top-down
+    (slots are handed out from the top) go to blocks taken bottom-up. No
+    torch view has a negative stride, so such a family is moved by a reversed
+    row index; a copier that cannot do that leaves them out.
     """
     covered = np.zeros(src.size, dtype=bool)
     found: list[tuple[int, int, int, int, int, int]] = []
@@ -86,8 +85,7 @@ def progressions(
         first = np.concatenate(([0], change))
         last = np.concatenate((change, [ds.size]))
         step = dd[first]
-        down = value < descending_below
-        apart = (step >= value) | (down & (step <= -value))  # destination rows disjoint
+        apart = (step >= value) | (descending & (step <= -value))  # destination rows disjoint
         wanted = ((last - first + 1) * value >= min_bytes) & apart
         taken = -1
         for p, q in zip(first[wanted].tolist(), last[wanted].tolist(), strict=True):

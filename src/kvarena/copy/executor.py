@@ -522,15 +522,15 @@ def execute_batch(
         ops = triton_copy(src_buf, dst_buf, src, dst, length)
         return CopyStats(spans=spans, nbytes=nbytes, ops=ops, path="triton")
 
-    # Downward families of spans shorter than torch_span_bytes, on CPU (the
-    # devices they were measured on): longer spans run faster one torch copy_
-    # each (paired A/B, 64 spans of 4.7 MB: 0.94-0.96x as one family).
+    # Downward families on CPU, the device they were measured on (paired A/B:
+    # 64 images of 16 KiB units in reverse 1.05-1.09x the short-span path;
+    # 64 spans of 4.7 MB 1.01-1.02x one copy_ each).
     families, covered = progressions(
         src,
         dst,
         length,
         progression_min_bytes,
-        descending_below=torch_span_bytes if path == "cpu" else 0,
+        descending=path == "cpu",
     )
     # Strided families and very long spans go to torch, whose copy_ runs on
     # its own OpenMP team; the rest (short spans grouped by length, long ones
