@@ -173,7 +173,7 @@ def test_free_ids_agree_with_a_plain_set(highest_first, ops):
             assert ids.lowest_below(limit, k) == sorted(v for v in model if v < limit)[:k]
         assert len(ids) == len(model) and all(v in ids for v in model)
     assert ids.descending() == sorted(model, reverse=True)
-    assert ids.below(150) == sorted(v for v in model if v < 150)
+    assert ids.in_range(0, 150) == sorted(v for v in model if v < 150)
 
 
 @given(
@@ -198,3 +198,25 @@ def test_lowest_below_walks_the_heap_to_the_same_answer(size, taken, pushed, lim
     model |= set(back)
     assert 8 * k < len(model) or len(model) < 100  # mostly the walk
     assert ids.lowest_below(limit, k) == sorted(v for v in model if v < limit)[:k]
+
+
+@given(
+    capacity=st.integers(1, 300),
+    held=st.lists(st.integers(0, 299), max_size=300),
+    limit=st.integers(-5, 320),
+    k=st.one_of(st.none(), st.integers(0, 320)),
+)
+def test_free_blocks_below_names_the_lowest_free_blocks(capacity, held, limit, k):
+    """Whichever way the allocator answers (a walk of the heap for a few of
+    many, a scan of its kind array otherwise), the answer is the lowest free
+    blocks under the limit."""
+    from kvarena.pools.blocks import BlockAllocator
+
+    blocks = BlockAllocator(capacity)
+    live = blocks.allocate(capacity)
+    keep = {h for h in held if h < capacity}
+    for b in live:
+        if b not in keep:
+            blocks.release(b)
+    free = sorted(b for b in range(capacity) if b not in keep and b < limit)
+    assert blocks.free_blocks_below(limit, k) == (free if k is None else free[:k])

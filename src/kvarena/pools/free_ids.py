@@ -75,7 +75,7 @@ class FreeIds:
         # Taken ids stay in the heap until they surface; once they outnumber
         # the free ones, rebuild it so it never grows past twice the set.
         if len(self._heap) > 2 * len(self._set) + 64:
-            self._heap = [self._sign * i for i in self._set]
+            self._heap = list(self._set) if self._sign > 0 else [-i for i in self._set]
             heapq.heapify(self._heap)
 
     def in_range(self, lo: int, hi: int) -> list[int]:
@@ -120,7 +120,3 @@ class FreeIds:
     def descending(self) -> list[int]:
         """Every free id, highest first."""
         return sorted(self._set, reverse=True)
-
-    def below(self, limit: int) -> list[int]:
-        """Free ids under ``limit``, lowest first."""
-        return self.in_range(0, limit)
