@@ -9,13 +9,14 @@ Prints GB/s (medians), ratios against memcpy and the loop (the median of each
 round's ratio, benchmarks/_timing.py), and the ops each issued.
 
     python benchmarks/bench_checkpoint.py [--requests 64] [--unit-kib 16 256 2048] [--repeats 7]
-        [--placement allocated scattered]
+        [--placement allocated scattered shuffled]
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import random
 from collections.abc import Callable
 
 import torch
@@ -30,7 +31,7 @@ def _states(model: str, tp: int = 1) -> Callable[[], list[EntryField]]:
     return lambda: list(model_cache(model, ServingOptions(tp=tp)).state_fields)
 
 
-PLACEMENTS = ("allocated", "scattered")
+PLACEMENTS = ("allocated", "scattered", "shuffled")
 
 LAYOUTS: dict[str, Callable[[], list[EntryField]]] = {
     "qwen3-next gdn tp8": _states("qwen3-next-80b-a3b", 8),
@@ -64,9 +65,12 @@ def bench(name: str, requests: int, unit_bytes: int, repeats: int, placement: st
     # "allocated": units as the allocator hands them out (lowest first, so an
     # image's units are consecutive blocks: strided families). "scattered":
     # the same blocks in reverse, so no two units continue each other.
+    # "shuffled": the same blocks in a random order (a free list after churn).
     order = cache.blocks.allocate(n_units)
     if placement == "scattered":
         order.reverse()
+    elif placement == "shuffled":
+        random.Random(1).shuffle(order)
     units = [order[c * units_per_image : (c + 1) * units_per_image] for c in range(requests)]
     ops = {"kvarena": 0}
 
@@ -121,9 +125,7 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS))
-    parser.add_argument(
-        "--placement", nargs="+", default=["allocated", "scattered"], choices=PLACEMENTS
-    )
+    parser.add_argument("--placement", nargs="+", default=list(PLACEMENTS), choices=PLACEMENTS)
     args = parser.parse_args()
     print(
         f"torch {torch.__version__}, cpu, {args.requests} requests, units "

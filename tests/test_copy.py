@@ -1,4 +1,5 @@
 import os
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -12,9 +13,11 @@ from kvarena.copy import (
     coalesce,
     describe_batch,
     execute_batch,
+    executor,
     plan_segmented_copy,
 )
-from kvarena.copy.executor import triton_available
+from kvarena.copy.executor import PROGRESSION_MIN_BYTES, triton_available
+from kvarena.spans import progressions
 
 # The Triton path runs here only under its interpreter (TRITON_INTERPRET=1);
 # on a GPU machine it runs for real in tests/test_gpu.py.
@@ -428,6 +431,72 @@ def test_a_downward_family_is_one_copy(interleaved):
     expect = before.clone()
     for s, d in zip(src.tolist(), dst.tolist(), strict=True):
         expect[d : d + block] = before[s : s + block]
+    assert torch.equal(buf, expect)
+
+
+@given(
+    length=st.sampled_from([64, 1000, 4096]),
+    count=st.integers(2, 64),
+    step=st.integers(1, 3),
+    restore=st.booleans(),
+    same_storage=st.booleans(),
+    seed=st.integers(0, 2**31),
+    path=st.sampled_from(PATHS),
+)
+def test_units_in_any_order_are_gathered_exactly(
+    length, count, step, restore, same_storage, seed, path
+):
+    """An image read in order and written to evenly spaced blocks handed out in
+    any order (a store), or the reverse (a restore): on CPU one gather over a
+    strided destination view; on every path every byte lands and nothing else
+    is written, in one storage or two."""
+    rng = np.random.default_rng(seed)
+    perm = rng.permutation(count).astype(np.int64)
+    image = np.arange(count, dtype=np.int64) * length
+    blocks = perm * step * length
+    src, dst = (blocks, image) if restore else (image, blocks)
+    size = count * step * length
+    data = torch.from_numpy(rng.integers(0, 256, size, dtype=np.uint8))
+    if same_storage:  # sources below, destinations above, in one buffer
+        buf = torch.cat([data, torch.full((size,), 0xA5, dtype=torch.uint8)])
+        src_buf, dst_buf, shift = buf, buf, size
+    else:
+        src_buf, dst_buf, shift = data, torch.full((size,), 0xA5, dtype=torch.uint8), 0
+    expect = dst_buf.clone()
+    for s, d in zip(src.tolist(), dst.tolist(), strict=True):
+        expect[shift + d : shift + d + length] = data[s : s + length]
+    stats = execute_batch(
+        CopyBatch(src, dst + shift, np.full(count, length)),
+        src_buf,
+        dst_buf,
+        progression_min_bytes=0,
+        path=path,
+    )
+    assert torch.equal(dst_buf, expect)
+    if path == "cpu" and step > 1 and count >= 4:
+        # One gather, after any strided families of two or more spans the
+        # permutation happens to hold: never a call per span.
+        assert stats.ops <= count // 2 + 1
+
+
+def test_a_shuffled_image_is_one_gather():
+    """64 units of 16 KiB into every other block, in shuffled order: one gather."""
+    count, length = 64, 16 * 1024
+    perm = np.random.default_rng(5).permutation(count).astype(np.int64)
+    src = np.arange(count, dtype=np.int64) * length
+    dst = 2 * count * length + perm * 2 * length
+    families, _ = progressions(src, dst, np.full(count, length), PROGRESSION_MIN_BYTES)
+    assert not families  # nothing for the strided path: the gather does it all
+    buf = torch.from_numpy(
+        np.random.default_rng(6).integers(0, 256, 4 * count * length, dtype=np.uint8)
+    )
+    before = buf.clone()
+    with mock.patch.object(executor, "_copy_gather", wraps=executor._copy_gather) as gather:
+        stats = execute_batch(CopyBatch(src, dst, np.full(count, length)), buf, buf)
+    assert stats.ops == 1 and stats.path == "cpu" and gather.call_count == 1
+    expect = before.clone()
+    for s, d in zip(src.tolist(), dst.tolist(), strict=True):
+        expect[d : d + length] = before[s : s + length]
     assert torch.equal(buf, expect)
 
 

@@ -103,9 +103,10 @@ def test_block_keys_chain_over_prefixes(tokens, bs, at):
     ),
     min_bytes=st.integers(0, 80),
     descending=st.booleans(),
+    min_spans=st.integers(0, 5),
 )
 def test_progressions_are_strided_views_of_exactly_the_spans_they_cover(
-    spans, min_bytes, descending
+    spans, min_bytes, descending, min_spans
 ):
     """Each family's rows are spans of the batch, covered once; the source step
     is never negative, the destination step only when asked for, destination
@@ -115,10 +116,12 @@ def test_progressions_are_strided_views_of_exactly_the_spans_they_cover(
     src = np.array([s for s, _, _ in spans], dtype=np.int64)
     dst = np.array([d for _, d, _ in spans], dtype=np.int64)
     length = np.array([n for _, _, n in spans], dtype=np.int64)
-    families, covered = progressions(src, dst, length, min_bytes, descending=descending)
+    families, covered = progressions(
+        src, dst, length, min_bytes, descending=descending, min_spans=min_spans
+    )
     rows = []
     for s0, d0, count, n, ss, ds in families:
-        assert count >= 2 and count * n >= min_bytes and ss >= 0
+        assert count >= max(2, min_spans) and count * n >= min_bytes and ss >= 0
         assert ds >= n or (descending and ds <= -n)
         rows += [(s0 + i * ss, d0 + i * ds, n) for i in range(count)]
     covered_spans = [spans[i] for i in np.flatnonzero(covered).tolist()]
@@ -220,3 +223,34 @@ def test_free_blocks_below_names_the_lowest_free_blocks(capacity, held, limit, k
             blocks.release(b)
     free = sorted(b for b in range(capacity) if b not in keep and b < limit)
     assert blocks.free_blocks_below(limit, k) == (free if k is None else free[:k])
+
+
+@given(
+    spans=st.lists(
+        st.tuples(st.integers(0, 60), st.integers(0, 60), st.sampled_from([1, 4, 16])),
+        max_size=40,
+    ),
+    min_bytes=st.integers(0, 80),
+    skip_seed=st.integers(0, 2**16),
+)
+def test_gathers_are_strided_destinations_of_exactly_the_spans_they_cover(
+    spans, min_bytes, skip_seed
+):
+    """Each gather's rows are spans of the batch (destination rows one strided
+    view, each row's source named), covered once, never a skipped one; every
+    gather is worth its call."""
+    from kvarena.spans import gathers
+
+    src = np.array([s for s, _, _ in spans], dtype=np.int64)
+    dst = np.array([d for _, d, _ in spans], dtype=np.int64)
+    length = np.array([n for _, _, n in spans], dtype=np.int64)
+    skip = np.random.default_rng(skip_seed).random(len(spans)) < 0.2
+    found, covered = gathers(src, dst, length, min_bytes, skip)
+    rows = []
+    for d0, count, n, step, sources in found:
+        assert count >= 2 and count * n >= min_bytes and step >= n and sources.size == count
+        rows += [(int(s), d0 + i * step, n) for i, s in enumerate(sources.tolist())]
+    assert not (covered & skip).any()
+    covered_spans = [spans[i] for i in np.flatnonzero(covered).tolist()]
+    assert sorted(rows) == sorted(covered_spans)
+    assert covered.sum() == len(rows)

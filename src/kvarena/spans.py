@@ -40,6 +40,7 @@ def progressions(
     min_bytes: int,
     *,
     descending: bool = False,
+    min_spans: int = 2,
 ) -> tuple[list[tuple[int, int, int, int, int, int]], np.ndarray]:
     """Families of equal-length spans whose starts advance by one constant step
     on each side, as ``(src0, dst0, count, length, src_step, dst_step)``, and a
@@ -49,7 +50,9 @@ def progressions(
     bytes, ``step`` apart), so it moves with one copy call however many spans
     it holds: blocks relocated from every other slot, an image's units
     scattered over consecutive blocks, one field of every layer. Only families
-    of at least two spans and ``min_bytes`` bytes are returned; within each
+    of at least ``min_spans`` (two or more) spans and ``min_bytes`` bytes are
+    returned: any two spans advance by "one step", so a caller with a better
+    road for scattered spans (a gather) asks for more; within each
     length, spans are taken in source order (then destination order), so the
     source step is never negative; rows never overlap on the destination
     side, and a span joins at most one family (the earlier one, where two
@@ -61,9 +64,10 @@ def progressions(
     torch view has a negative stride, so such a family is moved by a reversed
     row index; a copier that cannot do that leaves them out.
     """
+    min_spans = max(2, min_spans)
     covered = np.zeros(src.size, dtype=bool)
     found: list[tuple[int, int, int, int, int, int]] = []
-    if src.size < 2:
+    if src.size < min_spans:
         return found, covered
     # Batches arrive sorted by source (coalesce sorts them) and mostly of one
     # length: then neither the sort nor the split by length is needed, which
@@ -72,7 +76,7 @@ def progressions(
     ascending = bool((np.diff(src) > 0).all())
     for value in [int(length[0])] if one_length else np.unique(length).tolist():
         idx = np.arange(src.size) if one_length else np.flatnonzero(length == value)
-        if idx.size < 2 or idx.size * value < min_bytes or value <= 0:
+        if idx.size < min_spans or idx.size * value < min_bytes or value <= 0:
             continue
         # By source, then destination: one source read into several places
         # (a step of 0) still advances evenly on the destination side.
@@ -86,14 +90,69 @@ def progressions(
         last = np.concatenate((change, [ds.size]))
         step = dd[first]
         apart = (step >= value) | (descending & (step <= -value))  # destination rows disjoint
-        wanted = ((last - first + 1) * value >= min_bytes) & apart
+        spans = last - first + 1
+        wanted = (spans >= min_spans) & (spans * value >= min_bytes) & apart
+        taken = -1
+        for p, q in zip(first[wanted].tolist(), last[wanted].tolist(), strict=True):
+            p = max(p, taken + 1)  # a span shared with the family before stays there
+            count = q - p + 1
+            if count < min_spans or count * value < min_bytes:
+                continue
+            found.append((int(s[p]), int(d[p]), count, value, int(ds[p]), int(dd[p])))
+            covered[order[p : q + 1]] = True
+            taken = q
+    return found, covered
+
+
+def gathers(
+    src: np.ndarray,
+    dst: np.ndarray,
+    length: np.ndarray,
+    min_bytes: int,
+    skip: np.ndarray,
+    *,
+    by_dst: np.ndarray | None = None,
+) -> tuple[list[tuple[int, int, int, int, np.ndarray]], np.ndarray]:
+    """Families of equal-length spans whose DESTINATION starts, in order, advance
+    by one constant step (at least the length), wherever they read from, as
+    ``(dst0, count, length, dst_step, sources)``, and a mask of the spans they
+    cover; spans marked in ``skip`` take no part.
+
+    Such a family is one gather: its destination rows are ONE strided view, and
+    each row's source start is looked up in ``sources`` (lowest destination
+    first). Image units handed out in any order from evenly spaced blocks, or
+    a state restored from units wherever they lie, are one family. Only
+    families of at least two spans and ``min_bytes`` bytes are returned; a
+    span joins at most one family. ``by_dst``, when the caller has it, is an
+    order sorting the spans by destination (saves the sort).
+    """
+    covered = np.zeros(src.size, dtype=bool)
+    found: list[tuple[int, int, int, int, np.ndarray]] = []
+    free = ~skip
+    if int(free.sum()) < 2:
+        return found, covered
+    if by_dst is None:
+        by_dst = np.argsort(dst, kind="stable")
+    for value in np.unique(length[free]).tolist():
+        order = by_dst[free[by_dst] & (length[by_dst] == value)]  # by destination
+        if order.size < 2 or order.size * value < min_bytes or value <= 0:
+            continue
+        d = dst[order]
+        dd = np.diff(d)
+        # Pair i links span i to span i+1; a run of equal steps [p, q) is the
+        # family of spans p..q.
+        change = np.flatnonzero(dd[1:] != dd[:-1]) + 1
+        first = np.concatenate(([0], change))
+        last = np.concatenate((change, [dd.size]))
+        wanted = ((last - first + 1) * value >= min_bytes) & (dd[first] >= value)
         taken = -1
         for p, q in zip(first[wanted].tolist(), last[wanted].tolist(), strict=True):
             p = max(p, taken + 1)  # a span shared with the family before stays there
             count = q - p + 1
             if count < 2 or count * value < min_bytes:
                 continue
-            found.append((int(s[p]), int(d[p]), count, value, int(ds[p]), int(dd[p])))
-            covered[order[p : q + 1]] = True
+            rows = order[p : q + 1]
+            found.append((int(d[p]), count, value, int(dd[p]), src[rows]))
+            covered[rows] = True
             taken = q
     return found, covered

@@ -42,7 +42,7 @@ import torch
 from ..checks import check_bytes
 from ..errors import InvalidValueError
 from ..layout.regions import check_byte_buffer
-from ..spans import coalesce, progressions
+from ..spans import coalesce, gathers, progressions
 from .plan import CopyBatch
 from .words import as_words, word_bytes_for
 
@@ -103,13 +103,18 @@ class CopyStats:
     path: str
 
 
-def _check_disjoint(starts: np.ndarray, lengths: np.ndarray, what: str) -> None:
-    keep = lengths > 0
-    starts, lengths = starts[keep], lengths[keep]
-    if starts.size < 2:
-        return
-    order = np.argsort(starts, kind="stable")
-    s, e = starts[order], starts[order] + lengths[order]
+def _by_start(starts: np.ndarray) -> np.ndarray:
+    """Indices that order ``starts`` ascending (any order among equal starts:
+    two non-empty spans starting together overlap and are refused anyway)."""
+    if starts.size < 2 or bool((starts[1:] > starts[:-1]).all()):
+        return np.arange(starts.size)
+    return np.argsort(starts)
+
+
+def _check_disjoint(starts: np.ndarray, lengths: np.ndarray, order: np.ndarray, what: str) -> None:
+    """Refuse two spans (non-empty, ``order`` sorting them by start) that overlap."""
+    s = starts[order]
+    e = s + lengths[order]
     bad = np.nonzero(s[1:] < e[:-1])[0]
     if bad.size:
         i = int(bad[0])
@@ -118,19 +123,21 @@ def _check_disjoint(starts: np.ndarray, lengths: np.ndarray, what: str) -> None:
         )
 
 
-def _check_reads_miss_writes(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> None:
-    """Refuse a source span that overlaps any destination span (one storage).
+def _check_reads_miss_writes(
+    src: np.ndarray, dst: np.ndarray, length: np.ndarray, by_dst: np.ndarray
+) -> None:
+    """Refuse a source span that overlaps any destination span (one storage;
+    spans non-empty, ``by_dst`` sorting them by destination).
 
     Destinations are disjoint (checked first), so sorted by start their ends
     ascend too: the only destination that can overlap ``[a, b)`` is the last
     one starting before ``b``.
     """
-    keep = length > 0
-    s, d, n = src[keep], dst[keep], length[keep]
-    if s.size == 0:
+    if src.size == 0:
         return
-    order = np.argsort(d, kind="stable")
-    ds, de = d[order], d[order] + n[order]
+    s, n = src, length
+    ds = dst[by_dst]
+    de = ds + length[by_dst]
     last = np.searchsorted(ds, s + n, side="left") - 1
     hit = (last >= 0) & (de[np.maximum(last, 0)] > s)
     if hit.any():
@@ -149,8 +156,9 @@ def validate_batch(batch: CopyBatch, src_buf: torch.Tensor, dst_buf: torch.Tenso
 
 def _checked_spans(
     batch: CopyBatch, src_buf: torch.Tensor, dst_buf: torch.Tensor
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The batch's non-empty spans, coalesced, once every check has passed.
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The batch's non-empty spans, coalesced, and the order that sorts them by
+    destination, once every check has passed.
 
     Overlaps are looked for among the COALESCED spans: a merged span covers
     exactly the bytes of the spans it joins on each side, and spans it joins
@@ -168,7 +176,7 @@ def _checked_spans(
     if not (batch.src.shape == batch.dst.shape == batch.length.shape == (n,)):
         raise InvalidValueError("copy batch arrays must be 1-D of one length")
     if n == 0:
-        return batch.src, batch.dst, batch.length
+        return batch.src, batch.dst, batch.length, np.arange(0)
     if batch.length.min() < 0:
         raise CopyBoundsError(f"copy batch holds a negative length {int(batch.length.min())}")
     for name, starts, buf in (("source", batch.src, src_buf), ("destination", batch.dst, dst_buf)):
@@ -187,13 +195,14 @@ def _checked_spans(
             )
     keep = batch.length > 0
     src, dst, length = coalesce(batch.src[keep], batch.dst[keep], batch.length[keep])
-    _check_disjoint(dst, length, "copy batch destination")
+    by_dst = _by_start(dst)
+    _check_disjoint(dst, length, by_dst, "copy batch destination")
     if src_buf.untyped_storage().data_ptr() == dst_buf.untyped_storage().data_ptr():
         # Reading one byte twice is fine (one state into two images); reading
         # a byte another span of the batch writes is a race.
         shift = src_buf.storage_offset() - dst_buf.storage_offset()
-        _check_reads_miss_writes(src + shift, dst, length)
-    return src, dst, length
+        _check_reads_miss_writes(src + shift, dst, length, by_dst)
+    return src, dst, length, by_dst
 
 
 NUMPY_GIL_ITEMS = 500
@@ -471,6 +480,31 @@ def _copy_downward(
     torch.index_select(view_src, 0, upward, out=view_dst)
 
 
+def _copy_gather(
+    src_buf: torch.Tensor,
+    dst_buf: torch.Tensor,
+    dst: int,
+    count: int,
+    length: int,
+    dst_step: int,
+    sources: np.ndarray,
+) -> None:
+    """One gather family as one ``index_select``: the destination rows are one
+    strided view, and the source is viewed as a row starting at EVERY byte
+    (overlapping rows), so a row's index is its source byte offset.
+
+    Measured on the 2-core CI machine class (300 MiB of 16 KiB spans read in
+    order and written to a random permutation of evenly spaced blocks, paired
+    rounds): 0.81-0.90x memcpy as one gather; 0.61-0.63x through the grouped
+    short-span path (a numpy scatter on Python threads). torch sees rows that
+    overlap (not dense), so it does not refuse to read and write one storage;
+    the batch was validated, so no row read is written.
+    """
+    rows = src_buf.as_strided((src_buf.numel() - length + 1, length), (1, 1))
+    out = dst_buf.as_strided((count, length), (dst_step, 1), dst_buf.storage_offset() + dst)
+    torch.index_select(rows, 0, torch.from_numpy(sources).to(src_buf.device), out=out)
+
+
 def execute_batch(
     batch: CopyBatch,
     src_buf: torch.Tensor,
@@ -497,7 +531,7 @@ def execute_batch(
         progression_min_bytes, "execute_batch: progression_min_bytes"
     )
     torch_span_bytes = check_bytes(torch_span_bytes, "execute_batch: torch_span_bytes", lo=1)
-    src, dst, length = _checked_spans(batch, src_buf, dst_buf)
+    src, dst, length, by_dst = _checked_spans(batch, src_buf, dst_buf)
     keep = batch.length > 0
     spans, nbytes = int(keep.sum()), int(length.sum())
     if spans == 0:
@@ -531,8 +565,26 @@ def execute_batch(
         length,
         progression_min_bytes,
         descending=path == "cpu",
+        # On CPU, spans that only pair up go to the gathers below instead: a
+        # gather takes every span with evenly spaced destinations in one call.
+        min_spans=MIN_RUN if path == "cpu" else 2,
     )
-    # Strided families and very long spans go to torch, whose copy_ runs on
+    gathered: list[tuple[int, int, int, int, np.ndarray]] = []
+    if path == "cpu":
+        # Of the short spans left (below large_span_bytes), those whose
+        # destinations are evenly spaced, in any source order, are gathered by
+        # torch in one call. Longer spans move faster one memcpy each (paired
+        # A/B, 2,560 spans of 256 KiB shuffled: 0.88-0.89x as gathers).
+        gathered, more = gathers(
+            src,
+            dst,
+            length,
+            progression_min_bytes,
+            covered | (length >= large_span_bytes),
+            by_dst=by_dst,
+        )
+        covered = covered | more
+    # Strided families, gathers and very long spans go to torch, whose copy_ runs on
     # its own OpenMP team; the rest (short spans grouped by length, long ones
     # one memcpy each) on Python threads. The threads go FIRST: torch's workers spin on the cores for a while after
     # each parallel op, and threads started then share the cores with them
@@ -554,6 +606,9 @@ def execute_batch(
             _copy_downward(src_buf, dst_buf, *family)
         else:
             _copy_progression(src_buf, dst_buf, *family)
+        ops += 1
+    for gather in gathered:
+        _copy_gather(src_buf, dst_buf, *gather)
         ops += 1
     for s, d, n in zip(
         src[alone].tolist(), dst[alone].tolist(), length[alone].tolist(), strict=True
