@@ -14,11 +14,14 @@ coalesced first, and families of equal spans whose starts advance by one
 constant step on each side (:func:`~kvarena.spans.progressions`: relocated
 blocks from every other slot, image units over consecutive blocks) move as
 one ``copy_`` between two strided views, which torch spreads over its own
-threads, as are spans of :data:`TORCH_SPAN_BYTES` and more. A family whose
-destination steps DOWN (states from slots handed out top-down into blocks
-handed out bottom-up) is one ``index_select`` over a reversed row index. What is left runs first, split over Python threads for large batches,
-so those threads never start while torch's OpenMP workers still spin after a
-parallel op.
+threads, as are spans of :data:`TORCH_SPAN_BYTES` and more. On CPU a family
+whose destination steps DOWN (states from slots handed out top-down into
+blocks handed out bottom-up) is one ``index_select`` over a reversed row
+index, and short spans whose destinations are evenly spaced, wherever they
+read from (:func:`~kvarena.spans.gathers`: units handed out in any order), are
+one ``index_select`` too. What is left runs first, split over Python threads
+for large batches, so those threads never start while torch's OpenMP workers
+still spin after a parallel op.
 
 On CUDA a batch runs as ONE Triton kernel launch when Triton is importable
 (:mod:`kvarena.copy.triton_copy`), else as torch gathers and scatters over
@@ -584,11 +587,12 @@ def execute_batch(
             by_dst=by_dst,
         )
         covered = covered | more
-    # Strided families, gathers and very long spans go to torch, whose copy_ runs on
-    # its own OpenMP team; the rest (short spans grouped by length, long ones
-    # one memcpy each) on Python threads. The threads go FIRST: torch's workers spin on the cores for a while after
-    # each parallel op, and threads started then share the cores with them
-    # (measured: 0.66x memcpy).
+    # Strided families, gathers and very long spans go to torch, which runs
+    # them on its own OpenMP team; the rest (short spans grouped by length,
+    # long ones one memcpy each) on Python threads. The threads go FIRST:
+    # torch's workers spin on the cores for a while after each parallel op,
+    # and threads started then share the cores with them (measured: 0.66x
+    # memcpy).
     alone = ~covered & (length >= torch_span_bytes)
     rest = ~covered & ~alone
     ops = 0
