@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -377,14 +376,30 @@ def _copy_progression(
     src_step: int,
     dst_step: int,
 ) -> None:
-    """One family of spans as one ``copy_`` between two ``[count, length]`` row
+    """One family of spans as one call between two ``[count, length]`` row
     views. Destination rows are disjoint and, the batch being validated, no
     row read is written; torch sees strided (not dense) views here and moves
-    them without an overlap copy of its own."""
+    them without an overlap copy of its own.
+
+    Rows written DOWN (``dst_step < 0``) cannot be a torch view (no negative
+    strides), but destination row ``k`` from the bottom is source row
+    ``count - 1 - k``: one ``index_select`` over a reversed row index into the
+    rows taken upward. Measured on the 2-core CI machine class (300 MiB,
+    paired rounds, right after a torch copy): rows of 16 KiB 0.94x memcpy,
+    256 KiB 0.76x; numpy views of negative stride on two Python threads 0.83x
+    and 0.70x (they share the cores with torch's OpenMP workers still
+    spinning); the same spans as separate short spans 0.64-0.72x.
+    """
     rows = (count, length)
-    view_dst = dst_buf.as_strided(rows, (dst_step, 1), dst_buf.storage_offset() + dst)
     view_src = src_buf.as_strided(rows, (src_step, 1), src_buf.storage_offset() + src)
-    view_dst.copy_(view_src)
+    if dst_step >= 0:
+        view_dst = dst_buf.as_strided(rows, (dst_step, 1), dst_buf.storage_offset() + dst)
+        view_dst.copy_(view_src)
+        return
+    bottom = dst + (count - 1) * dst_step
+    view_dst = dst_buf.as_strided(rows, (-dst_step, 1), dst_buf.storage_offset() + bottom)
+    upward = torch.arange(count - 1, -1, -1, device=src_buf.device)
+    torch.index_select(view_src, 0, upward, out=view_dst)
 
 
 def _threads_for(path: str, nbytes: int, spans: int) -> int:
@@ -393,43 +408,6 @@ def _threads_for(path: str, nbytes: int, spans: int) -> int:
     if path != "cpu" or nbytes < PARALLEL_MIN_BYTES:
         return 1
     return max(1, min(torch.get_num_threads(), spans))
-
-
-def _shares(weights: np.ndarray, threads: int) -> list[tuple[int, int]]:
-    """``[a, b)`` index ranges cutting ``weights`` into up to ``threads``
-    contiguous shares of about equal sum."""
-    cum = np.cumsum(weights)
-    cuts = np.searchsorted(cum, cum[-1] * np.arange(1, threads) / threads, side="left") + 1
-    bounds = [0, *sorted(set(int(c) for c in cuts if 0 < c < weights.size)), weights.size]
-    return list(itertools.pairwise(bounds))
-
-
-def _on_threads(shares: list[tuple[int, int]], work: Callable[[int, int], int]) -> int:
-    """``work(a, b)`` for each share, the first on this thread and the rest on
-    one Python thread each; the sum of what they return. numpy's and torch's
-    copies release the GIL while they move bytes, so the shares run on
-    separate cores. An error in any share is raised here once all have ended."""
-    results = [0] * len(shares)
-    errors: list[BaseException] = []
-
-    def run(i: int, a: int, b: int) -> None:
-        try:
-            results[i] = work(a, b)
-        except BaseException as exc:  # re-raised in the caller's thread
-            errors.append(exc)
-
-    workers = [
-        threading.Thread(target=run, args=(i, a, b), daemon=True)
-        for i, (a, b) in enumerate(shares[1:], start=1)
-    ]
-    for w in workers:
-        w.start()
-    run(0, *shares[0])
-    for w in workers:
-        w.join()
-    if errors:
-        raise errors[0]
-    return sum(results)
 
 
 def _in_threads(
@@ -442,45 +420,44 @@ def _in_threads(
     large_span_bytes: int,
     path: str,
 ) -> int:
-    """Copy the spans in ``threads`` contiguous shares of about equal bytes at
-    once. The spans are disjoint on the destination (validated), so shares
-    never race."""
+    """Split the spans into ``threads`` contiguous shares of about equal bytes and
+    copy them concurrently. torch's ``copy_`` and numpy's row assignment release
+    the GIL while they move bytes, so the shares run on separate cores. The
+    spans are disjoint on the destination (validated), so shares never race."""
+    cum = np.cumsum(length)
+    cuts = np.searchsorted(cum, cum[-1] * np.arange(1, threads) / threads, side="left") + 1
+    bounds = [0, *sorted(set(int(c) for c in cuts if 0 < c < src.size)), src.size]
+    shares = list(itertools.pairwise(bounds))
+    results = [0] * len(shares)
+    errors: list[BaseException] = []
 
-    def work(a: int, b: int) -> int:
-        return _copy_spans(
-            src_buf, dst_buf, src[a:b], dst[a:b], length[a:b], large_span_bytes, path, threaded=True
-        )
+    def work(i: int, a: int, b: int) -> None:
+        try:
+            results[i] = _copy_spans(
+                src_buf,
+                dst_buf,
+                src[a:b],
+                dst[a:b],
+                length[a:b],
+                large_span_bytes,
+                path,
+                threaded=True,
+            )
+        except BaseException as exc:  # re-raised in the caller's thread
+            errors.append(exc)
 
-    return _on_threads(_shares(length, threads), work)
-
-
-def _copy_downward(
-    src_buf: torch.Tensor,
-    dst_buf: torch.Tensor,
-    src: int,
-    dst: int,
-    count: int,
-    length: int,
-    src_step: int,
-    dst_step: int,
-) -> None:
-    """One family whose destination rows walk DOWN (``dst_step < 0``) as one
-    ``index_select`` into the destination rows taken upward: torch views
-    cannot have negative strides, but row ``k`` from the bottom is source row
-    ``count - 1 - k``, so a reversed row index says the same.
-
-    Measured on the 2-core CI machine class (300 MiB, paired rounds, right
-    after a torch copy): rows of 16 KiB 0.94x memcpy, 256 KiB 0.76x; numpy
-    row views of negative stride on two Python threads 0.83x and 0.70x
-    (they share the cores with torch's OpenMP workers still spinning), the
-    same spans as separate short spans 0.64-0.72x.
-    """
-    rows = (count, length)
-    bottom = dst + (count - 1) * dst_step
-    view_dst = dst_buf.as_strided(rows, (-dst_step, 1), dst_buf.storage_offset() + bottom)
-    view_src = src_buf.as_strided(rows, (src_step, 1), src_buf.storage_offset() + src)
-    upward = torch.arange(count - 1, -1, -1, device=src_buf.device)
-    torch.index_select(view_src, 0, upward, out=view_dst)
+    workers = [
+        threading.Thread(target=work, args=(i, a, b), daemon=True)
+        for i, (a, b) in enumerate(shares[1:], start=1)
+    ]
+    for w in workers:
+        w.start()
+    work(0, *shares[0])
+    for w in workers:
+        w.join()
+    if errors:
+        raise errors[0]
+    return sum(results)
 
 
 def _copy_gather(
@@ -606,10 +583,7 @@ def execute_batch(
         else:
             ops += _copy_spans(src_buf, dst_buf, r_src, r_dst, r_len, large_span_bytes, path)
     for family in families:
-        if family[5] < 0:
-            _copy_downward(src_buf, dst_buf, *family)
-        else:
-            _copy_progression(src_buf, dst_buf, *family)
+        _copy_progression(src_buf, dst_buf, *family)
         ops += 1
     for gather in gathered:
         _copy_gather(src_buf, dst_buf, *gather)
