@@ -104,9 +104,10 @@ def test_block_keys_chain_over_prefixes(tokens, bs, at):
     min_bytes=st.integers(0, 80),
     descending=st.booleans(),
     min_spans=st.integers(0, 5),
+    skip_seed=st.one_of(st.none(), st.integers(0, 2**16)),
 )
 def test_progressions_are_strided_views_of_exactly_the_spans_they_cover(
-    spans, min_bytes, descending, min_spans
+    spans, min_bytes, descending, min_spans, skip_seed
 ):
     """Each family's rows are spans of the batch, covered once; the source step
     is never negative, the destination step only when asked for, destination
@@ -116,9 +117,14 @@ def test_progressions_are_strided_views_of_exactly_the_spans_they_cover(
     src = np.array([s for s, _, _ in spans], dtype=np.int64)
     dst = np.array([d for _, d, _ in spans], dtype=np.int64)
     length = np.array([n for _, _, n in spans], dtype=np.int64)
+    skip = None
+    if skip_seed is not None:
+        skip = np.random.default_rng(skip_seed).random(len(spans)) < 0.3
     families, covered = progressions(
-        src, dst, length, min_bytes, descending=descending, min_spans=min_spans
+        src, dst, length, min_bytes, descending=descending, min_spans=min_spans, skip=skip
     )
+    if skip is not None:
+        assert not (covered & skip).any()
     rows = []
     for s0, d0, count, n, ss, ds in families:
         assert count >= max(2, min_spans) and count * n >= min_bytes and ss >= 0

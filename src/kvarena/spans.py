@@ -41,6 +41,7 @@ def progressions(
     *,
     descending: bool = False,
     min_spans: int = 2,
+    skip: np.ndarray | None = None,
 ) -> tuple[list[tuple[int, int, int, int, int, int]], np.ndarray]:
     """Families of equal-length spans whose starts advance by one constant step
     on each side, as ``(src0, dst0, count, length, src_step, dst_step)``, and a
@@ -62,7 +63,8 @@ def progressions(
     rows read upward and written downward, as when states taken top-down
     (slots are handed out from the top) go to blocks taken bottom-up. No
     torch view has a negative stride, so such a family is moved by a reversed
-    row index; a copier that cannot do that leaves them out.
+    row index; a copier that cannot do that leaves them out. Spans marked in
+    ``skip`` (moved another way) take no part.
     """
     min_spans = max(2, min_spans)
     covered = np.zeros(src.size, dtype=bool)
@@ -72,10 +74,20 @@ def progressions(
     # Batches arrive sorted by source (coalesce sorts them) and mostly of one
     # length: then neither the sort nor the split by length is needed, which
     # keeps this cheap for 100,000 short spans that form no family at all.
-    one_length = bool(length.min() == length.max())
+    if skip is not None and not skip.any():
+        skip = None
+    if skip is not None and skip.all():
+        return found, covered
+    one_length = skip is None and bool(length.min() == length.max())
     ascending = bool((np.diff(src) > 0).all())
-    for value in [int(length[0])] if one_length else np.unique(length).tolist():
-        idx = np.arange(src.size) if one_length else np.flatnonzero(length == value)
+    lengths = length if skip is None else length[~skip]
+    for value in [int(length[0])] if one_length else np.unique(lengths).tolist():
+        if one_length:
+            idx = np.arange(src.size)
+        elif skip is None:
+            idx = np.flatnonzero(length == value)
+        else:
+            idx = np.flatnonzero((length == value) & ~skip)
         if idx.size < min_spans or idx.size * value < min_bytes or value <= 0:
             continue
         # By source, then destination: one source read into several places

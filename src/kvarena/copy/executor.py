@@ -536,34 +536,33 @@ def execute_batch(
         ops = triton_copy(src_buf, dst_buf, src, dst, length)
         return CopyStats(spans=spans, nbytes=nbytes, ops=ops, path="triton")
 
-    # Downward families on CPU, the device they were measured on (paired A/B:
-    # 64 images of 16 KiB units in reverse 1.05-1.09x the short-span path;
-    # 64 spans of 4.7 MB 1.01-1.02x one copy_ each).
-    families, covered = progressions(
-        src,
-        dst,
-        length,
-        progression_min_bytes,
-        descending=path == "cpu",
-        # On CPU, spans that only pair up go to the gathers below instead: a
-        # gather takes every span with evenly spaced destinations in one call.
-        min_spans=MIN_RUN if path == "cpu" else 2,
-    )
-    gathered: list[tuple[int, int, int, int, np.ndarray]] = []
     if path == "cpu":
-        # Of the short spans left (below large_span_bytes), those whose
-        # destinations are evenly spaced, in any source order, are gathered by
-        # torch in one call. Longer spans move faster one memcpy each (paired
-        # A/B, 2,560 spans of 256 KiB shuffled: 0.88-0.89x as gathers).
-        gathered, more = gathers(
+        # Short spans (below large_span_bytes) whose destinations are evenly
+        # spaced, in any source order, are gathered by torch in one call: an
+        # image written upward, downward or shuffled over evenly spaced blocks
+        # is one gather (A/B, 64 images of 16 KiB units: shuffled 1.06-1.16x
+        # the short-span path, reversed 1.04-1.10x one family per image).
+        # Longer spans move faster one memcpy each (A/B, 2,560 spans of
+        # 256 KiB shuffled: 0.88-0.89x as gathers) or as strided families,
+        # which may be written downward here (paired A/B, 64 spans of 4.7 MB:
+        # 1.01-1.02x one copy_ each). Two spans always "advance by one step",
+        # so a family needs MIN_RUN of them.
+        gathered, covered = gathers(
+            src, dst, length, progression_min_bytes, length >= large_span_bytes, by_dst=by_dst
+        )
+        families, more = progressions(
             src,
             dst,
             length,
             progression_min_bytes,
-            covered | (length >= large_span_bytes),
-            by_dst=by_dst,
+            descending=True,
+            min_spans=MIN_RUN,
+            skip=covered,
         )
         covered = covered | more
+    else:
+        gathered = []
+        families, covered = progressions(src, dst, length, progression_min_bytes)
     # Strided families, gathers and very long spans go to torch, which runs
     # them on its own OpenMP team; the rest (short spans grouped by length,
     # long ones one memcpy each) on Python threads. The threads go FIRST:
