@@ -44,7 +44,7 @@ def snapshot(c: UnifiedCache):
     b, s = c.blocks, c.slots
     return (
         c.buf.clone(),
-        (b.capacity, sorted(b._free._set), dict(b._refs), sorted(b._cached), list(b._lru)),
+        (b.capacity, sorted(b._free._set), b._refs.tolist(), sorted(b._cached), list(b._lru)),
         (s.first, sorted(s._free._set), dict(s._owner), {k: list(v) for k, v in s._slots.items()}),
     )
 

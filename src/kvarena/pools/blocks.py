@@ -70,10 +70,11 @@ class BlockAllocator:
     States of a block id: free, live (refcount > 0), or evictable (refcount 0,
     cached, in the LRU). ``free + live + evictable == capacity`` always.
 
-    Beside the books kept per block (refcounts, the LRU, the free heap) a
-    numpy array holds each block's kind, changed wherever a block changes
-    kind: checking the tens of thousands of ids a checkpoint or a boundary
-    move names is then one gather, not a Python loop over sets.
+    Each block's kind and reference count live in two numpy arrays indexed by
+    block id (beside the LRU and the free heap, which keep the orders):
+    checking the tens of thousands of ids a checkpoint or a boundary move
+    names is one gather, and moving their references one assignment, not a
+    Python loop over dicts and sets.
     """
 
     def __init__(
@@ -86,7 +87,8 @@ class BlockAllocator:
         self._capacity = check_count(capacity, "BlockAllocator: capacity", hi=MAX_ENTRIES)
         self._free = FreeIds(range(self._capacity))
         self._kind = np.zeros(self._capacity, dtype=np.int8)  # FREE / LIVE / EVICTABLE
-        self._refs: dict[int, int] = {}
+        self._refs = np.zeros(self._capacity, dtype=np.int64)  # 0 unless LIVE
+        self._num_live = 0
         self._cached: set[int] = set()
         self._lru: OrderedDict[int, None] = OrderedDict()
         if on_evict is not None and not callable(on_evict):
@@ -109,14 +111,16 @@ class BlockAllocator:
 
     @property
     def num_live(self) -> int:
-        return len(self._refs)
+        return self._num_live
 
     @property
     def num_evictable(self) -> int:
         return len(self._lru)
 
     def refcount(self, block: int) -> int:
-        return self._refs.get(block, 0)
+        if isinstance(block, (int, np.integer)) and 0 <= block < self._capacity:
+            return int(self._refs[block])
+        return 0
 
     def is_free(self, block: int) -> bool:
         return block in self._free
@@ -128,7 +132,7 @@ class BlockAllocator:
         return block in self._cached
 
     def live_blocks(self) -> list[int]:
-        return sorted(self._refs)
+        return np.flatnonzero(self._kind == LIVE).tolist()
 
     def evictable_blocks(self) -> list[int]:
         """Evictable blocks, least recently used first."""
@@ -193,20 +197,22 @@ class BlockAllocator:
         if short > 0:
             self.evict_many(list(itertools.islice(self._lru, short)), notify=False)
         blocks = [self._free.pop() for _ in range(n)]
-        for b in blocks:
-            self._refs[b] = 1
+        self._refs[blocks] = 1
         self._kind[blocks] = LIVE
+        self._num_live += n
         self.notify_evicted(blocks)
         return blocks
 
     def retain(self, block: int) -> None:
         """One more reference (a prefix hit); revives an evictable block."""
         block = self._check_id(block)
-        if block in self._lru:
+        kind = self._kind[block]
+        if kind == EVICTABLE:
             del self._lru[block]
             self._refs[block] = 1
             self._kind[block] = LIVE
-        elif block in self._refs:
+            self._num_live += 1
+        elif kind == LIVE:
             self._refs[block] += 1
         else:
             raise InvalidValueError(f"block {block} is free; allocate it instead of retaining it")
@@ -214,23 +220,21 @@ class BlockAllocator:
     def pin(self, blocks: Any, what: str) -> list[int]:
         """One more reference on each of ``blocks``, all or nothing: every id is
         checked live first, so a refused pin leaves every refcount as it was."""
-        ids = self.check_held(blocks, what, writing=True).tolist()
-        for b in ids:
-            self._refs[b] += 1
-        return ids
+        ids = self.check_held(blocks, what, writing=True)
+        np.add.at(self._refs, ids, 1)  # a block named twice takes two references
+        return ids.tolist()
 
     def release(self, block: int) -> None:
         """Drop one reference; at zero a cached block becomes evictable, else free."""
         block = self._check_id(block)
-        refs = self._refs.get(block)
-        if refs is None:
+        if self._kind[block] != LIVE:
             raise InvalidValueError(
                 f"block {block} is not live (free or evictable); nothing to release"
             )
-        if refs > 1:
-            self._refs[block] = refs - 1
+        self._refs[block] -= 1
+        if self._refs[block]:
             return
-        del self._refs[block]
+        self._num_live -= 1
         if block in self._cached:
             self._lru[block] = None
             self._kind[block] = EVICTABLE
@@ -241,7 +245,7 @@ class BlockAllocator:
     def set_cached(self, block: int, cached: bool = True) -> None:
         """Mark a live block as holding a prefix-cached key (or not)."""
         block = self._check_id(block)
-        if block not in self._refs:
+        if self._kind[block] != LIVE:
             raise InvalidValueError(
                 f"block {block} is not live; only live blocks can be marked cached"
             )
@@ -343,7 +347,6 @@ class BlockAllocator:
         if ids.size == 0:
             return
         sources, targets = ids[:, 0].tolist(), ids[:, 1].tolist()
-        refs = self._refs
         source_set, target_set = set(sources), set(targets)
         if len(source_set) != len(sources):
             raise InvalidValueError(f"move_many: a block moves once, got sources {sources[:8]}")
@@ -359,8 +362,8 @@ class BlockAllocator:
             )
         # Whole-set operations: a boundary move relocates thousands of blocks.
         self._free.take_many(targets)
-        # Sources and targets are disjoint, so popping while inserting is safe.
-        refs.update(zip(targets, map(refs.pop, sources), strict=True))
+        self._refs[ids[:, 1]] = self._refs[ids[:, 0]]
+        self._refs[ids[:, 0]] = 0
         moved_cached = self._cached & source_set
         if moved_cached:
             remap = dict(zip(sources, targets, strict=True))
@@ -380,6 +383,7 @@ class BlockAllocator:
         self._free.take_range(new, self._capacity)
         self._capacity = new
         self._kind = self._kind[:new].copy()
+        self._refs = self._refs[:new].copy()
 
     def grow(self, n: int) -> None:
         """Add ``n`` ids above the current capacity, free."""
@@ -387,3 +391,4 @@ class BlockAllocator:
         self._free.push_many(list(range(self._capacity, self._capacity + n)))
         self._capacity += n
         self._kind = np.concatenate((self._kind, np.zeros(n, dtype=np.int8)))
+        self._refs = np.concatenate((self._refs, np.zeros(n, dtype=np.int64)))
