@@ -8,12 +8,15 @@ follows the same one. Each method runs once untimed first (page first-touch, all
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
+
+from kvarena.layout import aligned_zeros
 
 
 class Timings(dict[str, float]):
@@ -73,3 +76,19 @@ def flush_caches(scratch: torch.Tensor) -> None:
     and writes memory, as the copy it is compared with does; a buffer filled
     just before would otherwise serve its last L3-worth of bytes from cache."""
     scratch.add_(1)
+
+
+def cache_memory(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor from the allocator kvarena's caches use (``aligned_zeros``:
+    on CPU a private mapping advised to use huge pages), so a baseline (a memcpy,
+    the per-layer tensors) runs on the same kind of memory as the cache it is
+    compared with and a ratio measures the copy, not the page size."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    return aligned_zeros(nbytes, 64, device).view(dtype).view(shape)
+
+
+def filled(nbytes: int, value: int, device: torch.device) -> torch.Tensor:
+    """``nbytes`` bytes of ``value`` in cache memory (filled, not zeros: untouched
+    zero pages all map one shared page and read for free)."""
+    buf = cache_memory((nbytes,), torch.uint8, device)
+    return buf.fill_(value)

@@ -22,7 +22,7 @@ import statistics
 import time
 
 import torch
-from _timing import CACHE_FLUSH_BYTES, flush_caches
+from _timing import CACHE_FLUSH_BYTES, filled, flush_caches
 
 from kvarena import EntryField, ModelCache, UnifiedCache, plan_cache
 from kvarena.models import ServingOptions, model_cache
@@ -56,10 +56,8 @@ def one_round(
     kept, _, _, live = cache.plan_grow_state(grow)
     pairs = list(zip(live, cache.blocks.free_blocks_below(kept)[: len(live)], strict=True))
     n = len(live) * cache.block_stride
-    src, dst = (
-        torch.full((max(1, n),), 7, dtype=torch.uint8),
-        torch.ones(max(1, n), dtype=torch.uint8),
-    )
+    cpu = torch.device("cpu")
+    src, dst = filled(max(1, n), 7, cpu), filled(max(1, n), 1, cpu)
     views = [other.page_view(f.name) for f in other.page_fields]
     seconds: dict[str, float] = {}
     result: list = []

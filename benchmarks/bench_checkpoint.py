@@ -20,7 +20,7 @@ import random
 from collections.abc import Callable
 
 import torch
-from _timing import side_by_side
+from _timing import cache_memory, filled, side_by_side
 
 from kvarena import CheckpointSpec, EntryField, ModelCache, UnifiedCache, plan_cache
 from kvarena.layout import min_slot_stride
@@ -78,8 +78,12 @@ def bench(name: str, requests: int, unit_bytes: int, repeats: int, placement: st
         ops["kvarena"] = cache.store(spec, slots, units).ops
 
     carried = [f for f in fields if f.in_checkpoint]
-    sep_src = {f.name: cache.state_view(f.name)[:, slots].contiguous() for f in carried}
-    sep_dst = {f.name: torch.zeros_like(sep_src[f.name]) for f in carried}
+    cpu = torch.device("cpu")
+    sep_src, sep_dst = {}, {}
+    for f in carried:
+        rows = cache.state_view(f.name)[:, slots]
+        sep_src[f.name] = cache_memory(tuple(rows.shape), rows.dtype, cpu).copy_(rows)
+        sep_dst[f.name] = cache_memory(tuple(rows.shape), rows.dtype, cpu)
 
     def loop_store() -> None:
         for r in range(requests):
@@ -88,9 +92,7 @@ def bench(name: str, requests: int, unit_bytes: int, repeats: int, placement: st
                     sep_dst[f.name][layer, r].copy_(sep_src[f.name][layer, r])
 
     nbytes = requests * spec.image_bytes
-    # Filled, not zeros: untouched zero pages all map one shared page and read for free.
-    flat_a = torch.ones(nbytes, dtype=torch.uint8)
-    flat_b = torch.zeros(nbytes, dtype=torch.uint8)
+    flat_a, flat_b = filled(nbytes, 1, cpu), filled(nbytes, 0, cpu)
 
     t = side_by_side(
         {

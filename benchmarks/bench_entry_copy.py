@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _timing import side_by_side
+from _timing import cache_memory, filled, side_by_side
 
 from kvarena import EntryMajorArena, entry_bytes_for
 from kvarena.models import model_cache
@@ -42,10 +42,7 @@ def bench_layout(name: str, requests: int, repeats: int, device: torch.device) -
             arena.entry(d).copy_(arena.entry(s))
 
     # Engines' layout: one allocation per field, [layers, slots, *shape].
-    separate = {
-        f.name: torch.zeros((f.layers, slots, *f.shape), dtype=f.dtype, device=device)
-        for f in fields
-    }
+    separate = {f.name: cache_memory((f.layers, slots, *f.shape), f.dtype, device) for f in fields}
     for f in fields:
         separate[f.name].copy_(arena.view(f.name))
 
@@ -56,9 +53,7 @@ def bench_layout(name: str, requests: int, repeats: int, device: torch.device) -
                 for layer in range(f.layers):
                     t[layer, d].copy_(t[layer, s])
 
-    # Filled, not zeros: untouched zero pages all map one shared page and read for free.
-    flat_src = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    flat_dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    flat_src, flat_dst = filled(nbytes, 1, device), filled(nbytes, 0, device)
 
     def memcpy() -> None:
         flat_dst.copy_(flat_src)

