@@ -95,25 +95,39 @@ def progressions(
         order = idx if ascending else idx[np.lexsort((dst[idx], src[idx]))]
         s, d = src[order], dst[order]
         ds, dd = np.diff(s), np.diff(d)
-        # Pair i links span i to span i+1; a run of equal pairs [p, q) is the
-        # family of spans p..q.
-        change = np.flatnonzero((ds[1:] != ds[:-1]) | (dd[1:] != dd[:-1])) + 1
-        first = np.concatenate(([0], change))
-        last = np.concatenate((change, [ds.size]))
-        step = dd[first]
-        apart = (step >= value) | (descending & (step <= -value))  # destination rows disjoint
-        spans = last - first + 1
-        wanted = (spans >= min_spans) & (spans * value >= min_bytes) & apart
-        taken = -1
-        for p, q in zip(first[wanted].tolist(), last[wanted].tolist(), strict=True):
-            p = max(p, taken + 1)  # a span shared with the family before stays there
-            count = q - p + 1
-            if count < min_spans or count * value < min_bytes:
-                continue
-            found.append((int(s[p]), int(d[p]), count, value, int(ds[p]), int(dd[p])))
+        change = (ds[1:] != ds[:-1]) | (dd[1:] != dd[:-1])
+        apart = (dd >= value) | (descending & (dd <= -value))  # destination rows disjoint
+        for p, q in _families(change, apart, value, min_spans, min_bytes):
+            found.append((int(s[p]), int(d[p]), q - p + 1, value, int(ds[p]), int(dd[p])))
             covered[order[p : q + 1]] = True
-            taken = q
     return found, covered
+
+
+def _families(
+    change: np.ndarray, apart: np.ndarray, value: int, min_spans: int, min_bytes: int
+) -> list[tuple[int, int]]:
+    """Spans ``p..q`` of each family in a sorted run of spans of ``value`` bytes.
+
+    Pair ``i`` links span ``i`` to span ``i + 1``; ``change[i]`` says pair
+    ``i + 1`` steps differently from pair ``i``, so a run of equal pairs
+    ``[p, q)`` is the family of spans ``p..q``, kept when its step keeps the
+    destination rows ``apart``, it holds ``min_spans`` spans and ``min_bytes``
+    bytes. A span shared by two families stays with the earlier one.
+    """
+    breaks = np.flatnonzero(change) + 1
+    first = np.concatenate(([0], breaks))
+    last = np.concatenate((breaks, [apart.size]))
+    spans = last - first + 1
+    wanted = (spans >= min_spans) & (spans * value >= min_bytes) & apart[first]
+    found: list[tuple[int, int]] = []
+    taken = -1
+    for p, q in zip(first[wanted].tolist(), last[wanted].tolist(), strict=True):
+        p = max(p, taken + 1)
+        if q - p + 1 < min_spans or (q - p + 1) * value < min_bytes:
+            continue
+        found.append((p, q))
+        taken = q
+    return found
 
 
 def gathers(
@@ -151,20 +165,8 @@ def gathers(
             continue
         d = dst[order]
         dd = np.diff(d)
-        # Pair i links span i to span i+1; a run of equal steps [p, q) is the
-        # family of spans p..q.
-        change = np.flatnonzero(dd[1:] != dd[:-1]) + 1
-        first = np.concatenate(([0], change))
-        last = np.concatenate((change, [dd.size]))
-        wanted = ((last - first + 1) * value >= min_bytes) & (dd[first] >= value)
-        taken = -1
-        for p, q in zip(first[wanted].tolist(), last[wanted].tolist(), strict=True):
-            p = max(p, taken + 1)  # a span shared with the family before stays there
-            count = q - p + 1
-            if count < 2 or count * value < min_bytes:
-                continue
+        for p, q in _families(dd[1:] != dd[:-1], dd >= value, value, 2, min_bytes):
             rows = order[p : q + 1]
-            found.append((int(d[p]), count, value, int(dd[p]), src[rows]))
+            found.append((int(d[p]), q - p + 1, value, int(dd[p]), src[rows]))
             covered[rows] = True
-            taken = q
     return found, covered

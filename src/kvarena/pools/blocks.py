@@ -155,8 +155,9 @@ class BlockAllocator:
         """Free block ids under ``limit``, lowest first; only the ``k`` lowest if given.
 
         A few of many free blocks come from a walk of the free heap (its cost
-        follows ``k``); otherwise one scan of the kind array, vectorized, beats
-        sorting the free set in Python (1,608 of 2,700 free: 0.3 ms -> 0.02).
+        follows ``k``); otherwise one scan of the kind array, vectorized: a
+        walk step costs about ten times a sorted id (804 of 2,500 free: 0.6 ms
+        walking vs 0.2 sorting the free set in Python, 0.02 scanning).
         """
         if k is not None and 8 * k < self.num_free:
             return self._free.lowest_below(limit, k)

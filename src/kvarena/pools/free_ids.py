@@ -95,11 +95,7 @@ class FreeIds:
         """
         if k <= 0:
             return []
-        # A walk step costs about ten times a set-and-sort step per id (measured:
-        # 804 of 2,500 free ids, 0.6 ms walking vs 0.2 ms sorting), so a large
-        # share of the free ids is cheaper sorted. Highest-first heaps cannot
-        # answer the walk at all.
-        if self._sign < 0 or 8 * k >= len(self._set):
+        if self._sign < 0:  # a highest-first heap cannot answer the walk
             return self.in_range(0, limit)[:k]
         heap, free = self._heap, self._set
         found: list[int] = []
