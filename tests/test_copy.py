@@ -162,7 +162,7 @@ def test_coalesce_merges_runs_continuing_on_both_sides():
     n = np.array([5, 10, 20, 4], dtype=np.int64)
     s, d, k = coalesce(src, dst, n)
     # [0,10)->500 and [10,30)->510 join; [30,34)->900 breaks on the destination side.
-    assert (s.tolist(), d.tolist(), k.tolist()) == ([0, 30, 100], [500, 900, 600], [30, 4, 5])
+    assert (s.tolist(), d.tolist(), k.tolist()) == ([0, 100, 30], [500, 600, 900], [30, 5, 4])
     src_buf = torch.from_numpy(np.arange(256, dtype=np.uint8))
     dst_buf = torch.zeros(1024, dtype=torch.uint8)
     stats = execute_batch(CopyBatch(src, dst, n), src_buf, dst_buf)
@@ -203,6 +203,34 @@ def test_execute_refuses_before_writing():
     # Disjoint spans inside one storage are fine.
     execute_batch(batch([0], [32], [8]), src, src)
     assert src[32:40].tolist() == list(range(8))
+
+
+@given(
+    spans=st.lists(
+        st.tuples(st.integers(0, 120), st.integers(0, 120), st.integers(0, 12)),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_one_storage_batches_are_refused_exactly_when_they_race(spans):
+    # Byte sets decide: a byte written twice, or a byte read that is written,
+    # is a refusal (and nothing moves); anything else copies exactly.
+    s, d, n = (np.array(c, dtype=np.int64) for c in zip(*spans, strict=True))
+    written = [b for dd, nn in zip(d, n, strict=True) for b in range(dd, dd + nn)]
+    read = {b for ss, nn in zip(s, n, strict=True) for b in range(ss, ss + nn)}
+    races = len(written) != len(set(written)) or bool(read & set(written))
+    buf = torch.arange(132, dtype=torch.uint8)
+    before = buf.clone()
+    if races:
+        with pytest.raises(CopyBoundsError):
+            execute_batch(CopyBatch(s, d, n), buf, buf)
+        assert torch.equal(buf, before)
+        return
+    execute_batch(CopyBatch(s, d, n), buf, buf)
+    expected = before.clone()
+    for ss, dd, nn in zip(s, d, n, strict=True):
+        expected[dd : dd + nn] = before[ss : ss + nn]
+    assert torch.equal(buf, expected)
 
 
 def test_one_source_read_twice_is_legal_in_one_storage():

@@ -260,3 +260,44 @@ def test_gathers_are_strided_destinations_of_exactly_the_spans_they_cover(
     covered_spans = [spans[i] for i in np.flatnonzero(covered).tolist()]
     assert sorted(rows) == sorted(covered_spans)
     assert covered.sum() == len(rows)
+
+
+# Key orders as batches arrive: runs up and down, a few equal keys, or none at all.
+_KEYS = st.one_of(
+    st.lists(st.integers(-50, 50), max_size=200),
+    st.lists(
+        st.tuples(st.integers(-1000, 1000), st.integers(1, 80), st.sampled_from([1, -1])),
+        max_size=8,
+    ).map(lambda runs: [s + k * d for s, n, d in runs for k in range(n)]),
+)
+
+
+@given(keys=_KEYS)
+def test_ascending_orders_every_key(keys):
+    from kvarena.spans import ascending
+
+    arr = np.asarray(keys, dtype=np.int64)
+    order = ascending(arr)
+    np.testing.assert_array_equal(np.sort(order), np.arange(arr.size))
+    np.testing.assert_array_equal(arr[order], np.sort(arr))
+
+
+@given(src=_KEYS, data=st.data())
+def test_by_source_orders_by_source_then_destination(src, data):
+    from kvarena.spans import by_source
+
+    s = np.asarray(src, dtype=np.int64)
+    d = np.asarray(data.draw(st.lists(st.integers(0, 9), min_size=s.size, max_size=s.size)))
+    order = by_source(s, d.astype(np.int64))
+    # Ties (equal source, equal destination) may go either way; the keys may not.
+    expected = np.lexsort((d, s))
+    np.testing.assert_array_equal(s[order], s[expected])
+    np.testing.assert_array_equal(d[order], d[expected])
+
+
+@given(values=_KEYS)
+def test_distinct_names_every_value_once(values):
+    from kvarena.spans import distinct
+
+    arr = np.asarray(values, dtype=np.int64)
+    assert distinct(arr) == sorted(set(values))

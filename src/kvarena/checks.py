@@ -106,8 +106,8 @@ def check_ids(values: Any, what: str, *, lo: int, hi: int) -> np.ndarray:
         # Fast path: a list that numpy reads as plain integers (no float,
         # string or oversized int: those give another dtype and take the slow,
         # item-by-item path, which names the offending item). A bool among
-        # ints reads as 0 or 1 to numpy, so where a 0 or 1 was read the item
-        # types are looked at too.
+        # ints reads as 0 or 1 to numpy, so the items read as 0 or 1 (ids an
+        # allocator hands out once each) are looked at by type.
         try:
             fast = np.asarray(values)
         except (ValueError, TypeError, OverflowError):
@@ -116,7 +116,7 @@ def check_ids(values: Any, what: str, *, lo: int, hi: int) -> np.ndarray:
             fast is not None
             and fast.ndim == 1
             and fast.dtype.kind in "iu"
-            and (not (fast <= 1).any() or _BOOL_TYPES.isdisjoint(map(type, values)))
+            and _BOOL_TYPES.isdisjoint(type(values[i]) for i in np.flatnonzero(fast <= 1))
         ):
             return check_ids(fast, what, lo=lo, hi=hi)
     ids = [check_int(v, f"{what}[{i}]") for i, v in enumerate(values)]

@@ -8,23 +8,89 @@ from __future__ import annotations
 
 import numpy as np
 
+TIMSORT_MIN_RUN = 32
+"""Timsort (numpy's ``stable`` sort) merges runs already in order and sorts
+stretches shorter than this one item at a time; where the runs a batch arrives
+in are at least this long on average, it beats quicksort by an order of
+magnitude (19,328 offsets in 64 ascending runs: 0.06 ms against 0.66 ms;
+41,984 in 64 descending runs: 0.04 ms against 1.6 ms), and
+where they are not, quicksort wins (random: 0.78 ms against 1.0 ms)."""
+
+
+def ascending(keys: np.ndarray) -> np.ndarray:
+    """Indices that order ``keys`` ascending (equal keys in any order).
+
+    Batches arrive in few long runs (an image's units one after another, every
+    image after the last, slots taken top-down so images descend): such orders
+    are found in one pass and sorted by merging runs, not by a sort from
+    scratch.
+    """
+    n = keys.size
+    if n < 2:
+        return np.arange(n)
+    step = np.sign(np.diff(keys))
+    falls = np.count_nonzero(step < 0)
+    if falls == 0:
+        return np.arange(n)
+    if falls == n - 1:  # descending all the way
+        return np.arange(n - 1, -1, -1)
+    # Timsort takes each run up or down as it is: count where the direction turns.
+    turns = np.count_nonzero(step[1:] != step[:-1])
+    stable = turns * TIMSORT_MIN_RUN < n
+    return np.argsort(keys, kind="stable" if stable else "quicksort")
+
+
+def by_source(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """Indices that order spans by source, then (one source read into several
+    places) by destination."""
+    order = ascending(src)
+    s = src[order]
+    if s.size < 2 or not (s[1:] == s[:-1]).any():
+        return order
+    return np.lexsort((dst, src))
+
+
+def distinct(values: np.ndarray) -> list[int]:
+    """The distinct values of an integer array, ascending.
+
+    A batch holds one span length or a few (whole units and each image's
+    shorter last unit), so each is found by a pass over what is left; after
+    a handful, the rest are hashed (``np.unique``: 0.55 ms for 40,000 spans,
+    where two passes take a tenth of that).
+    """
+    found: list[int] = []
+    rest = values
+    while rest.size:
+        if len(found) == 4:
+            found.extend(np.unique(rest).tolist())
+            break
+        v = rest.min()
+        found.append(int(v))
+        rest = rest[rest != v]
+    return sorted(found)
+
 
 def coalesce(
     src: np.ndarray, dst: np.ndarray, length: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Merge spans that continue each other on BOTH sides into one span.
 
-    Spans are ordered by source offset; span i+1 joins span i when it starts
-    where span i ends in the source and in the destination. Image units
-    handed out consecutively by an allocator collapse into one copy this way.
+    Spans come back ordered by destination offset; span i+1 joins span i when
+    it starts where span i ends in the source and in the destination. Image
+    units handed out consecutively by an allocator collapse into one copy
+    this way.
+
+    Why by destination: the destinations of a batch never overlap, so every
+    two spans that continue each other are neighbours in that order (in
+    source order a span read twice can sit between them), and a batch sorted
+    by destination is what its checks and gathers need next, so they do not
+    sort it again. A batch whose destinations do overlap is refused after
+    coalescing: a merged span covers exactly the bytes it joins.
     """
     if src.size < 2:
         return src, dst, length
-    if (np.diff(src) >= 0).all():  # already in source order: most batches are built so
-        s, d, n = src, dst, length
-    else:
-        order = np.argsort(src, kind="stable")
-        s, d, n = src[order], dst[order], length[order]
+    order = ascending(dst)
+    s, d, n = src[order], dst[order], length[order]
     joins = (s[1:] == s[:-1] + n[:-1]) & (d[1:] == d[:-1] + n[:-1])
     if not joins.any():
         return s, d, n
@@ -79,9 +145,8 @@ def progressions(
     if skip is not None and skip.all():
         return found, covered
     one_length = skip is None and bool(length.min() == length.max())
-    ascending = bool((np.diff(src) > 0).all())
     lengths = length if skip is None else length[~skip]
-    for value in [int(length[0])] if one_length else np.unique(lengths).tolist():
+    for value in [int(length[0])] if one_length else distinct(lengths):
         if one_length:
             idx = np.arange(src.size)
         elif skip is None:
@@ -92,7 +157,7 @@ def progressions(
             continue
         # By source, then destination: one source read into several places
         # (a step of 0) still advances evenly on the destination side.
-        order = idx if ascending else idx[np.lexsort((dst[idx], src[idx]))]
+        order = idx[by_source(src[idx], dst[idx])]
         s, d = src[order], dst[order]
         ds, dd = np.diff(s), np.diff(d)
         change = (ds[1:] != ds[:-1]) | (dd[1:] != dd[:-1])
@@ -158,8 +223,8 @@ def gathers(
     if int(free.sum()) < 2:
         return found, covered
     if by_dst is None:
-        by_dst = np.argsort(dst, kind="stable")
-    for value in np.unique(length[free]).tolist():
+        by_dst = ascending(dst)
+    for value in distinct(length[free]):
         order = by_dst[free[by_dst] & (length[by_dst] == value)]  # by destination
         if order.size < 2 or order.size * value < min_bytes or value <= 0:
             continue

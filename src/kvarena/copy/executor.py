@@ -44,7 +44,7 @@ import torch
 from ..checks import check_bytes
 from ..errors import InvalidValueError
 from ..layout.regions import check_byte_buffer
-from ..spans import coalesce, gathers, progressions
+from ..spans import ascending, coalesce, distinct, gathers, progressions
 from .plan import CopyBatch
 from .words import as_words, word_bytes_for
 
@@ -105,14 +105,6 @@ class CopyStats:
     path: str
 
 
-def _by_start(starts: np.ndarray) -> np.ndarray:
-    """Indices that order ``starts`` ascending (any order among equal starts:
-    two non-empty spans starting together overlap and are refused anyway)."""
-    if starts.size < 2 or bool((starts[1:] > starts[:-1]).all()):
-        return np.arange(starts.size)
-    return np.argsort(starts)
-
-
 def _check_disjoint(starts: np.ndarray, lengths: np.ndarray, order: np.ndarray, what: str) -> None:
     """Refuse two spans (non-empty, ``order`` sorting them by start) that overlap."""
     s = starts[order]
@@ -140,6 +132,8 @@ def _check_reads_miss_writes(
     s, n = src, length
     ds = dst[by_dst]
     de = ds + length[by_dst]
+    if int((s + n).max()) <= int(ds[0]) or int(de[-1]) <= int(s.min()):
+        return  # all reads on one side of all writes (units below, slots above)
     last = np.searchsorted(ds, s + n, side="left") - 1
     hit = (last >= 0) & (de[np.maximum(last, 0)] > s)
     if hit.any():
@@ -197,7 +191,7 @@ def _checked_spans(
             )
     keep = batch.length > 0
     src, dst, length = coalesce(batch.src[keep], batch.dst[keep], batch.length[keep])
-    by_dst = _by_start(dst)
+    by_dst = ascending(dst)
     _check_disjoint(dst, length, by_dst, "copy batch destination")
     if src_buf.untyped_storage().data_ptr() == dst_buf.untyped_storage().data_ptr():
         # Reading one byte twice is fine (one state into two images); reading
@@ -277,7 +271,7 @@ def _short_spans_cpu(
     src_np, dst_np = src.numpy(), dst.numpy()
     ops = 0
 
-    order = np.argsort(s, kind="stable")
+    order = ascending(s)
     s, d = s[order], d[order]
     keep = np.ones(s.size, dtype=bool)
     for a, b in _runs(s, length):
@@ -290,7 +284,7 @@ def _short_spans_cpu(
         ops += 1
     s, d = s[keep], d[keep]
 
-    order = np.argsort(d, kind="stable")
+    order = ascending(d)
     s, d = s[order], d[order]
     keep = np.ones(s.size, dtype=bool)
     if s.size:
@@ -360,7 +354,7 @@ def _copy_spans(
             ops += 1
     short = ~large
     mover = _short_spans_cpu if path == "cpu" else _short_spans_torch
-    for value in np.unique(length[short]).tolist():
+    for value in distinct(length[short]):
         group = short & (length == value)
         ops += mover(src_buf, dst_buf, src[group], dst[group], value)
     return ops
