@@ -269,6 +269,13 @@ _KEYS = st.one_of(
         st.tuples(st.integers(-1000, 1000), st.integers(1, 80), st.sampled_from([1, -1])),
         max_size=8,
     ).map(lambda runs: [s + k * d for s, n, d in runs for k in range(n)]),
+    # Distinct offsets on one grid in any order (blocks from a free list), some far apart.
+    st.tuples(
+        st.integers(1, 64),
+        st.integers(-(10**6), 10**6),
+        st.lists(st.integers(0, 400), unique=True, max_size=120),
+        st.lists(st.integers(0, 1 << 40), max_size=2),
+    ).map(lambda t: [t[1] + t[0] * k for k in t[2]] + t[3]),
 )
 
 
@@ -301,3 +308,24 @@ def test_distinct_names_every_value_once(values):
 
     arr = np.asarray(values, dtype=np.int64)
     assert distinct(arr) == sorted(set(values))
+
+
+@given(
+    step=st.integers(1, 1 << 20),
+    base=st.integers(0, 1 << 40),
+    cells=st.lists(st.integers(0, 600), min_size=2, max_size=150),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_grid_order_sorts_keys_on_a_grid_or_declines(step, base, cells, seed):
+    from kvarena.spans import GRID_CELLS_PER_KEY, _grid_order
+
+    keys = np.asarray([base + step * c for c in cells], dtype=np.int64)
+    keys = keys[np.random.default_rng(seed).permutation(keys.size)]
+    order = _grid_order(keys)
+    distinct = np.unique(keys).size == keys.size
+    span = (int(keys.max()) - int(keys.min())) // step + 1  # cells at most (the gcd may be larger)
+    if distinct and span <= GRID_CELLS_PER_KEY * keys.size:
+        assert order is not None
+    if order is not None:
+        assert distinct
+        np.testing.assert_array_equal(keys[order], np.sort(keys))
