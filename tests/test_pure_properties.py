@@ -329,3 +329,32 @@ def test_grid_order_sorts_keys_on_a_grid_or_declines(step, base, cells, seed):
     if order is not None:
         assert distinct
         np.testing.assert_array_equal(keys[order], np.sort(keys))
+
+
+_ITEMS = st.one_of(
+    st.integers(-(2**63), 2**63 - 1),
+    st.integers(0, 3),
+    st.booleans(),
+    st.floats(allow_nan=False),
+    st.sampled_from(["3", 2**63, -(2**63) - 1, np.int64(7), np.int32(-2), np.bool_(True)]),
+)
+
+
+@given(lists=st.lists(st.lists(_ITEMS, max_size=12), max_size=5), as_tuples=st.booleans())
+def test_int_lists_takes_plain_ints_only(lists, as_tuples):
+    from kvarena.checks import int_lists
+
+    given_lists = [tuple(v) for v in lists] if as_tuples else lists
+    flat = [v for values in lists for v in values]
+    plain = all(
+        isinstance(v, (int, np.integer))
+        and not isinstance(v, (bool, np.bool_))
+        and -(2**63) <= int(v) < 2**63
+        for v in flat
+    )
+    got = int_lists(given_lists)
+    if plain:
+        assert got is not None and got.dtype == np.int64
+        assert got.tolist() == [int(v) for v in flat]
+    else:
+        assert got is None

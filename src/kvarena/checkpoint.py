@@ -11,7 +11,6 @@ whole batch of requests in one vectorized pass.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -19,7 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from .checks import check_bytes, check_count, check_ids
+from .checks import check_bytes, check_count, check_ids, int_lists
 from .copy import CopyStats, SegmentedCopyPlan, describe_batch, execute_batch, plan_segmented_copy
 from .errors import InvalidValueError, LayoutMismatchError
 from .layout import EntryField, EntryMajorArena, checkpoint_ranges_for, layout_fingerprint
@@ -189,12 +188,12 @@ def _check_batch(
     return slot_arr, unit_arr
 
 
-def _all_units(unit_lists: Sequence[Sequence[int]], per_image: int) -> list[int] | None:
-    """Every unit of ``unit_lists`` in one flat list when each is a list or
-    tuple of ``per_image`` units (what allocators hand out), else None."""
+def _all_units(unit_lists: Sequence[Sequence[int]], per_image: int) -> np.ndarray | None:
+    """Every unit of ``unit_lists`` in one flat array when each is a list or
+    tuple of ``per_image`` plain ints (what allocators hand out), else None."""
     if not all(isinstance(u, (list, tuple)) and len(u) == per_image for u in unit_lists):
         return None
-    return list(itertools.chain.from_iterable(unit_lists))
+    return int_lists(unit_lists)
 
 
 def _bases(

@@ -25,13 +25,19 @@ def ascending(keys: np.ndarray) -> np.ndarray:
     are found in one pass and sorted by merging runs, not by a sort from
     scratch.
     """
+    order = _reordering(keys)
+    return np.arange(keys.size) if order is None else order
+
+
+def _reordering(keys: np.ndarray) -> np.ndarray | None:
+    """:func:`ascending`, or None where ``keys`` already ascend (nothing to move)."""
     n = keys.size
     if n < 2:
-        return np.arange(n)
+        return None
     step = np.sign(np.diff(keys))
     falls = np.count_nonzero(step < 0)
     if falls == 0:
-        return np.arange(n)
+        return None
     if falls == n - 1:  # descending all the way
         return np.arange(n - 1, -1, -1)
     # Timsort takes each run up or down as it is: count where the direction turns.
@@ -120,14 +126,13 @@ def coalesce(
     """
     if src.size < 2:
         return src, dst, length
-    order = ascending(dst)
-    s, d, n = src[order], dst[order], length[order]
+    order = _reordering(dst)
+    s, d, n = (src, dst, length) if order is None else (src[order], dst[order], length[order])
     joins = (s[1:] == s[:-1] + n[:-1]) & (d[1:] == d[:-1] + n[:-1])
     if not joins.any():
         return s, d, n
-    head = np.concatenate(([True], ~joins))
-    run = np.cumsum(head) - 1
-    return s[head], d[head], np.bincount(run, weights=n).astype(np.int64)
+    heads = np.flatnonzero(np.concatenate(([True], ~joins)))
+    return s[heads], d[heads], np.add.reduceat(n, heads)
 
 
 def progressions(

@@ -190,7 +190,10 @@ def _checked_spans(
                 f"copy batch {name} spans reach byte {hi} but the {name} buffer holds [0, {size})"
             )
     keep = batch.length > 0
-    src, dst, length = coalesce(batch.src[keep], batch.dst[keep], batch.length[keep])
+    if keep.all():
+        src, dst, length = coalesce(batch.src, batch.dst, batch.length)
+    else:
+        src, dst, length = coalesce(batch.src[keep], batch.dst[keep], batch.length[keep])
     by_dst = ascending(dst)
     _check_disjoint(dst, length, by_dst, "copy batch destination")
     if src_buf.untyped_storage().data_ptr() == dst_buf.untyped_storage().data_ptr():
@@ -506,8 +509,7 @@ def execute_batch(
     )
     torch_span_bytes = check_bytes(torch_span_bytes, "execute_batch: torch_span_bytes", lo=1)
     src, dst, length, by_dst = _checked_spans(batch, src_buf, dst_buf)
-    keep = batch.length > 0
-    spans, nbytes = int(keep.sum()), int(length.sum())
+    spans, nbytes = int(np.count_nonzero(batch.length)), int(length.sum())
     if spans == 0:
         return CopyStats(spans=0, nbytes=0, ops=0, path="empty")
     if path == "auto":
