@@ -102,15 +102,16 @@ def test_block_keys_chain_over_prefixes(tokens, bs, at):
         max_size=40,
     ),
     min_bytes=st.integers(0, 80),
-    descending=st.booleans(),
+    downward_from=st.one_of(st.none(), st.sampled_from([0, 4, 16])),
     min_spans=st.integers(0, 5),
     skip_seed=st.one_of(st.none(), st.integers(0, 2**16)),
 )
 def test_progressions_are_strided_views_of_exactly_the_spans_they_cover(
-    spans, min_bytes, descending, min_spans, skip_seed
+    spans, min_bytes, downward_from, min_spans, skip_seed
 ):
     """Each family's rows are spans of the batch, covered once; the source step
-    is never negative, the destination step only when asked for, destination
+    is never negative, the destination step only when asked for (rows long
+    enough), destination
     rows never overlap, and every family is worth its call."""
     from kvarena.spans import progressions
 
@@ -121,14 +122,14 @@ def test_progressions_are_strided_views_of_exactly_the_spans_they_cover(
     if skip_seed is not None:
         skip = np.random.default_rng(skip_seed).random(len(spans)) < 0.3
     families, covered = progressions(
-        src, dst, length, min_bytes, descending=descending, min_spans=min_spans, skip=skip
+        src, dst, length, min_bytes, downward_from=downward_from, min_spans=min_spans, skip=skip
     )
     if skip is not None:
         assert not (covered & skip).any()
     rows = []
     for s0, d0, count, n, ss, ds in families:
         assert count >= max(2, min_spans) and count * n >= min_bytes and ss >= 0
-        assert ds >= n or (descending and ds <= -n)
+        assert ds >= n or (downward_from is not None and n >= downward_from and ds <= -n)
         rows += [(s0 + i * ss, d0 + i * ds, n) for i in range(count)]
     covered_spans = [spans[i] for i in np.flatnonzero(covered).tolist()]
     assert sorted(rows) == sorted(covered_spans)

@@ -141,7 +141,7 @@ def progressions(
     length: np.ndarray,
     min_bytes: int,
     *,
-    descending: bool = False,
+    downward_from: int | None = None,
     min_spans: int = 2,
     skip: np.ndarray | None = None,
 ) -> tuple[list[tuple[int, int, int, int, int, int]], np.ndarray]:
@@ -161,12 +161,13 @@ def progressions(
     side, and a span joins at most one family (the earlier one, where two
     share it).
 
-    ``descending`` also admits families whose destination step is negative:
-    rows read upward and written downward, as when states taken top-down
-    (slots are handed out from the top) go to blocks taken bottom-up. No
-    torch view has a negative stride, so such a family is moved by a reversed
-    row index; a copier that cannot do that leaves them out. Spans marked in
-    ``skip`` (moved another way) take no part.
+    ``downward_from`` also admits families whose destination step is
+    negative, of rows at least that many bytes long: rows read upward and
+    written downward, as when states taken top-down (slots are handed out
+    from the top) go to blocks taken bottom-up. No torch view has a negative
+    stride, so such a family is moved by a reversed row index; a copier that
+    cannot do that (or moves shorter rows faster another way) leaves them
+    out. Spans marked in ``skip`` (moved another way) take no part.
     """
     min_spans = max(2, min_spans)
     covered = np.zeros(src.size, dtype=bool)
@@ -197,7 +198,8 @@ def progressions(
         s, d = src[order], dst[order]
         ds, dd = np.diff(s), np.diff(d)
         change = (ds[1:] != ds[:-1]) | (dd[1:] != dd[:-1])
-        apart = (dd >= value) | (descending & (dd <= -value))  # destination rows disjoint
+        downward = downward_from is not None and value >= downward_from
+        apart = (dd >= value) | (downward & (dd <= -value))  # destination rows disjoint
         for p, q in _families(change, apart, value, min_spans, min_bytes):
             found.append((int(s[p]), int(d[p]), q - p + 1, value, int(ds[p]), int(dd[p])))
             covered[order[p : q + 1]] = True

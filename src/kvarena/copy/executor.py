@@ -385,7 +385,9 @@ def _copy_progression(
     paired rounds, right after a torch copy): rows of 16 KiB 0.94x memcpy,
     256 KiB 0.76x; numpy views of negative stride on two Python threads 0.83x
     and 0.70x (they share the cores with torch's OpenMP workers still
-    spinning); the same spans as separate short spans 0.64-0.72x.
+    spinning); the same spans as separate short spans 0.64-0.72x. The CPU
+    path sends only rows of ``torch_span_bytes`` or more this way: shorter
+    rows go to a gather or one memcpy each.
     """
     rows = (count, length)
     view_src = src_buf.as_strided(rows, (src_step, 1), src_buf.storage_offset() + src)
@@ -539,10 +541,13 @@ def execute_batch(
         # is one gather (A/B, 64 images of 16 KiB units: shuffled 1.06-1.16x
         # the short-span path, reversed 1.04-1.10x one family per image).
         # Longer spans move faster one memcpy each (A/B, 2,560 spans of
-        # 256 KiB shuffled: 0.88-0.89x as gathers) or as strided families,
-        # which may be written downward here (paired A/B, 64 spans of 4.7 MB:
-        # 1.01-1.02x one copy_ each). Two spans always "advance by one step",
-        # so a family needs MIN_RUN of them.
+        # 256 KiB shuffled: 0.88-0.89x as gathers) or as strided families.
+        # A family written downward goes by a reversed row index, which pays
+        # only for rows of torch_span_bytes or more (paired A/B, 64 spans of
+        # 4.7 MB: 1.01-1.02x one copy_ each); rows of 256 KiB written downward
+        # that way ran at 0.75-0.80x memcpy in bench_checkpoint's scattered
+        # rows, one memcpy each on threads at 0.84-1.04x. Two spans always
+        # "advance by one step", so a family needs MIN_RUN of them.
         gathered, covered = gathers(
             src, dst, length, progression_min_bytes, length >= large_span_bytes, by_dst=by_dst
         )
@@ -551,7 +556,7 @@ def execute_batch(
             dst,
             length,
             progression_min_bytes,
-            descending=True,
+            downward_from=torch_span_bytes,
             min_spans=MIN_RUN,
             skip=covered,
         )
