@@ -359,3 +359,23 @@ def test_int_lists_takes_plain_ints_only(lists, as_tuples):
         assert got.tolist() == [int(v) for v in flat]
     else:
         assert got is None
+
+
+@given(
+    spans=st.lists(
+        st.tuples(st.integers(0, 60), st.integers(0, 60), st.integers(1, 6)), max_size=30
+    )
+)
+def test_coalesce_keeps_every_byte_pair_and_sorts_by_destination(spans):
+    from kvarena.spans import coalesce
+
+    src = np.array([s for s, _, _ in spans], dtype=np.int64)
+    dst = np.array([d for _, d, _ in spans], dtype=np.int64)
+    length = np.array([n for _, _, n in spans], dtype=np.int64)
+    s, d, n = coalesce(src, dst, length)
+    assert (np.diff(d) >= 0).all() and n.sum() == length.sum() and s.size <= src.size
+
+    def pairs(a, b, k):
+        return sorted((x + i, y + i) for x, y, m in zip(a, b, k, strict=True) for i in range(m))
+
+    assert pairs(s, d, n) == pairs(src, dst, length)

@@ -239,8 +239,6 @@ def gathers(
     length: np.ndarray,
     min_bytes: int,
     skip: np.ndarray,
-    *,
-    by_dst: np.ndarray | None = None,
 ) -> tuple[list[tuple[int, int, int, int, np.ndarray]], np.ndarray]:
     """Families of equal-length spans whose DESTINATION starts, in order, advance
     by one constant step (at least the length), wherever they read from, as
@@ -252,18 +250,18 @@ def gathers(
     first). Image units handed out in any order from evenly spaced blocks, or
     a state restored from units wherever they lie, are one family. Only
     families of at least two spans and ``min_bytes`` bytes are returned; a
-    span joins at most one family. ``by_dst``, when the caller has it, is an
-    order sorting the spans by destination (saves the sort).
+    span joins at most one family. Spans that arrive sorted by destination
+    (as :func:`coalesce` leaves them) are not sorted again.
     """
     covered = np.zeros(src.size, dtype=bool)
     found: list[tuple[int, int, int, int, np.ndarray]] = []
     free = ~skip
     if int(free.sum()) < 2:
         return found, covered
-    if by_dst is None:
-        by_dst = ascending(dst)
+    by_dst = _reordering(dst)
     for value in distinct(length[free]):
-        order = by_dst[free[by_dst] & (length[by_dst] == value)]  # by destination
+        wanted = free & (length == value)
+        order = np.flatnonzero(wanted) if by_dst is None else by_dst[wanted[by_dst]]
         if order.size < 2 or order.size * value < min_bytes or value <= 0:
             continue
         d = dst[order]

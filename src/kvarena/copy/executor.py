@@ -105,10 +105,9 @@ class CopyStats:
     path: str
 
 
-def _check_disjoint(starts: np.ndarray, lengths: np.ndarray, order: np.ndarray, what: str) -> None:
-    """Refuse two spans (non-empty, ``order`` sorting them by start) that overlap."""
-    s = starts[order]
-    e = s + lengths[order]
+def _check_disjoint(s: np.ndarray, lengths: np.ndarray, what: str) -> None:
+    """Refuse two spans (non-empty, sorted by start ``s``) that overlap."""
+    e = s + lengths
     bad = np.nonzero(s[1:] < e[:-1])[0]
     if bad.size:
         i = int(bad[0])
@@ -117,11 +116,9 @@ def _check_disjoint(starts: np.ndarray, lengths: np.ndarray, order: np.ndarray, 
         )
 
 
-def _check_reads_miss_writes(
-    src: np.ndarray, dst: np.ndarray, length: np.ndarray, by_dst: np.ndarray
-) -> None:
+def _check_reads_miss_writes(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> None:
     """Refuse a source span that overlaps any destination span (one storage;
-    spans non-empty, ``by_dst`` sorting them by destination).
+    spans non-empty, sorted by destination).
 
     Destinations are disjoint (checked first), so sorted by start their ends
     ascend too: the only destination that can overlap ``[a, b)`` is the last
@@ -130,8 +127,8 @@ def _check_reads_miss_writes(
     if src.size == 0:
         return
     s, n = src, length
-    ds = dst[by_dst]
-    de = ds + length[by_dst]
+    ds = dst
+    de = ds + length
     if int((s + n).max()) <= int(ds[0]) or int(de[-1]) <= int(s.min()):
         return  # all reads on one side of all writes (units below, slots above)
     last = np.searchsorted(ds, s + n, side="left") - 1
@@ -152,9 +149,9 @@ def validate_batch(batch: CopyBatch, src_buf: torch.Tensor, dst_buf: torch.Tenso
 
 def _checked_spans(
     batch: CopyBatch, src_buf: torch.Tensor, dst_buf: torch.Tensor
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The batch's non-empty spans, coalesced, and the order that sorts them by
-    destination, once every check has passed.
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The batch's non-empty spans, coalesced and so sorted by destination,
+    once every check has passed.
 
     Overlaps are looked for among the COALESCED spans: a merged span covers
     exactly the bytes of the spans it joins on each side, and spans it joins
@@ -172,7 +169,7 @@ def _checked_spans(
     if not (batch.src.shape == batch.dst.shape == batch.length.shape == (n,)):
         raise InvalidValueError("copy batch arrays must be 1-D of one length")
     if n == 0:
-        return batch.src, batch.dst, batch.length, np.arange(0)
+        return batch.src, batch.dst, batch.length
     if batch.length.min() < 0:
         raise CopyBoundsError(f"copy batch holds a negative length {int(batch.length.min())}")
     for name, starts, buf in (("source", batch.src, src_buf), ("destination", batch.dst, dst_buf)):
@@ -194,14 +191,13 @@ def _checked_spans(
         src, dst, length = coalesce(batch.src, batch.dst, batch.length)
     else:
         src, dst, length = coalesce(batch.src[keep], batch.dst[keep], batch.length[keep])
-    by_dst = ascending(dst)
-    _check_disjoint(dst, length, by_dst, "copy batch destination")
+    _check_disjoint(dst, length, "copy batch destination")
     if src_buf.untyped_storage().data_ptr() == dst_buf.untyped_storage().data_ptr():
         # Reading one byte twice is fine (one state into two images); reading
         # a byte another span of the batch writes is a race.
         shift = src_buf.storage_offset() - dst_buf.storage_offset()
-        _check_reads_miss_writes(src + shift, dst, length, by_dst)
-    return src, dst, length, by_dst
+        _check_reads_miss_writes(src + shift, dst, length)
+    return src, dst, length
 
 
 NUMPY_GIL_ITEMS = 500
@@ -510,7 +506,7 @@ def execute_batch(
         progression_min_bytes, "execute_batch: progression_min_bytes"
     )
     torch_span_bytes = check_bytes(torch_span_bytes, "execute_batch: torch_span_bytes", lo=1)
-    src, dst, length, by_dst = _checked_spans(batch, src_buf, dst_buf)
+    src, dst, length = _checked_spans(batch, src_buf, dst_buf)
     spans, nbytes = int(np.count_nonzero(batch.length)), int(length.sum())
     if spans == 0:
         return CopyStats(spans=0, nbytes=0, ops=0, path="empty")
@@ -549,7 +545,7 @@ def execute_batch(
         # rows, one memcpy each on threads at 0.84-1.04x. Two spans always
         # "advance by one step", so a family needs MIN_RUN of them.
         gathered, covered = gathers(
-            src, dst, length, progression_min_bytes, length >= large_span_bytes, by_dst=by_dst
+            src, dst, length, progression_min_bytes, length >= large_span_bytes
         )
         families, more = progressions(
             src,
