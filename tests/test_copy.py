@@ -233,6 +233,28 @@ def test_one_storage_batches_are_refused_exactly_when_they_race(spans):
     assert torch.equal(buf, expected)
 
 
+def test_a_gather_reading_above_a_buffer_that_starts_just_past_its_first_row():
+    # One storage: the source buffer starts 100 bytes into the first row
+    # written, and every row read lies far above. No span reads what another
+    # writes, so the batch is legal; torch compares the first row of the
+    # source VIEW with the first row written, so the view starts at the
+    # lowest row read.
+    length, n = 16384, 32
+    buf = torch.from_numpy(
+        np.random.default_rng(1).integers(0, 256, 4 * n * length, dtype=np.uint8)
+    )
+    before = buf.clone()
+    src = 2 * n * length + np.random.default_rng(0).permutation(n).astype(np.int64) * length
+    dst = np.arange(n, dtype=np.int64) * 2 * length
+    with mock.patch.object(executor, "_copy_gather", wraps=executor._copy_gather) as gather:
+        execute_batch(CopyBatch(src, dst, np.full(n, length)), buf[100:], buf)
+    assert gather.call_count == 1
+    expect = before.clone()
+    for s, d in zip(src.tolist(), dst.tolist(), strict=True):
+        expect[d : d + length] = before[100 + s : 100 + s + length]
+    assert torch.equal(buf, expect)
+
+
 def test_one_source_read_twice_is_legal_in_one_storage():
     # One state stored into two images, or one image restored into two slots.
     buf = torch.arange(64, dtype=torch.uint8)

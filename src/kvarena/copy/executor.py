@@ -475,9 +475,15 @@ def _copy_gather(
     overlap (not dense), so it does not refuse to read and write one storage;
     the batch was validated, so no row read is written.
     """
-    rows = src_buf.as_strided((src_buf.numel() - length + 1, length), (1, 1))
+    # The source is viewed from the lowest row read: torch checks the first
+    # row of the source view against the first row written, and a view from
+    # the buffer's start may overlap it there though no row read does (the
+    # batch was validated: no source span overlaps a destination span).
+    lo = int(sources.min())
+    window = src_buf[lo : int(sources.max()) + length]
+    rows = window.as_strided((window.numel() - length + 1, length), (1, 1))
     out = dst_buf.as_strided((count, length), (dst_step, 1), dst_buf.storage_offset() + dst)
-    torch.index_select(rows, 0, torch.from_numpy(sources).to(src_buf.device), out=out)
+    torch.index_select(rows, 0, torch.from_numpy(sources - lo).to(src_buf.device), out=out)
 
 
 def execute_batch(
