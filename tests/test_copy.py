@@ -465,11 +465,10 @@ def test_a_strided_relocation_is_one_copy():
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_a_downward_family_is_one_copy(interleaved, rows):
     """States read upward into blocks written downward (slots come from the top,
-    blocks from the bottom) move as one copy, also when the rows read and the
-    rows written interleave in one storage: a gather for short rows, a
-    reversed row index for long ones; rows between the two (too long to
-    gather, too short for the index) go one memcpy each. The thresholds are
-    scaled down here."""
+    blocks from the bottom) move as one gather, also when the rows read and
+    the rows written interleave in one storage; rows between the short and
+    the long (large_span_bytes up to torch_span_bytes) go one memcpy each.
+    The thresholds are scaled down here."""
     block, count = 64 * 1024, 96
     rng = np.random.default_rng(2)
     buf = torch.from_numpy(rng.integers(0, 256, 2 * count * block + block, dtype=np.uint8))
@@ -487,7 +486,7 @@ def test_a_downward_family_is_one_copy(interleaved, rows):
     }[rows]
     with mock.patch.object(executor, "_copy_gather", wraps=executor._copy_gather) as gather:
         stats = execute_batch(CopyBatch(src, dst, np.full(count, block)), buf, buf, **limits)
-    assert stats.path == "cpu" and gather.call_count == (rows == "short")
+    assert stats.path == "cpu" and gather.call_count == (rows != "middle")
     assert stats.ops == (count if rows == "middle" else 1)
     expect = before.clone()
     for s, d in zip(src.tolist(), dst.tolist(), strict=True):

@@ -102,16 +102,14 @@ def test_block_keys_chain_over_prefixes(tokens, bs, at):
         max_size=40,
     ),
     min_bytes=st.integers(0, 80),
-    downward_from=st.one_of(st.none(), st.sampled_from([0, 4, 16])),
     min_spans=st.integers(0, 5),
     skip_seed=st.one_of(st.none(), st.integers(0, 2**16)),
 )
 def test_progressions_are_strided_views_of_exactly_the_spans_they_cover(
-    spans, min_bytes, downward_from, min_spans, skip_seed
+    spans, min_bytes, min_spans, skip_seed
 ):
     """Each family's rows are spans of the batch, covered once; the source step
-    is never negative, the destination step only when asked for (rows long
-    enough), destination
+    is never negative, nor the destination step, destination
     rows never overlap, and every family is worth its call."""
     from kvarena.spans import progressions
 
@@ -121,15 +119,13 @@ def test_progressions_are_strided_views_of_exactly_the_spans_they_cover(
     skip = None
     if skip_seed is not None:
         skip = np.random.default_rng(skip_seed).random(len(spans)) < 0.3
-    families, covered = progressions(
-        src, dst, length, min_bytes, downward_from=downward_from, min_spans=min_spans, skip=skip
-    )
+    families, covered = progressions(src, dst, length, min_bytes, min_spans=min_spans, skip=skip)
     if skip is not None:
         assert not (covered & skip).any()
     rows = []
     for s0, d0, count, n, ss, ds in families:
         assert count >= max(2, min_spans) and count * n >= min_bytes and ss >= 0
-        assert ds >= n or (downward_from is not None and n >= downward_from and ds <= -n)
+        assert ds >= n
         rows += [(s0 + i * ss, d0 + i * ds, n) for i in range(count)]
     covered_spans = [spans[i] for i in np.flatnonzero(covered).tolist()]
     assert sorted(rows) == sorted(covered_spans)
@@ -238,10 +234,11 @@ def test_free_blocks_below_names_the_lowest_free_blocks(capacity, held, limit, k
         max_size=40,
     ),
     min_bytes=st.integers(0, 80),
+    min_spans=st.integers(0, 5),
     skip_seed=st.integers(0, 2**16),
 )
 def test_gathers_are_strided_destinations_of_exactly_the_spans_they_cover(
-    spans, min_bytes, skip_seed
+    spans, min_bytes, min_spans, skip_seed
 ):
     """Each gather's rows are spans of the batch (destination rows one strided
     view, each row's source named), covered once, never a skipped one; every
@@ -252,10 +249,10 @@ def test_gathers_are_strided_destinations_of_exactly_the_spans_they_cover(
     dst = np.array([d for _, d, _ in spans], dtype=np.int64)
     length = np.array([n for _, _, n in spans], dtype=np.int64)
     skip = np.random.default_rng(skip_seed).random(len(spans)) < 0.2
-    found, covered = gathers(src, dst, length, min_bytes, skip)
+    found, covered = gathers(src, dst, length, min_bytes, skip, min_spans=min_spans)
     rows = []
     for d0, count, n, step, sources in found:
-        assert count >= 2 and count * n >= min_bytes and step >= n and sources.size == count
+        assert count >= max(2, min_spans) and count * n >= min_bytes and step >= n and sources.size == count
         rows += [(int(s), d0 + i * step, n) for i, s in enumerate(sources.tolist())]
     assert not (covered & skip).any()
     covered_spans = [spans[i] for i in np.flatnonzero(covered).tolist()]

@@ -141,7 +141,6 @@ def progressions(
     length: np.ndarray,
     min_bytes: int,
     *,
-    downward_from: int | None = None,
     min_spans: int = 2,
     skip: np.ndarray | None = None,
 ) -> tuple[list[tuple[int, int, int, int, int, int]], np.ndarray]:
@@ -159,15 +158,10 @@ def progressions(
     length, spans are taken in source order (then destination order), so the
     source step is never negative; rows never overlap on the destination
     side, and a span joins at most one family (the earlier one, where two
-    share it).
-
-    ``downward_from`` also admits families whose destination step is
-    negative, of rows at least that many bytes long: rows read upward and
-    written downward, as when states taken top-down (slots are handed out
-    from the top) go to blocks taken bottom-up. No torch view has a negative
-    stride, so such a family is moved by a reversed row index; a copier that
-    cannot do that (or moves shorter rows faster another way) leaves them
-    out. Spans marked in ``skip`` (moved another way) take no part.
+    share it); the destination step is never negative either (no torch view
+    has a negative stride: rows written downward are a gather, see
+    :func:`gathers`). Spans marked in ``skip`` (moved another way) take no
+    part.
     """
     min_spans = max(2, min_spans)
     covered = np.zeros(src.size, dtype=bool)
@@ -198,8 +192,7 @@ def progressions(
         s, d = src[order], dst[order]
         ds, dd = np.diff(s), np.diff(d)
         change = (ds[1:] != ds[:-1]) | (dd[1:] != dd[:-1])
-        downward = downward_from is not None and value >= downward_from
-        apart = (dd >= value) | (downward & (dd <= -value))  # destination rows disjoint
+        apart = dd >= value  # destination rows disjoint, written upward
         for p, q in _families(change, apart, value, min_spans, min_bytes):
             found.append((int(s[p]), int(d[p]), q - p + 1, value, int(ds[p]), int(dd[p])))
             covered[order[p : q + 1]] = True
@@ -239,6 +232,8 @@ def gathers(
     length: np.ndarray,
     min_bytes: int,
     skip: np.ndarray,
+    *,
+    min_spans: int = 2,
 ) -> tuple[list[tuple[int, int, int, int, np.ndarray]], np.ndarray]:
     """Families of equal-length spans whose DESTINATION starts, in order, advance
     by one constant step (at least the length), wherever they read from, as
@@ -249,24 +244,25 @@ def gathers(
     each row's source start is looked up in ``sources`` (lowest destination
     first). Image units handed out in any order from evenly spaced blocks, or
     a state restored from units wherever they lie, are one family. Only
-    families of at least two spans and ``min_bytes`` bytes are returned; a
-    span joins at most one family. Spans that arrive sorted by destination
+    families of at least ``min_spans`` (two or more) spans and ``min_bytes``
+    bytes are returned; a span joins at most one family. Spans that arrive sorted by destination
     (as :func:`coalesce` leaves them) are not sorted again.
     """
+    min_spans = max(2, min_spans)
     covered = np.zeros(src.size, dtype=bool)
     found: list[tuple[int, int, int, int, np.ndarray]] = []
     free = ~skip
-    if int(free.sum()) < 2:
+    if int(free.sum()) < min_spans:
         return found, covered
     by_dst = _reordering(dst)
     for value in distinct(length[free]):
         wanted = free & (length == value)
         order = np.flatnonzero(wanted) if by_dst is None else by_dst[wanted[by_dst]]
-        if order.size < 2 or order.size * value < min_bytes or value <= 0:
+        if order.size < min_spans or order.size * value < min_bytes or value <= 0:
             continue
         d = dst[order]
         dd = np.diff(d)
-        for p, q in _families(dd[1:] != dd[:-1], dd >= value, value, 2, min_bytes):
+        for p, q in _families(dd[1:] != dd[:-1], dd >= value, value, min_spans, min_bytes):
             rows = order[p : q + 1]
             found.append((int(d[p]), q - p + 1, value, int(dd[p]), src[rows]))
             covered[rows] = True

@@ -372,29 +372,11 @@ def _copy_progression(
     """One family of spans as one call between two ``[count, length]`` row
     views. Destination rows are disjoint and, the batch being validated, no
     row read is written; torch sees strided (not dense) views here and moves
-    them without an overlap copy of its own.
-
-    Rows written DOWN (``dst_step < 0``) cannot be a torch view (no negative
-    strides), but destination row ``k`` from the bottom is source row
-    ``count - 1 - k``: one ``index_select`` over a reversed row index into the
-    rows taken upward. Measured on the 2-core CI machine class (300 MiB,
-    paired rounds, right after a torch copy): rows of 16 KiB 0.94x memcpy,
-    256 KiB 0.76x; numpy views of negative stride on two Python threads 0.83x
-    and 0.70x (they share the cores with torch's OpenMP workers still
-    spinning); the same spans as separate short spans 0.64-0.72x. The CPU
-    path sends only rows of ``torch_span_bytes`` or more this way: shorter
-    rows go to a gather or one memcpy each.
-    """
+    them without an overlap copy of its own."""
     rows = (count, length)
     view_src = src_buf.as_strided(rows, (src_step, 1), src_buf.storage_offset() + src)
-    if dst_step >= 0:
-        view_dst = dst_buf.as_strided(rows, (dst_step, 1), dst_buf.storage_offset() + dst)
-        view_dst.copy_(view_src)
-        return
-    bottom = dst + (count - 1) * dst_step
-    view_dst = dst_buf.as_strided(rows, (-dst_step, 1), dst_buf.storage_offset() + bottom)
-    upward = torch.arange(count - 1, -1, -1, device=src_buf.device)
-    torch.index_select(view_src, 0, upward, out=view_dst)
+    view_dst = dst_buf.as_strided(rows, (dst_step, 1), dst_buf.storage_offset() + dst)
+    view_dst.copy_(view_src)
 
 
 def _threads_for(path: str, nbytes: int, spans: int) -> int:
@@ -537,32 +519,35 @@ def execute_batch(
         return CopyStats(spans=spans, nbytes=nbytes, ops=ops, path="triton")
 
     if path == "cpu":
-        # Short spans (below large_span_bytes) whose destinations are evenly
-        # spaced, in any source order, are gathered by torch in one call: an
-        # image written upward, downward or shuffled over evenly spaced blocks
-        # is one gather (A/B, 64 images of 16 KiB units: shuffled 1.06-1.16x
-        # the short-span path, reversed 1.04-1.10x one family per image).
-        # Longer spans move faster one memcpy each (A/B, 2,560 spans of
-        # 256 KiB shuffled: 0.88-0.89x as gathers) or as strided families.
-        # A family written downward goes by a reversed row index, which pays
-        # only for rows of torch_span_bytes or more (paired A/B, 64 spans of
-        # 4.7 MB: 1.01-1.02x one copy_ each); rows of 256 KiB written downward
-        # that way ran at 0.75-0.80x memcpy in bench_checkpoint's scattered
-        # rows, one memcpy each on threads at 0.84-1.04x. Two spans always
-        # "advance by one step", so a family needs MIN_RUN of them.
-        gathered, covered = gathers(
-            src, dst, length, progression_min_bytes, length >= large_span_bytes
+        # Spans whose destinations are evenly spaced, in any source order, are
+        # gathered by torch in one call: an image written upward, downward or
+        # shuffled over evenly spaced blocks is one gather. Paired A/B against
+        # the other roads (600 MiB, spans read in order, written shuffled /
+        # reversed): 16 KiB units shuffled 1.06-1.16x the grouped short-span
+        # path; 1 MiB 0.93x memcpy shuffled (0.86x one copy_ each), 2 MiB
+        # 0.93-0.96x (0.89-0.91x), 4.5 MiB 0.96x (0.94x); reversed, within
+        # +-0.03 of a strided copy over a reversed row index, the road it
+        # replaces. torch splits a gather's bytes, not its
+        # rows, over its threads (3 rows of 36 MiB: 0.99x). Spans in between
+        # (large_span_bytes up to torch_span_bytes) move faster one memcpy
+        # each on threads (256 KiB: 0.94-1.00x against 0.86x as a gather), or
+        # as an upward strided family. Two spans always "advance by one
+        # step", so a family needs MIN_RUN of them.
+        # Long spans are gathered in families of MIN_RUN or more: units with
+        # each image's shorter last unit between them make families of two,
+        # which moved slower than two copy_ calls (paired A/B, Qwen3-Next
+        # images in 2 MiB units: 0.82x memcpy against 0.86x; with MIN_RUN
+        # 0.86x, and Gemma-3's families of 12 0.93-0.94x against 0.89-0.91x).
+        short, long = length < large_span_bytes, length >= torch_span_bytes
+        gathered, covered = gathers(src, dst, length, progression_min_bytes, ~short)
+        more_gathered, more = gathers(
+            src, dst, length, progression_min_bytes, ~long, min_spans=MIN_RUN
         )
-        families, more = progressions(
-            src,
-            dst,
-            length,
-            progression_min_bytes,
-            downward_from=torch_span_bytes,
-            min_spans=MIN_RUN,
-            skip=covered,
+        gathered += more_gathered
+        families, in_family = progressions(
+            src, dst, length, progression_min_bytes, min_spans=MIN_RUN, skip=covered | more
         )
-        covered = covered | more
+        covered = covered | more | in_family
     else:
         gathered = []
         families, covered = progressions(src, dst, length, progression_min_bytes)
