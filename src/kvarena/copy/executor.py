@@ -14,12 +14,12 @@ coalesced first, and families of equal spans whose starts advance by one
 constant step on each side (:func:`~kvarena.spans.progressions`: relocated
 blocks from every other slot, image units over consecutive blocks) move as
 one ``copy_`` between two strided views, which torch spreads over its own
-threads, as are spans of :data:`TORCH_SPAN_BYTES` and more. On CPU a family
-whose destination steps DOWN (states from slots handed out top-down into
-blocks handed out bottom-up) is one ``index_select`` over a reversed row
-index, and short spans whose destinations are evenly spaced, wherever they
-read from (:func:`~kvarena.spans.gathers`: units handed out in any order), are
-one ``index_select`` too. What is left runs first, split over Python threads
+threads, as are spans of :data:`TORCH_SPAN_BYTES` and more. On CPU, spans
+whose destinations are evenly spaced, wherever they read from
+(:func:`~kvarena.spans.gathers`: units handed out in any order, states from
+slots handed out top-down written into blocks handed out bottom-up), are one
+``index_select`` from the source viewed as a row at every byte, for short
+spans and for long ones. What is left runs first, split over Python threads
 for large batches, so those threads never start while torch's OpenMP workers
 still spin after a parallel op.
 
