@@ -252,7 +252,12 @@ def test_gathers_are_strided_destinations_of_exactly_the_spans_they_cover(
     found, covered = gathers(src, dst, length, min_bytes, skip, min_spans=min_spans)
     rows = []
     for d0, count, n, step, sources in found:
-        assert count >= max(2, min_spans) and count * n >= min_bytes and step >= n and sources.size == count
+        assert (
+            count >= max(2, min_spans)
+            and count * n >= min_bytes
+            and step >= n
+            and sources.size == count
+        )
         rows += [(int(s), d0 + i * step, n) for i, s in enumerate(sources.tolist())]
     assert not (covered & skip).any()
     covered_spans = [spans[i] for i in np.flatnonzero(covered).tolist()]

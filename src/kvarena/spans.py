@@ -245,8 +245,9 @@ def gathers(
     first). Image units handed out in any order from evenly spaced blocks, or
     a state restored from units wherever they lie, are one family. Only
     families of at least ``min_spans`` (two or more) spans and ``min_bytes``
-    bytes are returned; a span joins at most one family. Spans that arrive sorted by destination
-    (as :func:`coalesce` leaves them) are not sorted again.
+    bytes are returned; a span joins at most one family. Spans that arrive
+    sorted by destination (as :func:`coalesce` leaves them) are not sorted
+    again.
     """
     min_spans = max(2, min_spans)
     covered = np.zeros(src.size, dtype=bool)

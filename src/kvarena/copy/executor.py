@@ -522,22 +522,23 @@ def execute_batch(
         # Spans whose destinations are evenly spaced, in any source order, are
         # gathered by torch in one call: an image written upward, downward or
         # shuffled over evenly spaced blocks is one gather. Paired A/B against
-        # the other roads (600 MiB, spans read in order, written shuffled /
+        # the other roads (600 MiB, spans read in order, written shuffled or
         # reversed): 16 KiB units shuffled 1.06-1.16x the grouped short-span
         # path; 1 MiB 0.93x memcpy shuffled (0.86x one copy_ each), 2 MiB
         # 0.93-0.96x (0.89-0.91x), 4.5 MiB 0.96x (0.94x); reversed, within
-        # +-0.03 of a strided copy over a reversed row index, the road it
-        # replaces. torch splits a gather's bytes, not its
-        # rows, over its threads (3 rows of 36 MiB: 0.99x). Spans in between
-        # (large_span_bytes up to torch_span_bytes) move faster one memcpy
-        # each on threads (256 KiB: 0.94-1.00x against 0.86x as a gather), or
-        # as an upward strided family. Two spans always "advance by one
-        # step", so a family needs MIN_RUN of them.
-        # Long spans are gathered in families of MIN_RUN or more: units with
-        # each image's shorter last unit between them make families of two,
-        # which moved slower than two copy_ calls (paired A/B, Qwen3-Next
-        # images in 2 MiB units: 0.82x memcpy against 0.86x; with MIN_RUN
-        # 0.86x, and Gemma-3's families of 12 0.93-0.94x against 0.89-0.91x).
+        # +-0.03 of the strided copy over a reversed row index it replaces.
+        # torch splits a gather's bytes, not its rows, over its threads (3
+        # rows of 36 MiB: 0.99x). Spans in between (large_span_bytes up to
+        # torch_span_bytes) move faster one memcpy each on threads (256 KiB:
+        # 0.94-1.00x against 0.86x as a gather), or as an upward strided
+        # family. Two spans always "advance by one step", so a family needs
+        # MIN_RUN of them.
+        #
+        # Long spans are gathered in families of MIN_RUN or more: whole units
+        # with each image's shorter last unit between them make families of
+        # two, slower than two copy_ calls (paired A/B, Qwen3-Next images in
+        # 2 MiB units: 0.82x memcpy against 0.86-0.87x; with MIN_RUN a tie),
+        # while Gemma-3's families of 12 gain (0.92-0.94x against 0.86-0.91x).
         short, long = length < large_span_bytes, length >= torch_span_bytes
         gathered, covered = gathers(src, dst, length, progression_min_bytes, ~short)
         more_gathered, more = gathers(
