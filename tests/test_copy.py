@@ -502,14 +502,16 @@ def test_a_downward_family_is_one_copy(interleaved, rows):
     same_storage=st.booleans(),
     seed=st.integers(0, 2**31),
     path=st.sampled_from(PATHS),
+    long=st.booleans(),
 )
 def test_units_in_any_order_are_gathered_exactly(
-    length, count, step, restore, same_storage, seed, path
+    length, count, step, restore, same_storage, seed, path, long
 ):
     """An image read in order and written to evenly spaced blocks handed out in
     any order (a store), or the reverse (a restore): on CPU one gather over a
-    strided destination view; on every path every byte lands and nothing else
-    is written, in one storage or two."""
+    strided destination view, for short spans and (thresholds scaled down to
+    the span length) long ones in families of MIN_RUN or more; on every path
+    every byte lands and nothing else is written, in one storage or two."""
     rng = np.random.default_rng(seed)
     perm = rng.permutation(count).astype(np.int64)
     image = np.arange(count, dtype=np.int64) * length
@@ -531,9 +533,13 @@ def test_units_in_any_order_are_gathered_exactly(
         dst_buf,
         progression_min_bytes=0,
         path=path,
+        **({"large_span_bytes": length, "torch_span_bytes": length} if long else {}),
     )
     assert torch.equal(dst_buf, expect)
-    if path == "cpu" and step > 1 and count >= 4:
+    if path == "cpu" and long and step > 1:
+        # No two spans continue each other: one gather, or a copy_ each below MIN_RUN.
+        assert stats.ops == (1 if count >= executor.MIN_RUN else count)
+    elif path == "cpu" and step > 1 and count >= 4:
         # One gather, after any strided families of two or more spans the
         # permutation happens to hold: never a call per span.
         assert stats.ops <= count // 2 + 1
