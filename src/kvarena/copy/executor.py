@@ -126,19 +126,17 @@ def _check_reads_miss_writes(src: np.ndarray, dst: np.ndarray, length: np.ndarra
     """
     if src.size == 0:
         return
-    s, n = src, length
-    ds = dst
-    de = ds + length
-    if int((s + n).max()) <= int(ds[0]) or int(de[-1]) <= int(s.min()):
+    src_end, dst_end = src + length, dst + length
+    if int(src_end.max()) <= int(dst[0]) or int(dst_end[-1]) <= int(src.min()):
         return  # all reads on one side of all writes (units below, slots above)
-    last = np.searchsorted(ds, s + n, side="left") - 1
-    hit = (last >= 0) & (de[np.maximum(last, 0)] > s)
+    last = np.searchsorted(dst, src_end, side="left") - 1
+    hit = (last >= 0) & (dst_end[np.maximum(last, 0)] > src)
     if hit.any():
         i = int(np.nonzero(hit)[0][0])
         j = int(last[i])
         raise CopyBoundsError(
-            f"copy batch reads [{int(s[i])}, {int(s[i] + n[i])}) where it also writes "
-            f"[{int(ds[j])}, {int(de[j])}) (source and destination share one storage)"
+            f"copy batch reads [{int(src[i])}, {int(src_end[i])}) where it also writes "
+            f"[{int(dst[j])}, {int(dst_end[j])}) (source and destination share one storage)"
         )
 
 
