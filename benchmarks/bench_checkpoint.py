@@ -9,7 +9,11 @@ Prints GB/s (medians), ratios against memcpy and the loop (the median of each
 round's ratio, benchmarks/_timing.py), and the ops each issued.
 
     python benchmarks/bench_checkpoint.py [--requests 64] [--unit-kib 16 256 2048] [--repeats 7]
-        [--placement allocated scattered shuffled]
+        [--placement allocated scattered shuffled] [--device cpu]
+
+On CUDA (``--device cuda``) kvarena's batch is one Triton launch where Triton
+imports (the torch gathers otherwise; the ``path`` column says which), and the
+loop issues one kernel per (request, field, layer).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 from _timing import cache_memory, filled, side_by_side
 
 from kvarena import CheckpointSpec, EntryField, ModelCache, UnifiedCache, plan_cache
+from kvarena.copy.executor import triton_available
 from kvarena.layout import min_slot_stride
 from kvarena.models import ServingOptions, model_cache
 
@@ -42,7 +47,14 @@ LAYOUTS: dict[str, Callable[[], list[EntryField]]] = {
 }
 
 
-def bench(name: str, requests: int, unit_bytes: int, repeats: int, placement: str) -> dict:
+def bench(
+    name: str,
+    requests: int,
+    unit_bytes: int,
+    repeats: int,
+    placement: str,
+    device: torch.device,
+) -> dict:
     fields = LAYOUTS[name]()
     # The real road: a cache whose PAGE blocks are the image units, planned for
     # the source states, the restore targets and every image's units.
@@ -53,7 +65,7 @@ def bench(name: str, requests: int, unit_bytes: int, repeats: int, placement: st
     )
     budget = 2 * requests * min_slot_stride(fields) + (n_units + 1) * unit_bytes
     plan = plan_cache(model, budget_bytes=budget, max_seqs=2 * requests, clamp=False)
-    cache = UnifiedCache.from_plan(plan, "cpu")
+    cache = UnifiedCache.from_plan(plan, device)
     spec = cache.checkpoint_spec(unit_bytes)
     slots = [cache.allocate_state(("src", r))[0] for r in range(requests)]
     back = [cache.allocate_state(("dst", r))[0] for r in range(requests)]
@@ -73,17 +85,17 @@ def bench(name: str, requests: int, unit_bytes: int, repeats: int, placement: st
         random.Random(1).shuffle(order)
     units = [order[c * units_per_image : (c + 1) * units_per_image] for c in range(requests)]
     ops = {"kvarena": 0}
+    path = cache.store(spec, slots, units).path
 
     def kv_store() -> None:
         ops["kvarena"] = cache.store(spec, slots, units).ops
 
     carried = [f for f in fields if f.in_checkpoint]
-    cpu = torch.device("cpu")
     sep_src, sep_dst = {}, {}
     for f in carried:
         rows = cache.state_view(f.name)[:, slots]
-        sep_src[f.name] = cache_memory(tuple(rows.shape), rows.dtype, cpu).copy_(rows)
-        sep_dst[f.name] = cache_memory(tuple(rows.shape), rows.dtype, cpu)
+        sep_src[f.name] = cache_memory(tuple(rows.shape), rows.dtype, device).copy_(rows)
+        sep_dst[f.name] = cache_memory(tuple(rows.shape), rows.dtype, device)
 
     def loop_store() -> None:
         for r in range(requests):
@@ -92,7 +104,7 @@ def bench(name: str, requests: int, unit_bytes: int, repeats: int, placement: st
                     sep_dst[f.name][layer, r].copy_(sep_src[f.name][layer, r])
 
     nbytes = requests * spec.image_bytes
-    flat_a, flat_b = filled(nbytes, 1, cpu), filled(nbytes, 0, cpu)
+    flat_a, flat_b = filled(nbytes, 1, device), filled(nbytes, 0, device)
 
     t = side_by_side(
         {
@@ -102,7 +114,7 @@ def bench(name: str, requests: int, unit_bytes: int, repeats: int, placement: st
             "mem": lambda: flat_b.copy_(flat_a),
         },
         repeats,
-        torch.device("cpu"),
+        device,
     )
     # The restored slots hold exactly the carried bytes.
     for f in carried:
@@ -111,6 +123,7 @@ def bench(name: str, requests: int, unit_bytes: int, repeats: int, placement: st
 
     return {
         "name": name,
+        "path": path,
         "image_mb": spec.image_bytes / 2**20,
         "units": spec.units_per_image,
         "ops": (ops["kvarena"], requests * sum(f.layers for f in carried)),
@@ -128,10 +141,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS))
     parser.add_argument("--placement", nargs="+", default=list(PLACEMENTS), choices=PLACEMENTS)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        path = "cpu"
+    else:
+        path = "triton" if triton_available() else "torch"
     print(
-        f"torch {torch.__version__}, cpu, {args.requests} requests, units "
-        f"{'/'.join(str(u) for u in args.unit_kib)} KiB, median of {args.repeats}"
+        f"torch {torch.__version__}, {device}, kvarena path {path}, {args.requests} requests, "
+        f"units {'/'.join(str(u) for u in args.unit_kib)} KiB, median of {args.repeats}"
     )
     header = (
         f"{'layout':<20} {'units placed':<12} {'unit':>8} {'image MB':>9} {'units':>5} {'ops kv/loop':>13} "
@@ -142,7 +161,8 @@ def main() -> None:
     print("-" * len(header))
     for name in args.layouts:
         for placement, unit in itertools.product(args.placement, args.unit_kib):
-            r = bench(name, args.requests, unit * 1024, args.repeats, placement)
+            r = bench(name, args.requests, unit * 1024, args.repeats, placement, device)
+            assert r["path"] == path, (r["path"], path)
             g = r["gbps"]
             print(
                 f"{name:<20} {placement:<12} {unit:>4} KiB {r['image_mb']:>9.2f} {r['units']:>5} "
