@@ -133,6 +133,11 @@ def test_config_sources_and_family_detection(tmp_path):
     path.mkdir()
     (path / "config.json").write_text(json.dumps(cfg))
     assert model_cache(path).state_bytes == model_cache(cfg).state_bytes == 51_806_208
+    # Named by the checkout's folder, or by a config file's own name.
+    assert load_config(path)[0] == load_config(path / "config.json")[0] == "my-model"
+    (path / "nemotron-small.json").write_text(json.dumps(cfg))
+    assert load_config(path / "nemotron-small.json")[0] == "nemotron-small"
+    assert model_cache(path / "nemotron-small.json").name == "nemotron-small"
     # mamba_ssm-format config (no model_type): detected by ssm_cfg.
     ssm = {
         "d_model": 2560,

@@ -256,7 +256,10 @@ def load_config(source: str | Path | Mapping[str, Any]) -> tuple[str, dict[str, 
         raise UnknownModelError(
             f"{path} holds a JSON {type(config).__name__}, not the object a config.json is"
         )
-    return path.parent.name or path.stem, config
+    # A Hugging Face checkout is named by its folder (``Qwen3-8B/config.json``);
+    # a config saved under a name of its own (``mistral-7b.json``) by that name.
+    named_by_folder = path.name == "config.json" and path.parent.name
+    return (path.parent.name if named_by_folder else path.stem), config
 
 
 _FAMILY_BY_TYPE = {
