@@ -56,6 +56,12 @@ BAD_CONFIGS = [
     ("zero n_groups", _with(MAMBA, n_groups=0), "'n_groups'"),
     ("zero state_size", _with(MAMBA, state_size=0), "'state_size'"),
     ("bad dtype", _with(LLAMA, torch_dtype="int4"), "torch_dtype 'int4'"),
+    (
+        "string use_sliding_window",
+        _with(LLAMA, sliding_window=4096, use_sliding_window="yes"),
+        "'use_sliding_window' must be true or false",
+    ),
+    ("short gqa layer_types", _with(LLAMA, layer_types=["full_attention"] * 3), "names 3 layers"),
     ("unknown family", {"model_type": "gpt2"}, "unknown model family"),
     ("architectures string", {"architectures": "LlamaForCausalLM"}, "unknown model family"),
 ]

@@ -125,6 +125,36 @@ def test_kimi_recurrent_state_is_fp32_by_default():
     assert f16["recurrent_state"].dtype == torch.bfloat16
 
 
+def test_gqa_sliding_windows_are_paged_whole_and_said_so():
+    """A GQA config's sliding-window layers page their whole context (a superset
+    of the window: the model runs exactly), the bytes of full attention, and
+    the plan says how many layers slide."""
+    llama = load_config("llama-3.1-8b")[1]
+    full = model_cache(llama)
+    assert full.notes == ()
+    cases = [
+        # Mistral-7B-v0.1: a window on every layer.
+        ({"model_type": "mistral", "sliding_window": 4096}, "32 of 32 layers"),
+        # Qwen2: the layers from max_window_layers on, only when switched on.
+        ({"use_sliding_window": True, "max_window_layers": 21, "sliding_window": 4096}, "11 of 32"),
+        ({"use_sliding_window": False, "max_window_layers": 21, "sliding_window": 4096}, None),
+        # layer_types says it per layer, wherever the window size is given.
+        ({"layer_types": ["sliding_attention", "full_attention"] * 16}, "16 of 32 layers"),
+        ({"layer_types": ["full_attention"] * 32, "sliding_window": 4096}, None),
+        ({"sliding_window": None}, None),
+    ]
+    for fields, said in cases:
+        m = model_cache({**llama, **fields})
+        assert m.page_fields == full.page_fields
+        assert m.kv_bytes_per_token == full.kv_bytes_per_token == 131_072
+        if said is None:
+            assert m.notes == (), fields
+        else:
+            (note,) = m.notes
+            assert said in note and "pages their whole context" in note, (fields, note)
+    assert "4096-token sliding window" in model_cache({**llama, "sliding_window": 4096}).notes[0]
+
+
 def test_config_sources_and_family_detection(tmp_path):
     name, cfg = load_config("nemotron-h-8b")
     assert name == "nemotron-h-8b"

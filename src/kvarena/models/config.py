@@ -85,6 +85,13 @@ class ConfigReader:
             )
         return default
 
+    def flag(self, key: str, *, default: bool = False) -> bool:
+        """A true/false field; absent or null takes ``default``."""
+        value = self._raw(key, default)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{self.where}: field {key!r} must be true or false, got {value!r}")
+        return value
+
     def string(self, key: str, *, default: Any = _MISSING) -> str:
         value = self._raw(key, default)
         if not isinstance(value, str):

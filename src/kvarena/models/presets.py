@@ -475,13 +475,53 @@ def _head_dim(c: ConfigReader) -> int:
     return hidden // heads
 
 
+def _sliding_layers(c: ConfigReader, layers: int) -> int:
+    """How many of a GQA config's layers attend only a sliding window.
+
+    ``layer_types`` says it per layer where the config has it; otherwise a
+    Qwen2/Qwen3 config slides the layers from ``max_window_layers`` on when
+    ``use_sliding_window`` is set, and any other (Mistral-7B-v0.1) slides
+    every layer when ``sliding_window`` is set.
+    """
+    if c.has("layer_types"):
+        kinds = c.str_list("layer_types")
+        if len(kinds) != layers:
+            raise ConfigError(
+                f"{c.where}: layer_types names {len(kinds)} layers but num_hidden_layers is {layers}"
+            )
+        return kinds.count("sliding_attention")
+    if not c.has("sliding_window"):
+        return 0
+    if c.has("use_sliding_window") or c.has("max_window_layers"):
+        if not c.flag("use_sliding_window"):
+            return 0
+        first = c.integer("max_window_layers", lo=0, hi=MAX_LAYERS, default=0)
+        return max(0, layers - first)
+    return layers
+
+
 def _gqa(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
     layers = c.integer("num_hidden_layers", hi=MAX_LAYERS)
     block = _block(o, 16)
     kv = _kv_dtype(o, _model_dtype(c, o))
     heads = _kv_heads(c.integer("num_key_value_heads"), o.tp)
     page = _kv_fields(layers, block, heads, _head_dim(c), kv)
-    return _model(name, "gqa", o, block, page, [], attention=layers, state_layers=0)
+    sliding = _sliding_layers(c, layers)
+    notes: tuple[str, ...] = ()
+    if sliding:
+        window = (
+            f"a {c.integer('sliding_window')}-token sliding window"
+            if c.has("sliding_window")
+            else "a sliding window"
+        )
+        # Paging the whole context is a superset of the window: every token a
+        # layer reads is kept, so the model runs exactly; only the capacity
+        # is what full attention would get.
+        notes = (
+            f"{sliding} of {layers} layers attend only {window}; this family pages their whole "
+            "context, so token capacity is counted as for full attention",
+        )
+    return _model(name, "gqa", o, block, page, [], attention=layers, state_layers=0, notes=notes)
 
 
 def _gemma3(name: str, root: ConfigReader, o: ServingOptions) -> ModelCache:
