@@ -545,6 +545,34 @@ def test_units_in_any_order_are_gathered_exactly(
         assert stats.ops <= count // 2 + 1
 
 
+@pytest.mark.parametrize("large", [1 << 20, 4 << 20])
+def test_a_span_short_and_long_at_once_is_copied_once(large):
+    """Thresholds a caller sets so that spans are short (below
+    ``large_span_bytes``) and long (from ``torch_span_bytes``) at once: each
+    family is gathered once, not once per road."""
+    count, length = 8, 1 << 20
+    perm = np.random.default_rng(7).permutation(count).astype(np.int64)
+    src = np.arange(count, dtype=np.int64) * length
+    dst = perm * 2 * length  # every other block: no two spans coalesce
+    data = torch.from_numpy(
+        np.random.default_rng(8).integers(0, 256, count * length, dtype=np.uint8)
+    )
+    out = torch.zeros(2 * count * length, dtype=torch.uint8)
+    with mock.patch.object(executor, "_copy_gather", wraps=executor._copy_gather) as gather:
+        stats = execute_batch(
+            CopyBatch(src, dst, np.full(count, length)),
+            data,
+            out,
+            large_span_bytes=large,
+            torch_span_bytes=1 << 20,
+        )
+    expect = torch.zeros_like(out)
+    for s, d in zip(src.tolist(), dst.tolist(), strict=True):
+        expect[d : d + length] = data[s : s + length]
+    assert torch.equal(out, expect)
+    assert gather.call_count == stats.ops == 1
+
+
 def test_a_shuffled_image_is_one_gather():
     """64 units of 16 KiB into every other block, in shuffled order: one gather."""
     count, length = 64, 16 * 1024
