@@ -92,3 +92,19 @@ def filled(nbytes: int, value: int, device: torch.device) -> torch.Tensor:
     zero pages all map one shared page and read for free)."""
     buf = cache_memory((nbytes,), torch.uint8, device)
     return buf.fill_(value)
+
+
+def plain_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """The ceiling every ratio is taken against: one contiguous ``copy_`` of the
+    same bytes, as 8-byte words where both buffers allow (torch copies words
+    1.03-1.2x faster than bytes on the CI machine class; a byte copy would make
+    a worse ceiling and flatter every ratio), else as bytes."""
+    if (
+        src.numel() % 8 == 0
+        and dst.numel() == src.numel()
+        and src.storage_offset() % 8 == 0
+        and dst.storage_offset() % 8 == 0
+    ):
+        dst.view(torch.int64).copy_(src.view(torch.int64))
+    else:
+        dst.copy_(src)

@@ -22,7 +22,7 @@ import statistics
 import time
 
 import torch
-from _timing import CACHE_FLUSH_BYTES, filled, flush_caches
+from _timing import CACHE_FLUSH_BYTES, filled, flush_caches, plain_copy
 
 from kvarena import EntryField, ModelCache, UnifiedCache, plan_cache
 from kvarena.models import ServingOptions, model_cache
@@ -66,7 +66,7 @@ def one_round(
         result.append(cache.grow_state(grow))
 
     def memcpy() -> None:
-        dst.copy_(src)
+        plain_copy(dst, src)
 
     def loop() -> None:
         # The per-layer way: every moved block's every field, one layer at a time.

@@ -1,9 +1,12 @@
 """Copy N request states from one set of slots to another, three ways, side by side.
 
-1. kvarena: one ``copy_`` per request, of the whole entry (``arena.entry(i)``).
+1. kvarena: every entry as one span, the N spans one described batch
+   (``execute_batch``: the road ``UnifiedCache.copy_slots`` and ``fork_state``
+   take; entries evenly spaced on both sides move as one strided copy).
 2. per-layer-per-field: separate ``[layers, slots, *shape]`` tensors per field,
    as engines allocate today, copied one (layer, field) slice per request.
-3. memcpy: one contiguous copy of the same total bytes (the ceiling).
+3. memcpy: one contiguous copy of the same total bytes, as 8-byte words (the
+   ceiling, ``_timing.plain_copy``).
 
 Prints GB/s (medians), ratios against memcpy and the loop (the median of each
 round's ratio, benchmarks/_timing.py) and the number of copy ops issued.
@@ -15,10 +18,12 @@ from __future__ import annotations
 
 import argparse
 
+import numpy as np
 import torch
-from _timing import cache_memory, filled, side_by_side
+from _timing import cache_memory, filled, plain_copy, side_by_side
 
 from kvarena import EntryMajorArena, entry_bytes_for
+from kvarena.copy import CopyBatch, execute_batch
 from kvarena.models import model_cache
 
 LAYOUTS = ("qwen3-next-80b-a3b", "mamba2-2.7b", "deepseek-v4-flash")
@@ -37,9 +42,14 @@ def bench_layout(name: str, requests: int, repeats: int, device: torch.device) -
             torch.randn(arena.view(f.name)[:, :requests].shape, device=device).to(f.dtype)
         )
 
+    stride = arena.slot_stride
+    batch = CopyBatch(
+        np.array(src) * stride, np.array(dst) * stride, np.full(requests, arena.entry_bytes)
+    )
+    ops = execute_batch(batch, arena.buf, arena.buf).ops
+
     def kvarena_copy() -> None:
-        for s, d in zip(src, dst, strict=True):
-            arena.entry(d).copy_(arena.entry(s))
+        execute_batch(batch, arena.buf, arena.buf)
 
     # Engines' layout: one allocation per field, [layers, slots, *shape].
     separate = {f.name: cache_memory((f.layers, slots, *f.shape), f.dtype, device) for f in fields}
@@ -56,7 +66,7 @@ def bench_layout(name: str, requests: int, repeats: int, device: torch.device) -
     flat_src, flat_dst = filled(nbytes, 1, device), filled(nbytes, 0, device)
 
     def memcpy() -> None:
-        flat_dst.copy_(flat_src)
+        plain_copy(flat_dst, flat_src)
 
     t = side_by_side(
         {"kvarena": kvarena_copy, "loop": per_layer_copy, "memcpy": memcpy}, repeats, device
@@ -72,7 +82,7 @@ def bench_layout(name: str, requests: int, repeats: int, device: torch.device) -
         "layout": name,
         "entry_bytes": entry_bytes_for(fields),
         "requests": requests,
-        "kvarena_ops": requests,
+        "kvarena_ops": ops,
         "loop_ops": requests * sum(f.layers for f in fields),
         "gbps": {k: nbytes / seconds / 1e9 for k, seconds in t.items()},
         "vs_memcpy": t.speed("kvarena", "memcpy"),

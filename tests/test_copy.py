@@ -573,6 +573,63 @@ def test_a_span_short_and_long_at_once_is_copied_once(large):
     assert gather.call_count == stats.ops == 1
 
 
+@pytest.mark.parametrize("align", [1, 2, 4, 8])
+@pytest.mark.parametrize("buffer_offset", [0, 1, 4, 8])
+@pytest.mark.parametrize("road", ["gather", "long gather", "strided", "one each"])
+def test_every_torch_road_moves_exact_bytes_at_any_alignment(align, buffer_offset, road):
+    """The torch roads copy in the widest words dividing every offset, length,
+    step and both buffers' starts: spans aligned to 1..8 bytes, in buffers that
+    start 0..8 bytes into their storage, land byte for byte on every road, and
+    no byte outside them is written."""
+    rng = np.random.default_rng(align * 100 + buffer_offset)
+    count, length = 8, 64 * align + (align if align < 8 else 0)
+    step = length + 3 * align
+    if road == "strided":  # reads and writes advance by one step each
+        src = np.arange(count, dtype=np.int64) * step + align
+        dst = np.arange(count, dtype=np.int64) * step
+    else:  # written evenly spaced, read in shuffled order
+        src = rng.permutation(count).astype(np.int64) * step + align
+        dst = np.arange(count, dtype=np.int64) * step
+    size = count * (step + align) + 2 * align
+    storage = torch.from_numpy(rng.integers(0, 256, size + buffer_offset, dtype=np.uint8))
+    src_buf = storage[buffer_offset:]
+    dst_store = torch.full((size + buffer_offset,), 0xA5, dtype=torch.uint8)
+    dst_buf = dst_store[buffer_offset:]
+    expect = dst_store.clone()
+    for s_, d_ in zip(src.tolist(), dst.tolist(), strict=True):
+        expect[buffer_offset + d_ : buffer_offset + d_ + length] = src_buf[s_ : s_ + length]
+    thresholds = {
+        "gather": {"large_span_bytes": length + 1},
+        "long gather": {"large_span_bytes": length, "torch_span_bytes": length},
+        # Between the short and the long spans: a strided family, not a gather.
+        "strided": {"large_span_bytes": length, "torch_span_bytes": length + 1},
+        "one each": {"large_span_bytes": 1, "torch_span_bytes": 1},
+    }[road]
+    families = {
+        "gather": "_copy_gather",
+        "long gather": "_copy_gather",
+        "strided": "_copy_progression",
+        "one each": "_copy_one",
+    }[road]
+    if road == "one each":  # a gather would take evenly spaced rows: space them unevenly
+        dst = dst + np.arange(count, dtype=np.int64) % 2 * align
+        expect = dst_store.clone()
+        size_needed = int(dst.max()) + length
+        assert size_needed <= size
+        for s_, d_ in zip(src.tolist(), dst.tolist(), strict=True):
+            expect[buffer_offset + d_ : buffer_offset + d_ + length] = src_buf[s_ : s_ + length]
+    with mock.patch.object(executor, families, wraps=getattr(executor, families)) as called:
+        execute_batch(
+            CopyBatch(src, dst, np.full(count, length)),
+            src_buf,
+            dst_buf,
+            progression_min_bytes=0,
+            **thresholds,
+        )
+    assert called.call_count >= 1, road
+    assert torch.equal(dst_store, expect)
+
+
 def test_a_shuffled_image_is_one_gather():
     """64 units of 16 KiB into every other block, in shuffled order: one gather."""
     count, length = 64, 16 * 1024
