@@ -19,9 +19,11 @@ whose destinations are evenly spaced, wherever they read from
 (:func:`~kvarena.spans.gathers`: units handed out in any order, states from
 slots handed out top-down written into blocks handed out bottom-up), are one
 ``index_select`` from the source viewed as a row at every byte, for short
-spans and for long ones. What is left runs first, split over Python threads
-for large batches, so those threads never start while torch's OpenMP workers
-still spin after a parallel op.
+spans and for long ones. Every torch call on CPU moves words, the widest of 8/4/2/1
+bytes dividing the whole batch (:class:`_Words`): torch copies words faster
+than bytes. What is left runs first, split over Python threads for large
+batches, so those threads never start while torch's OpenMP workers still spin
+after a parallel op.
 
 On CUDA a batch runs as ONE Triton kernel launch when Triton is importable
 (:mod:`kvarena.copy.triton_copy`), else as torch gathers and scatters over
@@ -49,14 +51,18 @@ from .plan import CopyBatch
 from .words import as_words, word_bytes_for
 
 LARGE_SPAN_BYTES = 128 * 1024
-"""Spans at least this long are copied by one contiguous ``copy_`` each.
+"""Spans at least this long are copied by one memcpy each (or one strided family).
 
 Measured with ``benchmarks/bench_spans.py`` on the 2-core CI machine class
-(torch 2.13, 64 MiB of scattered spans, two runs): below 128 KiB the grouped
-path moves 1.4-4x the bytes per second of one call per span (4 KiB: 7.6-7.8
-vs 2.2-2.5 GB/s; 64 KiB: 10.3-13.5 vs 5.5-7.5); from 128 KiB up the two are
-within run-to-run noise of each other (0.5-0.7x memcpy both), so spans that
-long take the simpler path: one call each, no grouping by length."""
+(torch 2.13, 512 MiB of spans of one length, paired rounds): below 128 KiB
+the grouped road (a gather where destinations are evenly spaced) moves
+1.2-5x the bytes per second of one call per span (16 KiB: 0.68-0.69x memcpy
+vs 0.18-0.35x; 64 KiB: 0.91-0.92x vs 0.71-0.74x). From 128 KiB to 1 MiB the
+two are within 0.15 of each other there (grouping ahead by 0-14%), while in
+the workload the band exists for, 64 checkpoint images stored in 256 KiB
+units over scattered or shuffled blocks, one memcpy each ran 1-11% ahead of
+the gather (paired A/B, three layouts; restores within 3%): the band stays
+one memcpy each."""
 
 TORCH_SPAN_BYTES = 1 << 20
 """Spans at least this long are each one torch ``copy_`` on torch's own threads.
