@@ -630,6 +630,31 @@ def test_every_torch_road_moves_exact_bytes_at_any_alignment(align, buffer_offse
     assert torch.equal(dst_store, expect)
 
 
+@pytest.mark.parametrize(("length", "word"), [(256 << 10, 4), (128 << 10, 8), (512 << 10, 8)])
+def test_gathered_rows_leave_torchs_one_thread_row_size(length, word):
+    """A gathered row of 32,768-65,535 elements would run on one thread: 8-byte
+    words of 256 KiB rows are narrowed to 4-byte words; rows below or above
+    that range keep 8-byte words. Every byte lands either way."""
+    count = 4
+    perm = np.random.default_rng(9).permutation(count).astype(np.int64)
+    src, dst = perm * length, np.arange(count, dtype=np.int64) * 2 * length
+    data = torch.from_numpy(
+        np.random.default_rng(10).integers(0, 256, count * length, dtype=np.uint8)
+    )
+    out = torch.zeros(2 * count * length, dtype=torch.uint8)
+    with mock.patch.object(torch, "index_select", wraps=torch.index_select) as select:
+        stats = execute_batch(
+            CopyBatch(src, dst, np.full(count, length)), data, out, large_span_bytes=length + 1
+        )
+    assert stats.ops == 1 and select.call_count == 1
+    rows = select.call_args.args[0]
+    assert rows.element_size() == word and rows.shape[1] == length // word
+    expect = torch.zeros_like(out)
+    for s_, d_ in zip(src.tolist(), dst.tolist(), strict=True):
+        expect[d_ : d_ + length] = data[s_ : s_ + length]
+    assert torch.equal(out, expect)
+
+
 def test_a_shuffled_image_is_one_gather():
     """64 units of 16 KiB into every other block, in shuffled order: one gather."""
     count, length = 64, 16 * 1024

@@ -18,12 +18,12 @@ threads, as are spans of :data:`TORCH_SPAN_BYTES` and more. On CPU, spans
 whose destinations are evenly spaced, wherever they read from
 (:func:`~kvarena.spans.gathers`: units handed out in any order, states from
 slots handed out top-down written into blocks handed out bottom-up), are one
-``index_select`` from the source viewed as a row at every byte, for short
-spans and for long ones. Every torch call on CPU moves words, the widest of 8/4/2/1
-bytes dividing the whole batch (:class:`_Words`): torch copies words faster
-than bytes. What is left runs first, split over Python threads for large
-batches, so those threads never start while torch's OpenMP workers still spin
-after a parallel op.
+``index_select`` from the source viewed as a row at every word, for short
+spans and for long ones. Every torch call on CPU moves words, the widest of
+8/4/2/1 bytes dividing the whole batch (:class:`_Words`): torch copies words
+faster than bytes. What is left runs first, split over Python threads for
+large batches, so those threads never start while torch's OpenMP workers
+still spin after a parallel op.
 
 On CUDA a batch runs as ONE Triton kernel launch when Triton is importable
 (:mod:`kvarena.copy.triton_copy`), else as torch gathers and scatters over
@@ -373,8 +373,8 @@ class _Words:
     torch moves wider elements faster on CPU (measured on the 2-core CI machine
     class, torch 2.13: a 256 MiB ``copy_`` 1.03-1.2x faster as 8-byte words
     than as bytes, a strided family 1.1-1.25x); the bytes moved are the same.
-    Found once per batch: per call, the search costs what 65 gathers of 16 KiB
-    rows gain."""
+    Found once per batch: searched again for each call, it cost a store of
+    16 KiB units (65 gathers) 4-6% of its time."""
 
     size: int
     src: torch.Tensor
