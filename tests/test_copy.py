@@ -465,10 +465,10 @@ def test_a_strided_relocation_is_one_copy():
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_a_downward_family_is_one_copy(interleaved, rows):
     """States read upward into blocks written downward (slots come from the top,
-    blocks from the bottom) move as one gather, also when the rows read and
-    the rows written interleave in one storage; rows between the short and
-    the long (large_span_bytes up to torch_span_bytes) go one memcpy each.
-    The thresholds are scaled down here."""
+    blocks from the bottom) move as one gather, short rows, long ones and those
+    between (large_span_bytes up to torch_span_bytes), also when the rows read
+    and the rows written interleave in one storage. The thresholds are scaled
+    down here."""
     block, count = 64 * 1024, 96
     rng = np.random.default_rng(2)
     buf = torch.from_numpy(rng.integers(0, 256, 2 * count * block + block, dtype=np.uint8))
@@ -486,8 +486,7 @@ def test_a_downward_family_is_one_copy(interleaved, rows):
     }[rows]
     with mock.patch.object(executor, "_copy_gather", wraps=executor._copy_gather) as gather:
         stats = execute_batch(CopyBatch(src, dst, np.full(count, block)), buf, buf, **limits)
-    assert stats.path == "cpu" and gather.call_count == (rows != "middle")
-    assert stats.ops == (count if rows == "middle" else 1)
+    assert stats.path == "cpu" and gather.call_count == 1 and stats.ops == 1
     expect = before.clone()
     for s, d in zip(src.tolist(), dst.tolist(), strict=True):
         expect[d : d + block] = before[s : s + block]
@@ -630,16 +629,20 @@ def test_every_torch_road_moves_exact_bytes_at_any_alignment(align, buffer_offse
     assert torch.equal(dst_store, expect)
 
 
-@pytest.mark.parametrize(("length", "word"), [(256 << 10, 4), (128 << 10, 8), (512 << 10, 8)])
-def test_gathered_rows_leave_torchs_one_thread_row_size(length, word):
-    """A gathered row of 32,768-65,535 elements would run on one thread: 8-byte
-    words of 256 KiB rows are narrowed to 4-byte words; rows below or above
-    that range keep 8-byte words. Every byte lands either way."""
+@pytest.mark.parametrize(
+    ("length", "shift", "word"),
+    [(256 << 10, 0, 16), (256 << 10, 8, 4), (128 << 10, 0, 8), (512 << 10, 0, 8)],
+)
+def test_gathered_rows_leave_torchs_one_thread_row_size(length, shift, word):
+    """A gathered row of 32,768-65,535 elements would run on one thread: 256 KiB
+    rows move as 16-byte words where every offset allows (rows on every
+    thread), else as 4-byte words (each row split over threads); rows of 128
+    and 512 KiB keep 8-byte words. Every byte lands either way."""
     count = 4
     perm = np.random.default_rng(9).permutation(count).astype(np.int64)
-    src, dst = perm * length, np.arange(count, dtype=np.int64) * 2 * length
+    src, dst = perm * length + shift, np.arange(count, dtype=np.int64) * 2 * length
     data = torch.from_numpy(
-        np.random.default_rng(10).integers(0, 256, count * length, dtype=np.uint8)
+        np.random.default_rng(10).integers(0, 256, count * length + shift, dtype=np.uint8)
     )
     out = torch.zeros(2 * count * length, dtype=torch.uint8)
     with mock.patch.object(torch, "index_select", wraps=torch.index_select) as select:
@@ -653,6 +656,34 @@ def test_gathered_rows_leave_torchs_one_thread_row_size(length, word):
     for s_, d_ in zip(src.tolist(), dst.tolist(), strict=True):
         expect[d_ : d_ + length] = data[s_ : s_ + length]
     assert torch.equal(out, expect)
+
+
+def test_spans_between_gather_in_families_of_min_run():
+    """Spans between the short and the long, written evenly spaced from
+    anywhere, are one gather from MIN_RUN of them; fewer go one copy each."""
+    block = 4096
+    for count in (executor.MIN_RUN - 1, executor.MIN_RUN, 3 * executor.MIN_RUN):
+        perm = np.random.default_rng(count).permutation(count).astype(np.int64)
+        src, dst = perm * 2 * block + block, np.arange(count, dtype=np.int64) * 2 * block
+        buf = torch.from_numpy(
+            np.random.default_rng(11).integers(0, 256, 2 * count * block, dtype=np.uint8)
+        )
+        before = buf.clone()
+        with mock.patch.object(executor, "_copy_gather", wraps=executor._copy_gather) as gather:
+            stats = execute_batch(
+                CopyBatch(src, dst, np.full(count, block)),
+                buf,
+                buf,
+                large_span_bytes=block,
+                torch_span_bytes=2 * block,
+                progression_min_bytes=0,
+            )
+        many = count >= executor.MIN_RUN
+        assert gather.call_count == many and stats.ops == (1 if many else count)
+        expect = before.clone()
+        for s_, d_ in zip(src.tolist(), dst.tolist(), strict=True):
+            expect[d_ : d_ + block] = before[s_ : s_ + block]
+        assert torch.equal(buf, expect)
 
 
 def test_a_shuffled_image_is_one_gather():

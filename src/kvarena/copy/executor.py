@@ -18,8 +18,8 @@ threads, as are spans of :data:`TORCH_SPAN_BYTES` and more. On CPU, spans
 whose destinations are evenly spaced, wherever they read from
 (:func:`~kvarena.spans.gathers`: units handed out in any order, states from
 slots handed out top-down written into blocks handed out bottom-up), are one
-``index_select`` from the source viewed as a row at every word, for short
-spans and for long ones. Every torch call on CPU moves words, the widest of
+``index_select`` from the source viewed as a row at every word, for spans of
+any length (above the short ones, in families of :data:`MIN_RUN` or more). Every torch call on CPU moves words, the widest of
 8/4/2/1 bytes dividing the whole batch (:class:`_Words`): torch copies words
 faster than bytes. What is left runs first, split over Python threads for
 large batches, so those threads never start while torch's OpenMP workers
@@ -51,21 +51,20 @@ from .plan import CopyBatch
 from .words import as_words, word_bytes_for
 
 LARGE_SPAN_BYTES = 128 * 1024
-"""Spans at least this long are copied by one memcpy each (or one strided family).
+"""Spans at least this long leave the grouped short-span road: they move as a
+gather or strided family (of MIN_RUN or more), else one memcpy each.
 
 Measured with ``benchmarks/bench_spans.py`` on the 2-core CI machine class
 (torch 2.13, 512 MiB of spans of one length, paired rounds): below 128 KiB
 the grouped road (a gather where destinations are evenly spaced) moves
 1.2-5x the bytes per second of one call per span (16 KiB: 0.68-0.69x memcpy
-vs 0.18-0.35x; 64 KiB: 0.91-0.92x vs 0.71-0.74x). From 128 KiB to 1 MiB the
-two are within 0.15 of each other there (grouping ahead by 0-14%), while in
-the workload the band exists for, 64 checkpoint images stored in 256 KiB
-units over scattered or shuffled blocks, one memcpy each ran 1-11% ahead of
-the gather (paired A/B, three layouts; restores within 3%): the band stays
-one memcpy each."""
+vs 0.18-0.35x; 64 KiB: 0.91-0.92x vs 0.71-0.74x); from 128 KiB the two are
+within 0.15 of each other, and spans that long no longer pay for a group
+(staging, runs): the ones in no family go one call each."""
 
 TORCH_SPAN_BYTES = 1 << 20
-"""Spans at least this long are each one torch ``copy_`` on torch's own threads.
+"""Spans at least this long that no family takes are each one torch ``copy_``
+on torch's own threads.
 
 Measured on the 2-core CI machine class (torch 2.13, paired rounds, spans
 scattered on the destination): 64 spans of 4.7 MB, one ``copy_`` each 0.82x
@@ -373,6 +372,8 @@ class _Words:
     torch moves wider elements faster on CPU (measured on the 2-core CI machine
     class, torch 2.13: a 256 MiB ``copy_`` 1.03-1.2x faster as 8-byte words
     than as bytes, a strided family 1.1-1.25x); the bytes moved are the same.
+    ``size`` is 8 bytes at most; 16-byte words are for the gathers that need
+    them to keep rows under torch's grain (:func:`_gather_word`).
     Found once per batch: searched again for each call, it cost a store of
     16 KiB units (65 gathers) 4-6% of its time."""
 
@@ -381,21 +382,46 @@ class _Words:
     dst: torch.Tensor
     src_bytes: torch.Tensor
     dst_bytes: torch.Tensor
+    wide: bool = False
+    """16-byte words divide the batch too (taken only by gathers that need them)."""
 
     @classmethod
-    def of(cls, src_buf: torch.Tensor, dst_buf: torch.Tensor, *offsets: np.ndarray) -> _Words:
-        w = word_bytes_for(src_buf, dst_buf, *offsets)
-        return cls(w, as_words(src_buf, w), as_words(dst_buf, w), src_buf, dst_buf)
+    def of(
+        cls, src_buf: torch.Tensor, dst_buf: torch.Tensor, *offsets: np.ndarray, widest: int = 8
+    ) -> _Words:
+        w = word_bytes_for(src_buf, dst_buf, *offsets, widest=widest)
+        size = min(w, 8)
+        return cls(
+            size, as_words(src_buf, size), as_words(dst_buf, size), src_buf, dst_buf, w == 16
+        )
 
     def narrowed(self, size: int) -> _Words:
-        """The same buffers as ``size``-byte words (a divisor of this size)."""
+        """The same buffers as ``size``-byte words (a divisor of this size, or 16)."""
         return _Words(
             size,
             as_words(self.src_bytes, size),
             as_words(self.dst_bytes, size),
             self.src_bytes,
             self.dst_bytes,
+            self.wide,
         )
+
+
+def _gather_word(length: int, size: int, wide: bool) -> int:
+    """The word a gather of ``length``-byte rows moves: the widest (``size`` at
+    most) whose rows hold fewer elements than torch's grain, so rows run on
+    every thread at once; else 16 bytes where the batch allows it and that
+    gets under the grain (rows of 256-512 KiB); else the widest whose rows
+    hold two grains or more, so each row splits over threads. Wider words
+    than needed are not taken: a gather of 4.7 MB rows ran 3-25% slower as
+    16-byte words than as 8-byte ones (paired A/B)."""
+    words = [w for w in (8, 4, 2, 1) if w <= size]
+    for w in words:
+        if length // w < TORCH_GRAIN_ELEMENTS:
+            return w
+    if wide and length // 16 < TORCH_GRAIN_ELEMENTS:
+        return 16
+    return next(w for w in words if length // w >= 2 * TORCH_GRAIN_ELEMENTS or w == 1)
 
 
 def _copy_progression(
@@ -510,13 +536,10 @@ def _copy_gather(
     overlap (not dense), so it does not refuse to read and write one storage;
     the batch was validated, so no row read is written.
 
-    Words are the widest that divide every offset, narrowed while a row would
-    hold 1x-2x torch's grain of elements, where torch copies each row on one
-    thread (:data:`TORCH_GRAIN_ELEMENTS`).
+    Words are chosen by :func:`_gather_word` so that torch runs the rows on
+    every thread (:data:`TORCH_GRAIN_ELEMENTS`).
     """
-    w = words.size
-    while w > 1 and TORCH_GRAIN_ELEMENTS <= length // w < 2 * TORCH_GRAIN_ELEMENTS:
-        w //= 2
+    w = _gather_word(length, words.size, words.wide)
     if w != words.size:
         words = words.narrowed(w)
     sw, dw = words.src, words.dst
@@ -590,32 +613,30 @@ def execute_batch(
         # the other roads (600 MiB, spans read in order, written shuffled or
         # reversed): 16 KiB units shuffled 1.06-1.16x the grouped short-span
         # path; 1 MiB 0.93x memcpy shuffled (0.86x one copy_ each), 2 MiB
-        # 0.93-0.96x (0.89-0.91x), 4.5 MiB 0.96x (0.94x); reversed, within
-        # +-0.03 of the strided copy over a reversed row index it replaces.
-        # torch splits a gather's bytes, not its rows, over its threads (3
-        # rows of 36 MiB: 0.99x). Spans in between (large_span_bytes up to
-        # torch_span_bytes) move faster one memcpy each on threads (256 KiB:
-        # 0.94-1.00x against 0.86x as a gather), or as an upward strided
-        # family. Two spans always "advance by one step", so a family needs
-        # MIN_RUN of them.
-        #
-        # Long spans are gathered in families of MIN_RUN or more: whole units
-        # with each image's shorter last unit between them make families of
-        # two, slower than two copy_ calls (paired A/B, Qwen3-Next images in
-        # 2 MiB units: 0.82x memcpy against 0.86-0.87x; with MIN_RUN a tie),
-        # while Gemma-3's families of 12 gain (0.92-0.94x against 0.86-0.91x).
-        short, long = length < large_span_bytes, length >= torch_span_bytes
+        # 0.93-0.96x (0.89-0.91x), 4.5 MiB 0.96x (0.94x). torch splits a
+        # gather's bytes, not its rows, over its threads (3 rows of 36 MiB:
+        # 0.99x). Short spans are gathered first; among the rest, upward
+        # strided families (both sides advance by one step: relocated blocks)
+        # are one strided copy_, and what is left is gathered in families of
+        # MIN_RUN or more: two spans always "advance by one step", and whole
+        # units with each image's shorter last unit between them make
+        # families of two, slower than two copy_ calls (Qwen3-Next images in
+        # 2 MiB units: 0.82x memcpy against 0.86-0.87x). Spans between
+        # large_span_bytes and torch_span_bytes gathered so (256 KiB units,
+        # rows of 16-byte words: :func:`_gather_word`) beat one memcpy each on
+        # threads by 5-10% in scattered stores and 9-26% in restores, within
+        # -1.3..+2.5% in shuffled stores (paired A/B, four layouts).
+        short = length < large_span_bytes
         gathered, covered = gathers(src, dst, length, progression_min_bytes, ~short)
-        # A span can be short and long at once (thresholds a caller crossed):
-        # the second road takes only what the first left.
+        families, in_family = progressions(
+            src, dst, length, progression_min_bytes, min_spans=MIN_RUN, skip=covered
+        )
+        covered = covered | in_family
         more_gathered, more = gathers(
-            src, dst, length, progression_min_bytes, ~long | covered, min_spans=MIN_RUN
+            src, dst, length, progression_min_bytes, short | covered, min_spans=MIN_RUN
         )
         gathered += more_gathered
-        families, in_family = progressions(
-            src, dst, length, progression_min_bytes, min_spans=MIN_RUN, skip=covered | more
-        )
-        covered = covered | more | in_family
+        covered = covered | more
     else:
         gathered = []
         families, covered = progressions(src, dst, length, progression_min_bytes)
@@ -638,7 +659,7 @@ def execute_batch(
         else:
             ops += _copy_spans(src_buf, dst_buf, r_src, r_dst, r_len, large_span_bytes, path)
     if families or gathered or alone.any():
-        words = _Words.of(src_buf, dst_buf, src, dst, length)
+        words = _Words.of(src_buf, dst_buf, src, dst, length, widest=16 if path == "cpu" else 8)
         for family in families:
             _copy_progression(words, *family)
             ops += 1
