@@ -1,16 +1,22 @@
 """Where one copy per span stops losing to grouped short-span moves: the
-measurement behind ``kvarena.copy.executor.LARGE_SPAN_BYTES``.
+measurement behind ``kvarena.copy.executor.THREADED_SPAN_BYTES`` (batches
+split over threads: the default 512 MiB) and ``LARGE_SPAN_BYTES`` (batches on
+one thread, below ``PARALLEL_MIN_BYTES``: ``--mib 1``).
 
-For each span length, batches of spans (512 MiB in all by default, the size of a 64-request checkpoint store) run through
-``execute_batch`` twice, side by side: every span as one contiguous copy
-(``large_span_bytes=1``: one memcpy each, on threads) and every span on the
-grouped short-span road (``large_span_bytes`` above the length: destinations
-evenly spaced, so one gather). Two placements: *shuffled* (sources and
-destinations both in random order, nothing coalesces) and *image* (sources in
-order, as a checkpoint store reads a state; destinations shuffled). A plain
-memcpy of the same bytes is the ceiling; buffers come from the allocator the
-caches use. The crossover is the shortest length from which one copy per span
-is at least as fast as grouping, at every longer length too, in both placements.
+Spans of one length evenly spaced at the destination are one gather on
+either side of the threshold, so the threshold decides only for spans in no
+family: here destinations lie in random order at uneven gaps (0-15 x 64 bytes
+between them), 512 MiB of spans in all by default (the size of a 64-request
+checkpoint store). Each batch runs through ``execute_batch`` twice, side by
+side: every span as one copy (``large_span_bytes=1``: one memcpy each on
+threads, or one torch ``copy_`` each from ``TORCH_SPAN_BYTES``) and every span
+on the grouped short-span road (``large_span_bytes`` above the length: runs
+adjacent at the source scatter in one pass, the rest through a staging
+chunk). Two placements of the sources: *shuffled* (nothing adjacent) and
+*image* (in order, as a checkpoint store reads a state). A plain memcpy of
+the same bytes is the ceiling; buffers come from the allocator the caches
+use. The crossover is the shortest length from which one copy per span is at
+least as fast as grouping, at every longer length too, in both placements.
 
     python benchmarks/bench_spans.py [--mib 512] [--repeats 7]
 """
@@ -24,7 +30,7 @@ import torch
 from _timing import cache_memory, filled, plain_copy, side_by_side
 
 from kvarena.copy import CopyBatch, execute_batch
-from kvarena.copy.executor import LARGE_SPAN_BYTES, TORCH_SPAN_BYTES
+from kvarena.copy.executor import LARGE_SPAN_BYTES, THREADED_SPAN_BYTES
 
 LENGTHS_KIB = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
@@ -35,25 +41,34 @@ PLACEMENTS = ("shuffled", "image")
 def measure(length: int, total: int, repeats: int, placement: str) -> dict[str, float]:
     n = max(4, total // length)
     cpu = torch.device("cpu")
+    rng = np.random.default_rng(length)
+    gaps = rng.integers(0, 16, n) * 64
+    dst = (np.cumsum(length + gaps) - (length + gaps))[rng.permutation(n)]
+    src = rng.permutation(n) * length if placement == "shuffled" else np.arange(n) * length
     src_buf = cache_memory((n * length,), torch.uint8, cpu)
     src_buf.copy_(torch.randint(0, 256, (n * length,), dtype=torch.uint8))
-    dst_buf, flat = filled(n * length, 1, cpu), filled(n * length, 1, cpu)
-    rng = np.random.default_rng(length)
-    src = rng.permutation(n) * length if placement == "shuffled" else np.arange(n) * length
-    dst = rng.permutation(n) * length
+    dst_buf = filled(int(dst.max()) + length, 1, cpu)
+    flat = filled(n * length, 1, cpu)
     batch = CopyBatch(src, dst, np.full(n, length))
     t = side_by_side(
         {
             "each": lambda: execute_batch(batch, src_buf, dst_buf, large_span_bytes=1),
-            "grouped": lambda: execute_batch(batch, src_buf, dst_buf, large_span_bytes=length + 1),
+            "grouped": lambda: execute_batch(
+                batch,
+                src_buf,
+                dst_buf,
+                large_span_bytes=length + 1,
+                threaded_span_bytes=length + 1,
+            ),
             "memcpy": lambda: plain_copy(flat, src_buf),
         },
         repeats,
         torch.device("cpu"),
     )
-    # Every span landed (both roads wrote the same bytes; the last one is checked).
-    rows_in, rows_out = torch.from_numpy(src // length), torch.from_numpy(dst // length)
-    assert torch.equal(dst_buf.view(n, length)[rows_out], src_buf.view(n, length)[rows_in])
+    # Both roads wrote the same bytes; spans across the batch are checked.
+    for i in np.linspace(0, n - 1, 16).astype(int).tolist():
+        d, s = int(dst[i]), int(src[i])
+        assert torch.equal(dst_buf[d : d + length], src_buf[s : s + length]), i
     gbps = {k: n * length / s / 1e9 for k, s in t.items()}
     return {**gbps, "each_x": t.speed("each", "memcpy"), "grouped_x": t.speed("grouped", "memcpy")}
 
@@ -65,8 +80,8 @@ def main() -> None:
     args = parser.parse_args()
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.mib} MiB of "
-        f"scattered spans, median of {args.repeats}; LARGE_SPAN_BYTES now "
-        f"{LARGE_SPAN_BYTES >> 10} KiB"
+        f"spans at uneven destinations, median of {args.repeats}; LARGE_SPAN_BYTES now "
+        f"{LARGE_SPAN_BYTES >> 10} KiB, THREADED_SPAN_BYTES {THREADED_SPAN_BYTES >> 10} KiB"
     )
     header = (
         f"{'span':>8} {'placement':>9} {'one copy each':>14} {'grouped':>9} {'memcpy':>8} "
@@ -84,23 +99,16 @@ def main() -> None:
                 f"{g['memcpy']:>8.2f} {g['each_x']:>11.2f}x {g['grouped_x']:>14.2f}x"
             )
     # Ratios to the memcpy of the same round, not GB/s: rows of one length run
-    # minutes apart on a machine whose memcpy moves 13-23 GB/s run to run. From
-    # TORCH_SPAN_BYTES up both columns are one road (a gather, or one torch
-    # copy_ each), so only the lengths below it can place the crossover.
-    below = [(kib, g) for kib, g in rows if kib << 10 < TORCH_SPAN_BYTES]
+    # minutes apart on a machine whose memcpy moves 13-30 GB/s run to run.
     cross = next(
         (
             kib
-            for i, (kib, _) in enumerate(below)
-            if all(g["each_x"] >= g["grouped_x"] for _, g in below[i:])
+            for i, (kib, _) in enumerate(rows)
+            if all(g["each_x"] >= g["grouped_x"] for _, g in rows[i:])
         ),
         None,
     )
-    print(
-        f"crossover: {cross} KiB"
-        if cross
-        else f"crossover: none below {TORCH_SPAN_BYTES >> 10} KiB (grouping never lost)"
-    )
+    print(f"crossover: {cross} KiB" if cross else "crossover: beyond the lengths measured")
 
 
 if __name__ == "__main__":

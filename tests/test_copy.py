@@ -686,6 +686,32 @@ def test_spans_between_gather_in_families_of_min_run():
         assert torch.equal(buf, expect)
 
 
+@pytest.mark.parametrize("threaded_span", [executor.THREADED_SPAN_BYTES, 16 * 1024])
+def test_threaded_batches_move_spans_in_no_family_one_memcpy_each(threaded_span):
+    """A batch split over threads moves spans that no gather or strided family
+    takes (uneven destinations) one memcpy each from THREADED_SPAN_BYTES, and
+    grouped below it; the bytes are the same either way."""
+    length, count = 8 * 1024, 640
+    assert length * count >= executor.PARALLEL_MIN_BYTES
+    rng = np.random.default_rng(12)
+    gaps = rng.integers(1, 16, count) * 64
+    dst = (np.cumsum(length + gaps) - (length + gaps))[rng.permutation(count)]
+    src = rng.permutation(count).astype(np.int64) * length
+    data = torch.from_numpy(rng.integers(0, 256, count * length, dtype=np.uint8))
+    out = torch.zeros(int(dst.max()) + length, dtype=torch.uint8)
+    stats = execute_batch(
+        CopyBatch(src, dst, np.full(count, length)), data, out, threaded_span_bytes=threaded_span
+    )
+    expect = torch.zeros_like(out)
+    for s_, d_ in zip(src.tolist(), dst.tolist(), strict=True):
+        expect[d_ : d_ + length] = data[s_ : s_ + length]
+    assert torch.equal(out, expect)
+    if threaded_span <= length:
+        assert stats.ops == count  # one memcpy each
+    else:
+        assert stats.ops < count // 8  # grouped: a few staging passes
+
+
 def test_a_shuffled_image_is_one_gather():
     """64 units of 16 KiB into every other block, in shuffled order: one gather."""
     count, length = 64, 16 * 1024
@@ -715,6 +741,7 @@ def test_thresholds_are_checked_at_the_door():
         {"progression_min_bytes": -1},
         {"large_span_bytes": 1.5},
         {"torch_span_bytes": 0},
+        {"threaded_span_bytes": 0},
     ):
         with pytest.raises(ValueError, match="execute_batch"):
             execute_batch(batch, buf, buf, **kwargs)

@@ -62,6 +62,19 @@ vs 0.18-0.35x; 64 KiB: 0.91-0.92x vs 0.71-0.74x); from 128 KiB the two are
 within 0.15 of each other, and spans that long no longer pay for a group
 (staging, runs): the ones in no family go one call each."""
 
+THREADED_SPAN_BYTES = 8 * 1024
+"""In a batch split over threads, spans in no family move one memcpy each from
+this length (grouped by length below it).
+
+Measured with ``benchmarks/bench_spans.py`` on the 2-core CI machine class
+(torch 2.13, 512 MiB of spans at uneven destinations, so no gather or strided
+family takes them, paired rounds): one numpy memcpy each on two threads
+0.23-0.24x memcpy at 8 KiB against 0.20x grouped, 0.49-0.51x against
+0.29-0.30x at 16 KiB, 0.79-0.83x against 0.39-0.47x at 256 KiB; at 4 KiB the
+two tie (0.13-0.14x). A batch on one thread (below PARALLEL_MIN_BYTES) keeps
+LARGE_SPAN_BYTES: there each span would be a torch call, and grouping won
+(1 MiB of 8-64 KiB spans: 0.09x against 0.04-0.09x)."""
+
 TORCH_SPAN_BYTES = 1 << 20
 """Spans at least this long that no family takes are each one torch ``copy_``
 on torch's own threads.
@@ -564,6 +577,7 @@ def execute_batch(
     large_span_bytes: int = LARGE_SPAN_BYTES,
     progression_min_bytes: int = PROGRESSION_MIN_BYTES,
     torch_span_bytes: int = TORCH_SPAN_BYTES,
+    threaded_span_bytes: int = THREADED_SPAN_BYTES,
     path: str = "auto",
 ) -> CopyStats:
     """Copy every span of ``batch`` from ``src_buf`` to ``dst_buf``.
@@ -572,8 +586,9 @@ def execute_batch(
     before the first byte. ``path`` is ``"auto"`` (Triton on CUDA when
     importable, else torch; numpy rows on CPU), or one of ``"triton"``,
     ``"torch"``, ``"cpu"`` to force a path (tests run every path on CPU).
-    ``large_span_bytes``, ``progression_min_bytes`` and ``torch_span_bytes`` move the thresholds
-    between the strategies (tests drive every strategy with small batches).
+    ``large_span_bytes``, ``progression_min_bytes``, ``torch_span_bytes`` and
+    ``threaded_span_bytes`` move the thresholds between the strategies (tests
+    drive every strategy with small batches).
     """
     if path not in _PATHS:
         raise InvalidValueError(f"execute_batch: path must be one of {_PATHS}, got {path!r}")
@@ -582,6 +597,9 @@ def execute_batch(
         progression_min_bytes, "execute_batch: progression_min_bytes"
     )
     torch_span_bytes = check_bytes(torch_span_bytes, "execute_batch: torch_span_bytes", lo=1)
+    threaded_span_bytes = check_bytes(
+        threaded_span_bytes, "execute_batch: threaded_span_bytes", lo=1
+    )
     src, dst, length = _checked_spans(batch, src_buf, dst_buf)
     spans, nbytes = int(np.count_nonzero(batch.length)), int(length.sum())
     if spans == 0:
@@ -654,7 +672,14 @@ def execute_batch(
         threads = _threads_for(path, int(r_len.sum()), r_src.size)
         if threads > 1:
             ops += _in_threads(
-                threads, src_buf, dst_buf, r_src, r_dst, r_len, large_span_bytes, path
+                threads,
+                src_buf,
+                dst_buf,
+                r_src,
+                r_dst,
+                r_len,
+                min(large_span_bytes, threaded_span_bytes),
+                path,
             )
         else:
             ops += _copy_spans(src_buf, dst_buf, r_src, r_dst, r_len, large_span_bytes, path)
