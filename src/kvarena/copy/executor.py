@@ -659,8 +659,9 @@ def execute_batch(
         gathered = []
         families, covered = progressions(src, dst, length, progression_min_bytes)
     # Strided families, gathers and very long spans go to torch, which runs
-    # them on its own OpenMP team; the rest (short spans grouped by length,
-    # long ones one memcpy each) on Python threads. The threads go FIRST:
+    # them on its own OpenMP team; the rest (spans below the threshold grouped
+    # by length: THREADED_SPAN_BYTES when split over threads, LARGE_SPAN_BYTES
+    # on one; longer ones one memcpy each) on Python threads. The threads go FIRST:
     # torch's workers spin on the cores for a while after each parallel op,
     # and threads started then share the cores with them (measured: 0.66x
     # memcpy).
