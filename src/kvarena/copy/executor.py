@@ -52,15 +52,15 @@ from .words import as_words, word_bytes_for
 
 LARGE_SPAN_BYTES = 128 * 1024
 """Spans at least this long leave the grouped short-span road: they move as a
-gather or strided family (of MIN_RUN or more), else one memcpy each.
+gather or strided family (of MIN_RUN or more), else one copy each. In a batch
+split over threads, spans in no family leave it sooner (THREADED_SPAN_BYTES).
 
-Measured with ``benchmarks/bench_spans.py`` on the 2-core CI machine class
-(torch 2.13, 512 MiB of spans of one length, paired rounds): below 128 KiB
-the grouped road (a gather where destinations are evenly spaced) moves
-1.2-5x the bytes per second of one call per span (16 KiB: 0.68-0.69x memcpy
-vs 0.18-0.35x; 64 KiB: 0.91-0.92x vs 0.71-0.74x); from 128 KiB the two are
-within 0.15 of each other, and spans that long no longer pay for a group
-(staging, runs): the ones in no family go one call each."""
+Measured with ``benchmarks/bench_spans.py --mib 1`` on the 2-core CI machine
+class (torch 2.13, spans at uneven destinations, so no family takes them; a
+batch that small runs on one thread, where a span of its own is a torch
+call): grouping moves 1.2-5x the bytes per second of one call per span below
+64 KiB (4 KiB: 0.08-0.10x memcpy vs 0.02x; 32 KiB: 0.09-0.10x vs
+0.07-0.08x), and the two tie from 64 KiB on."""
 
 THREADED_SPAN_BYTES = 8 * 1024
 """In a batch split over threads, spans in no family move one memcpy each from
