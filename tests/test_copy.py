@@ -26,6 +26,24 @@ PATHS = ["cpu", "torch"] + (
 )
 
 
+def _spans_written(
+    target: torch.Tensor,
+    source: torch.Tensor,
+    src: np.ndarray,
+    dst: np.ndarray,
+    length: np.ndarray | int,
+    shift: int = 0,
+) -> torch.Tensor:
+    """``target`` as a batch should leave it: a copy with each span's bytes of
+    ``source`` written at ``shift + dst``, one span at a time (the reference the
+    executor's roads are checked against)."""
+    out = target.clone()
+    lengths = np.broadcast_to(length, np.shape(src))
+    for s, d, n in zip(src.tolist(), dst.tolist(), lengths.tolist(), strict=True):
+        out[shift + d : shift + d + n] = source[s : s + n]
+    return out
+
+
 def test_plan_by_hand():
     p = plan_segmented_copy([5, 7], [3, 4, 5], 12)
     rows = list(
@@ -249,9 +267,7 @@ def test_a_gather_reading_above_a_buffer_that_starts_just_past_its_first_row():
     with mock.patch.object(executor, "_copy_gather", wraps=executor._copy_gather) as gather:
         execute_batch(CopyBatch(src, dst, np.full(n, length)), buf[100:], buf)
     assert gather.call_count == 1
-    expect = before.clone()
-    for s, d in zip(src.tolist(), dst.tolist(), strict=True):
-        expect[d : d + length] = before[100 + s : 100 + s + length]
+    expect = _spans_written(before, before[100:], src, dst, length)
     assert torch.equal(buf, expect)
 
 
@@ -331,9 +347,9 @@ def test_large_batches_split_over_threads_move_exactly_the_spans(same_storage, m
         target = torch.zeros(n, dtype=torch.uint8)
         stats = execute_batch(batch, buf, target)
         source = before
-    expect = (before if same_storage else torch.zeros(n, dtype=torch.uint8)).clone()
-    for s, d, k in zip(src.tolist(), dst.tolist(), lengths.tolist(), strict=True):
-        expect[d : d + k] = source[s : s + k]
+    expect = _spans_written(
+        before if same_storage else torch.zeros(n, dtype=torch.uint8), source, src, dst, lengths
+    )
     assert torch.equal(target, expect) and stats.spans == 120
 
 
@@ -426,9 +442,7 @@ def test_strided_families_move_exactly_their_spans(
         src_buf, dst_buf, shift = buf, buf, src_size
     else:
         src_buf, dst_buf, shift = data, torch.full((dst_at + 1,), 0xA5, dtype=torch.uint8), 0
-    expect = dst_buf.clone()
-    for s, d, n in zip(src.tolist(), dst.tolist(), length.tolist(), strict=True):
-        expect[shift + d : shift + d + n] = data[s : s + n]
+    expect = _spans_written(dst_buf, data, src, dst, length, shift)
     stats = execute_batch(
         CopyBatch(src, dst + shift, length),
         src_buf,
@@ -455,9 +469,7 @@ def test_a_strided_relocation_is_one_copy():
     dst = np.arange(count, dtype=np.int64) * 2 * block
     stats = execute_batch(CopyBatch(src, dst, np.full(count, block)), buf, buf)
     assert stats.ops == 1 and stats.spans == count
-    expect = before.clone()
-    for s, d in zip(src.tolist(), dst.tolist(), strict=True):
-        expect[d : d + block] = before[s : s + block]
+    expect = _spans_written(before, before, src, dst, block)
     assert torch.equal(buf, expect)
 
 
@@ -487,9 +499,7 @@ def test_a_downward_family_is_one_copy(interleaved, rows):
     with mock.patch.object(executor, "_copy_gather", wraps=executor._copy_gather) as gather:
         stats = execute_batch(CopyBatch(src, dst, np.full(count, block)), buf, buf, **limits)
     assert stats.path == "cpu" and gather.call_count == 1 and stats.ops == 1
-    expect = before.clone()
-    for s, d in zip(src.tolist(), dst.tolist(), strict=True):
-        expect[d : d + block] = before[s : s + block]
+    expect = _spans_written(before, before, src, dst, block)
     assert torch.equal(buf, expect)
 
 
@@ -523,9 +533,7 @@ def test_units_in_any_order_are_gathered_exactly(
         src_buf, dst_buf, shift = buf, buf, size
     else:
         src_buf, dst_buf, shift = data, torch.full((size,), 0xA5, dtype=torch.uint8), 0
-    expect = dst_buf.clone()
-    for s, d in zip(src.tolist(), dst.tolist(), strict=True):
-        expect[shift + d : shift + d + length] = data[s : s + length]
+    expect = _spans_written(dst_buf, data, src, dst, length, shift)
     stats = execute_batch(
         CopyBatch(src, dst + shift, np.full(count, length)),
         src_buf,
@@ -565,9 +573,7 @@ def test_a_span_short_and_long_at_once_is_copied_once(large):
             large_span_bytes=large,
             torch_span_bytes=1 << 20,
         )
-    expect = torch.zeros_like(out)
-    for s, d in zip(src.tolist(), dst.tolist(), strict=True):
-        expect[d : d + length] = data[s : s + length]
+    expect = _spans_written(torch.zeros_like(out), data, src, dst, length)
     assert torch.equal(out, expect)
     assert gather.call_count == stats.ops == 1
 
@@ -594,9 +600,7 @@ def test_every_torch_road_moves_exact_bytes_at_any_alignment(align, buffer_offse
     src_buf = storage[buffer_offset:]
     dst_store = torch.full((size + buffer_offset,), 0xA5, dtype=torch.uint8)
     dst_buf = dst_store[buffer_offset:]
-    expect = dst_store.clone()
-    for s_, d_ in zip(src.tolist(), dst.tolist(), strict=True):
-        expect[buffer_offset + d_ : buffer_offset + d_ + length] = src_buf[s_ : s_ + length]
+    expect = _spans_written(dst_store, src_buf, src, dst, length, buffer_offset)
     thresholds = {
         "gather": {"large_span_bytes": length + 1},
         "long gather": {"large_span_bytes": length, "torch_span_bytes": length},
@@ -612,11 +616,8 @@ def test_every_torch_road_moves_exact_bytes_at_any_alignment(align, buffer_offse
     }[road]
     if road == "one each":  # a gather would take evenly spaced rows: space them unevenly
         dst = dst + np.arange(count, dtype=np.int64) % 2 * align
-        expect = dst_store.clone()
-        size_needed = int(dst.max()) + length
-        assert size_needed <= size
-        for s_, d_ in zip(src.tolist(), dst.tolist(), strict=True):
-            expect[buffer_offset + d_ : buffer_offset + d_ + length] = src_buf[s_ : s_ + length]
+        assert int(dst.max()) + length <= size
+        expect = _spans_written(dst_store, src_buf, src, dst, length, buffer_offset)
     with mock.patch.object(executor, families, wraps=getattr(executor, families)) as called:
         execute_batch(
             CopyBatch(src, dst, np.full(count, length)),
@@ -652,9 +653,7 @@ def test_gathered_rows_leave_torchs_one_thread_row_size(length, shift, word):
     assert stats.ops == 1 and select.call_count == 1
     rows = select.call_args.args[0]
     assert rows.element_size() == word and rows.shape[1] == length // word
-    expect = torch.zeros_like(out)
-    for s_, d_ in zip(src.tolist(), dst.tolist(), strict=True):
-        expect[d_ : d_ + length] = data[s_ : s_ + length]
+    expect = _spans_written(torch.zeros_like(out), data, src, dst, length)
     assert torch.equal(out, expect)
 
 
@@ -680,9 +679,7 @@ def test_spans_between_gather_in_families_of_min_run():
             )
         many = count >= executor.MIN_RUN
         assert gather.call_count == many and stats.ops == (1 if many else count)
-        expect = before.clone()
-        for s_, d_ in zip(src.tolist(), dst.tolist(), strict=True):
-            expect[d_ : d_ + block] = before[s_ : s_ + block]
+        expect = _spans_written(before, before, src, dst, block)
         assert torch.equal(buf, expect)
 
 
@@ -702,9 +699,7 @@ def test_threaded_batches_move_spans_in_no_family_one_memcpy_each(threaded_span)
     stats = execute_batch(
         CopyBatch(src, dst, np.full(count, length)), data, out, threaded_span_bytes=threaded_span
     )
-    expect = torch.zeros_like(out)
-    for s_, d_ in zip(src.tolist(), dst.tolist(), strict=True):
-        expect[d_ : d_ + length] = data[s_ : s_ + length]
+    expect = _spans_written(torch.zeros_like(out), data, src, dst, length)
     assert torch.equal(out, expect)
     if threaded_span <= length:
         assert stats.ops == count  # one memcpy each
@@ -727,9 +722,7 @@ def test_a_shuffled_image_is_one_gather():
     with mock.patch.object(executor, "_copy_gather", wraps=executor._copy_gather) as gather:
         stats = execute_batch(CopyBatch(src, dst, np.full(count, length)), buf, buf)
     assert stats.ops == 1 and stats.path == "cpu" and gather.call_count == 1
-    expect = before.clone()
-    for s, d in zip(src.tolist(), dst.tolist(), strict=True):
-        expect[d : d + length] = before[s : s + length]
+    expect = _spans_written(before, before, src, dst, length)
     assert torch.equal(buf, expect)
 
 
