@@ -707,6 +707,28 @@ def test_threaded_batches_move_spans_in_no_family_one_memcpy_each(threaded_span)
         assert stats.ops < count // 8  # grouped: a few staging passes
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_spans_of_many_kernel_blocks_land_exactly(path):
+    """Spans around and across the Triton kernel's block of 1,024 words (one
+    program per block, each finding its span by a binary search over the
+    spans' first blocks), in 8-byte and 1-byte words, shuffled destinations:
+    every path writes exactly the spans (the Triton path under its
+    interpreter here, on a GPU in tests/test_gpu.py)."""
+    rng = np.random.default_rng(13)
+    for word in (8, 1):
+        lengths = np.array([1, 1023, 1024, 1025, 3 * 1024 + 1, 1, 5000, 2048, 7, 4096]) * word
+        gaps = rng.integers(0, 8, lengths.size) * word
+        starts = np.cumsum(lengths + gaps) - lengths
+        order = rng.permutation(lengths.size)
+        dst, length = starts[order], lengths[order]
+        src = rng.integers(0, 40_000, lengths.size) * word
+        data = torch.from_numpy(rng.integers(0, 256, 40_000 * word + 5001 * word, dtype=np.uint8))
+        out = torch.full((int((dst + length).max()) + 64,), 0xA5, dtype=torch.uint8)
+        stats = execute_batch(CopyBatch(src, dst, length), data, out, path=path)
+        assert torch.equal(out, _spans_written(torch.full_like(out, 0xA5), data, src, dst, length))
+        assert stats.spans == lengths.size and stats.nbytes == int(lengths.sum())
+
+
 def test_a_shuffled_image_is_one_gather():
     """64 units of 16 KiB into every other block, in shuffled order: one gather."""
     count, length = 64, 16 * 1024
