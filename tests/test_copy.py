@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from kvarena.copy import (
     CopyBatch,
     CopyBoundsError,
+    CopyStats,
     coalesce,
     describe_batch,
     execute_batch,
@@ -24,6 +25,15 @@ from kvarena.spans import progressions
 PATHS = ["cpu", "torch"] + (
     ["triton"] if triton_available() and os.environ.get("TRITON_INTERPRET") == "1" else []
 )
+
+
+def _gathering(
+    batch: CopyBatch, src_buf: torch.Tensor, dst_buf: torch.Tensor, **kwargs
+) -> tuple[CopyStats, int]:
+    """``execute_batch``'s stats and how many gathers it issued."""
+    with mock.patch.object(executor, "_copy_gather", wraps=executor._copy_gather) as gather:
+        stats = execute_batch(batch, src_buf, dst_buf, **kwargs)
+    return stats, gather.call_count
 
 
 def _spans_written(
@@ -264,9 +274,8 @@ def test_a_gather_reading_above_a_buffer_that_starts_just_past_its_first_row():
     before = buf.clone()
     src = 2 * n * length + np.random.default_rng(0).permutation(n).astype(np.int64) * length
     dst = np.arange(n, dtype=np.int64) * 2 * length
-    with mock.patch.object(executor, "_copy_gather", wraps=executor._copy_gather) as gather:
-        execute_batch(CopyBatch(src, dst, np.full(n, length)), buf[100:], buf)
-    assert gather.call_count == 1
+    _, gathers = _gathering(CopyBatch(src, dst, np.full(n, length)), buf[100:], buf)
+    assert gathers == 1
     expect = _spans_written(before, before[100:], src, dst, length)
     assert torch.equal(buf, expect)
 
@@ -496,9 +505,8 @@ def test_a_downward_family_is_one_copy(interleaved, rows):
         "middle": {"large_span_bytes": block, "torch_span_bytes": 2 * block},
         "long": {"large_span_bytes": block, "torch_span_bytes": block},
     }[rows]
-    with mock.patch.object(executor, "_copy_gather", wraps=executor._copy_gather) as gather:
-        stats = execute_batch(CopyBatch(src, dst, np.full(count, block)), buf, buf, **limits)
-    assert stats.path == "cpu" and gather.call_count == 1 and stats.ops == 1
+    stats, gathers = _gathering(CopyBatch(src, dst, np.full(count, block)), buf, buf, **limits)
+    assert stats.path == "cpu" and gathers == 1 and stats.ops == 1
     expect = _spans_written(before, before, src, dst, block)
     assert torch.equal(buf, expect)
 
@@ -565,17 +573,16 @@ def test_a_span_short_and_long_at_once_is_copied_once(large):
         np.random.default_rng(8).integers(0, 256, count * length, dtype=np.uint8)
     )
     out = torch.zeros(2 * count * length, dtype=torch.uint8)
-    with mock.patch.object(executor, "_copy_gather", wraps=executor._copy_gather) as gather:
-        stats = execute_batch(
-            CopyBatch(src, dst, np.full(count, length)),
-            data,
-            out,
-            large_span_bytes=large,
-            torch_span_bytes=1 << 20,
-        )
+    stats, gathers = _gathering(
+        CopyBatch(src, dst, np.full(count, length)),
+        data,
+        out,
+        large_span_bytes=large,
+        torch_span_bytes=1 << 20,
+    )
     expect = _spans_written(torch.zeros_like(out), data, src, dst, length)
     assert torch.equal(out, expect)
-    assert gather.call_count == stats.ops == 1
+    assert gathers == stats.ops == 1
 
 
 @pytest.mark.parametrize("align", [1, 2, 4, 8])
@@ -668,17 +675,16 @@ def test_spans_between_gather_in_families_of_min_run():
             np.random.default_rng(11).integers(0, 256, 2 * count * block, dtype=np.uint8)
         )
         before = buf.clone()
-        with mock.patch.object(executor, "_copy_gather", wraps=executor._copy_gather) as gather:
-            stats = execute_batch(
-                CopyBatch(src, dst, np.full(count, block)),
-                buf,
-                buf,
-                large_span_bytes=block,
-                torch_span_bytes=2 * block,
-                progression_min_bytes=0,
-            )
+        stats, gathers = _gathering(
+            CopyBatch(src, dst, np.full(count, block)),
+            buf,
+            buf,
+            large_span_bytes=block,
+            torch_span_bytes=2 * block,
+            progression_min_bytes=0,
+        )
         many = count >= executor.MIN_RUN
-        assert gather.call_count == many and stats.ops == (1 if many else count)
+        assert gathers == many and stats.ops == (1 if many else count)
         expect = _spans_written(before, before, src, dst, block)
         assert torch.equal(buf, expect)
 
@@ -741,9 +747,8 @@ def test_a_shuffled_image_is_one_gather():
         np.random.default_rng(6).integers(0, 256, 4 * count * length, dtype=np.uint8)
     )
     before = buf.clone()
-    with mock.patch.object(executor, "_copy_gather", wraps=executor._copy_gather) as gather:
-        stats = execute_batch(CopyBatch(src, dst, np.full(count, length)), buf, buf)
-    assert stats.ops == 1 and stats.path == "cpu" and gather.call_count == 1
+    stats, gathers = _gathering(CopyBatch(src, dst, np.full(count, length)), buf, buf)
+    assert stats.ops == 1 and stats.path == "cpu" and gathers == 1
     expect = _spans_written(before, before, src, dst, length)
     assert torch.equal(buf, expect)
 

@@ -420,6 +420,15 @@ class _Words:
         )
 
 
+TORCH_GRAIN_ELEMENTS = 32768
+"""torch's ``at::internal::GRAIN_SIZE``: the fewest elements its CPU kernels hand
+to one thread. A row gather (``index_select``) of rows shorter than this runs
+rows on every thread at once; longer rows go one after another, each split
+into ``elements // GRAIN`` tasks, so a row of 1x-2x the grain runs on ONE
+thread (32 KiB byte rows: 0.58x memcpy; the same rows as 8-byte words, rows
+on both threads: 1.00x; 2-core CI machine class, torch 2.13)."""
+
+
 def _gather_word(length: int, size: int, wide: bool) -> int:
     """The word a gather of ``length``-byte rows moves: the widest (``size`` at
     most) whose rows hold fewer elements than torch's grain, so rows run on
@@ -461,15 +470,6 @@ def _copy_one(words: _Words, src: int, dst: int, n: int) -> None:
     """One span as one torch ``copy_`` of words."""
     w = words.size
     words.dst[dst // w : (dst + n) // w].copy_(words.src[src // w : (src + n) // w])
-
-
-TORCH_GRAIN_ELEMENTS = 32768
-"""torch's ``at::internal::GRAIN_SIZE``: the fewest elements its CPU kernels hand
-to one thread. A row gather (``index_select``) of rows shorter than this runs
-rows on every thread at once; longer rows go one after another, each split
-into ``elements // GRAIN`` tasks, so a row of 1x-2x the grain runs on ONE
-thread (32 KiB byte rows: 0.58x memcpy; the same rows as 8-byte words, rows
-on both threads: 1.00x; 2-core CI machine class, torch 2.13)."""
 
 
 def _threads_for(path: str, nbytes: int, spans: int) -> int:

@@ -128,6 +128,22 @@ class ConfigReader:
                 raise ConfigError(f"{self.where}: field {key!r}[{i}] must be a string, got {v!r}")
         return list(value)
 
+    def layer_kinds(self, layers: int | None, legal: tuple[str, ...] | None = None) -> list[str]:
+        """``layer_types``: one kind per layer, as many as ``layers`` when given,
+        each one of ``legal`` when given."""
+        kinds = self.str_list("layer_types")
+        if layers is not None and len(kinds) != layers:
+            raise ConfigError(
+                f"{self.where}: layer_types names {len(kinds)} layers but num_hidden_layers "
+                f"is {layers}"
+            )
+        unknown = sorted(set(kinds) - set(legal)) if legal is not None else []
+        if unknown:
+            raise ConfigError(
+                f"{self.where}: layer_types holds {unknown}; legal: {', '.join(map(repr, legal or ()))}"
+            )
+        return kinds
+
     def sub(self, key: str, *, optional: bool = False) -> ConfigReader | None:
         """A nested object (``text_config``, ``ssm_cfg``...); None when optional and absent."""
         value = self.data.get(key)

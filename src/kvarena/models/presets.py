@@ -484,12 +484,7 @@ def _sliding_layers(c: ConfigReader, layers: int) -> int:
     every layer when ``sliding_window`` is set.
     """
     if c.has("layer_types"):
-        kinds = c.str_list("layer_types")
-        if len(kinds) != layers:
-            raise ConfigError(
-                f"{c.where}: layer_types names {len(kinds)} layers but num_hidden_layers is {layers}"
-            )
-        return kinds.count("sliding_attention")
+        return c.layer_kinds(layers).count("sliding_attention")
     if not c.has("sliding_window"):
         return 0
     if c.has("use_sliding_window") or c.has("max_window_layers"):
@@ -528,12 +523,7 @@ def _gemma3(name: str, root: ConfigReader, o: ServingOptions) -> ModelCache:
     t = root.sub("text_config", optional=True) or root
     layers = t.integer("num_hidden_layers", hi=MAX_LAYERS)
     if t.has("layer_types"):
-        kinds = t.str_list("layer_types")
-        if len(kinds) != layers:
-            raise ConfigError(
-                f"{t.where}: layer_types names {len(kinds)} layers but num_hidden_layers is {layers}"
-            )
-        full = kinds.count("full_attention")
+        full = t.layer_kinds(layers).count("full_attention")
     else:
         pattern = t.integer("sliding_window_pattern", hi=MAX_LAYERS, default=6)
         full = layers // pattern  # every pattern-th layer is global
@@ -578,22 +568,16 @@ def _mla(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
     return _model(name, "mla", o, block, page, [], attention=layers, state_layers=0, align=64)
 
 
+_LINEAR_KINDS = ("full_attention", "linear_attention")
+"""The layer kinds of linear-attention hybrids (Qwen3-Next, Kimi-Linear)."""
+
+
 def _qwen3_next_layers(c: ConfigReader) -> tuple[int, int]:
     """(attention layers, Gated DeltaNet layers) from ``layer_types`` (transformers 5)
     or ``full_attention_interval`` (the original config)."""
     layers = c.integer("num_hidden_layers", hi=MAX_LAYERS)
     if c.has("layer_types"):
-        kinds = c.str_list("layer_types")
-        if len(kinds) != layers:
-            raise ConfigError(
-                f"{c.where}: layer_types names {len(kinds)} layers but num_hidden_layers is {layers}"
-            )
-        unknown = sorted(set(kinds) - {"full_attention", "linear_attention"})
-        if unknown:
-            raise ConfigError(
-                f"{c.where}: layer_types holds {unknown}; legal: 'full_attention', 'linear_attention'"
-            )
-        attn = kinds.count("full_attention")
+        attn = c.layer_kinds(layers, _LINEAR_KINDS).count("full_attention")
         return attn, layers - attn
     interval = c.integer("full_attention_interval", hi=MAX_LAYERS)
     attn = layers // interval  # every interval-th layer is full attention
@@ -769,12 +753,7 @@ def _kimi_layers(c: ConfigReader) -> tuple[int, int, int, int, int]:
         raise ConfigError(
             f"{c.where}: the config lacks the field 'linear_attn_config' (or 'layer_types')"
         )
-    kinds = c.str_list("layer_types")
-    unknown = sorted(set(kinds) - {"full_attention", "linear_attention"})
-    if unknown:
-        raise ConfigError(
-            f"{c.where}: layer_types holds {unknown}; legal: 'full_attention', 'linear_attention'"
-        )
+    kinds = c.layer_kinds(None, _LINEAR_KINDS)
     mla = kinds.count("full_attention")
     return (
         mla,
