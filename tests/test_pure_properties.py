@@ -4,6 +4,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvarena.copy.words import word_bytes
 from kvarena.pools import PoolGeometry
 from kvarena.prefix import CheckpointPolicy
 from kvarena.prefix.keys import block_keys
@@ -381,3 +382,21 @@ def test_coalesce_keeps_every_byte_pair_and_sorts_by_destination(spans):
         return sorted((x + i, y + i) for x, y, m in zip(a, b, k, strict=True) for i in range(m))
 
     assert pairs(s, d, n) == pairs(src, dst, length)
+
+
+@given(
+    arrays=st.lists(st.lists(st.integers(0, 1 << 40), max_size=20), max_size=4),
+    offsets=st.lists(st.integers(0, 1 << 40), max_size=3),
+    widest=st.sampled_from([1, 2, 4, 8, 16]),
+)
+def test_word_bytes_is_the_widest_word_dividing_everything(arrays, offsets, widest):
+    """The word is a power of two up to ``widest`` dividing every value, and
+    twice it (up to ``widest``) does not divide them all."""
+    w = word_bytes(
+        *(np.array(a, dtype=np.int64) for a in arrays), offsets=tuple(offsets), widest=widest
+    )
+    values = [v for a in arrays for v in a] + list(offsets)
+    assert w in (1, 2, 4, 8, 16) and w <= widest
+    assert all(v % w == 0 for v in values)
+    if w < widest:
+        assert any(v % (2 * w) for v in values)
