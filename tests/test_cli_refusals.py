@@ -13,6 +13,7 @@ QWEN = load_config("qwen3-next-80b-a3b")[1]
 GEMMA = load_config("gemma-3-27b")[1]
 MAMBA = load_config("mamba2-2.7b")[1]
 LLAMA = load_config("llama-3.1-8b")[1]
+GPT_OSS = load_config("gpt-oss-20b")[1]
 
 
 def _with(base: dict, **fields) -> dict:
@@ -62,6 +63,22 @@ BAD_CONFIGS = [
         "'use_sliding_window' must be true or false",
     ),
     ("short gqa layer_types", _with(LLAMA, layer_types=["full_attention"] * 3), "names 3 layers"),
+    (
+        "gqa layer_types kind",
+        _with(LLAMA, layer_types=["linear_attention"] * 32),
+        "layer_types holds ['linear_attention']",
+    ),
+    (
+        "gpt_oss layer_types kind",
+        _with(GPT_OSS, layer_types=["chunked_attention", "full_attention"] * 12),
+        "layer_types holds ['chunked_attention']",
+    ),
+    ("gpt_oss zero window", _with(GPT_OSS, sliding_window=0), "'sliding_window'"),
+    (
+        "gemma2 zero pattern",
+        {"model_type": "gemma2", "num_hidden_layers": 4, "sliding_window_pattern": 0},
+        "'sliding_window_pattern'",
+    ),
     ("unknown family", {"model_type": "gpt2"}, "unknown model family"),
     ("architectures string", {"architectures": "LlamaForCausalLM"}, "unknown model family"),
 ]

@@ -28,6 +28,10 @@ PUBLISHED = [
     ("qwen3-8b", {"kv_dtype": "fp8"}, 73_728, 0),
     # Global layers page (81,920 B/token); 52 local layers keep a 1024-token ring.
     ("gemma-3-27b", {}, 81_920, 436_207_616),
+    # openai/gpt-oss-20b: 12 global layers page 2 x 8 heads x 64 x 2 B a token;
+    # 12 sliding layers keep a 128-token ring: 12 x 2 x 128 x 8 x 64 x 2 B.
+    ("gpt-oss-20b", {}, 24_576, 3_145_728),
+    ("gpt-oss-20b", {"kv_dtype": "fp8"}, 12_288, 1_572_864),
     ("deepseek-v3", {}, 70_272, 0),
     ("deepseek-v3", {"kv_dtype": "fp8"}, 35_136, 0),
     ("deepseek-v3", {"kv_dtype": "fp8_ds_mla"}, 40_016, 0),
@@ -153,6 +157,176 @@ def test_gqa_sliding_windows_are_paged_whole_and_said_so():
             (note,) = m.notes
             assert said in note and "pages their whole context" in note, (fields, note)
     assert "4096-token sliding window" in model_cache({**llama, "sliding_window": 4096}).notes[0]
+
+
+def _kv(layers: int, heads: int, dim: int, dtype_bytes: int = 2) -> int:
+    """K and V of ``heads`` x ``dim`` over ``layers``: one token (or one ring row)."""
+    return layers * 2 * heads * dim * dtype_bytes
+
+
+# Configs as their model cards publish them (the fields a cache reads), each with
+# (family, KV bytes per token, ring bytes per request, note words or None).
+MORE_FAMILIES = [
+    (  # Qwen/Qwen3-30B-A3B: head_dim 128 is not hidden / heads (64)
+        {
+            "model_type": "qwen3_moe",
+            "num_hidden_layers": 48,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "hidden_size": 2048,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "max_window_layers": 48,
+        },
+        "gqa",
+        _kv(48, 4, 128),
+        0,
+        None,
+    ),
+    (  # mistralai/Mixtral-8x7B-v0.1: head_dim from hidden / heads
+        {
+            "architectures": ["MixtralForCausalLM"],
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "hidden_size": 4096,
+            "sliding_window": None,
+        },
+        "gqa",
+        _kv(32, 8, 128),
+        0,
+        None,
+    ),
+    (  # microsoft/Phi-3-mini-4k-instruct: a window on every layer, paged whole
+        {
+            "model_type": "phi3",
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 32,
+            "hidden_size": 3072,
+            "sliding_window": 2047,
+        },
+        "gqa",
+        _kv(32, 32, 96),
+        0,
+        "32 of 32 layers attend only a 2047-token",
+    ),
+    (  # Qwen/Qwen1.5-MoE-A2.7B
+        {
+            "model_type": "qwen2_moe",
+            "num_hidden_layers": 24,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 16,
+            "hidden_size": 2048,
+            "use_sliding_window": False,
+            "sliding_window": 32768,
+            "max_window_layers": 21,
+        },
+        "gqa",
+        _kv(24, 16, 128),
+        0,
+        None,
+    ),
+    (  # zai-org/GLM-4.5-Air
+        {
+            "model_type": "glm4_moe",
+            "num_hidden_layers": 46,
+            "num_attention_heads": 96,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "hidden_size": 4096,
+        },
+        "gqa",
+        _kv(46, 8, 128),
+        0,
+        None,
+    ),
+    (  # google/gemma-2-9b: no layer_types; every other layer (the even ones) slides
+        {
+            "model_type": "gemma2",
+            "num_hidden_layers": 42,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "head_dim": 256,
+            "hidden_size": 3584,
+            "sliding_window": 4096,
+        },
+        "gemma2",
+        _kv(21, 8, 256),
+        4096 * _kv(21, 8, 256),
+        "21 sliding-window layers",
+    ),
+    (  # CohereForAI/c4ai-command-r7b-12-2024: every 4th layer global
+        {
+            "model_type": "cohere2",
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "hidden_size": 4096,
+            "sliding_window": 4096,
+            "sliding_window_pattern": 4,
+        },
+        "cohere2",
+        _kv(8, 8, 128),
+        4096 * _kv(24, 8, 128),
+        "24 sliding-window layers",
+    ),
+    (  # gpt-oss without layer_types: alternate layers, sliding first
+        {
+            "architectures": ["GptOssForCausalLM"],
+            "num_hidden_layers": 36,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+            "head_dim": 64,
+            "hidden_size": 2880,
+            "sliding_window": 128,
+        },
+        "gpt_oss",
+        _kv(18, 8, 64),
+        128 * _kv(18, 8, 64),
+        "128-token K/V ring",
+    ),
+]
+
+
+@pytest.mark.parametrize(("config", "family", "kv", "ring", "said"), MORE_FAMILIES)
+def test_more_families_read_their_configs(config, family, kv, ring, said):
+    """GQA-shaped families page every layer (sliding ones whole, said so); the
+    families whose configs name global and sliding layers keep a ring per
+    request for the sliding ones. Bytes in bfloat16, as each model is served."""
+    assert detect_family(config) == family
+    m = model_cache({**config, "torch_dtype": "bfloat16"})
+    assert m.family == family
+    assert (m.kv_bytes_per_token, m.state_bytes) == (kv, ring)
+    assert m.recurrent_layers == 0 and not m.is_hybrid
+    notes = list(m.notes)
+    if said is None:
+        assert notes == []
+    else:
+        assert len(notes) == 1 and said in notes[0], notes
+    # Tensor parallelism splits the KV heads (8 per rank at most here).
+    tp = model_cache({**config, "torch_dtype": "bfloat16"}, ServingOptions(tp=8))
+    per_rank = max(1, (config["num_key_value_heads"] + 7) // 8)
+    assert tp.kv_bytes_per_token * config["num_key_value_heads"] == kv * per_rank
+
+
+def test_windowed_families_count_layers_from_layer_types():
+    """``layer_types`` wins over a pattern, whatever the order of the kinds; a
+    config that names no sliding layer keeps no ring and says nothing."""
+    base = load_config("gpt-oss-20b")[1]
+    kinds = ["full_attention"] * 5 + ["sliding_attention"] * 19
+    m = model_cache({**base, "layer_types": kinds, "sliding_window_pattern": 2})
+    assert (m.attention_layers, m.state_layers) == (5, 19)
+    assert m.kv_bytes_per_token == _kv(5, 8, 64)
+    assert m.state_bytes == 128 * _kv(19, 8, 64)
+    full = model_cache({**base, "layer_types": ["full_attention"] * 24})
+    assert (full.state_fields, full.notes, full.state_layers) == ((), (), 0)
+    assert full.kv_bytes_per_token == _kv(24, 8, 64)
+    # Every sliding: nothing pages, every layer keeps its ring.
+    ring = model_cache({**base, "layer_types": ["sliding_attention"] * 24})
+    assert (ring.page_fields, ring.attention_layers) == ((), 0)
+    assert ring.state_bytes == 128 * _kv(24, 8, 64)
 
 
 def test_config_sources_and_family_detection(tmp_path):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
@@ -43,6 +43,7 @@ PRESETS = (
     "llama-3.1-8b",
     "qwen3-8b",
     "gemma-3-27b",
+    "gpt-oss-20b",
     "deepseek-v3",
     "qwen3-next-80b-a3b",
     "mamba2-2.7b",
@@ -267,6 +268,17 @@ _FAMILY_BY_TYPE = {
     "mistral": "gqa",
     "qwen2": "gqa",
     "qwen3": "gqa",
+    "qwen2_moe": "gqa",
+    "qwen3_moe": "gqa",
+    "mixtral": "gqa",
+    "phi3": "gqa",
+    "olmo2": "gqa",
+    "granite": "gqa",
+    "starcoder2": "gqa",
+    "glm4_moe": "gqa",
+    "gemma2": "gemma2",
+    "gpt_oss": "gpt_oss",
+    "cohere2": "cohere2",
     "gemma3": "gemma3",
     "gemma3_text": "gemma3",
     "deepseek_v2": "mla",
@@ -286,6 +298,17 @@ _FAMILY_BY_ARCH = {
     "MistralForCausalLM": "gqa",
     "Qwen2ForCausalLM": "gqa",
     "Qwen3ForCausalLM": "gqa",
+    "Qwen2MoeForCausalLM": "gqa",
+    "Qwen3MoeForCausalLM": "gqa",
+    "MixtralForCausalLM": "gqa",
+    "Phi3ForCausalLM": "gqa",
+    "Olmo2ForCausalLM": "gqa",
+    "GraniteForCausalLM": "gqa",
+    "Starcoder2ForCausalLM": "gqa",
+    "Glm4MoeForCausalLM": "gqa",
+    "Gemma2ForCausalLM": "gemma2",
+    "GptOssForCausalLM": "gpt_oss",
+    "Cohere2ForCausalLM": "cohere2",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",
     "DeepseekV3ForCausalLM": "mla",
@@ -475,6 +498,10 @@ def _head_dim(c: ConfigReader) -> int:
     return hidden // heads
 
 
+_ATTENTION_KINDS = ("full_attention", "sliding_attention")
+"""The layer kinds an attention-only config's ``layer_types`` may name."""
+
+
 def _sliding_layers(c: ConfigReader, layers: int) -> int:
     """How many of a GQA config's layers attend only a sliding window.
 
@@ -484,7 +511,7 @@ def _sliding_layers(c: ConfigReader, layers: int) -> int:
     every layer when ``sliding_window`` is set.
     """
     if c.has("layer_types"):
-        return c.layer_kinds(layers).count("sliding_attention")
+        return c.layer_kinds(layers, _ATTENTION_KINDS).count("sliding_attention")
     if not c.has("sliding_window"):
         return 0
     if c.has("use_sliding_window") or c.has("max_window_layers"):
@@ -519,32 +546,51 @@ def _gqa(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
     return _model(name, "gqa", o, block, page, [], attention=layers, state_layers=0, notes=notes)
 
 
-def _gemma3(name: str, root: ConfigReader, o: ServingOptions) -> ModelCache:
-    t = root.sub("text_config", optional=True) or root
-    layers = t.integer("num_hidden_layers", hi=MAX_LAYERS)
-    if t.has("layer_types"):
-        full = t.layer_kinds(layers).count("full_attention")
-    else:
-        pattern = t.integer("sliding_window_pattern", hi=MAX_LAYERS, default=6)
-        full = layers // pattern  # every pattern-th layer is global
-    local = layers - full
-    heads = _kv_heads(t.integer("num_key_value_heads"), o.tp)
-    head_dim = _head_dim(t)
-    window = t.integer("sliding_window")
-    block = _block(o, 16)
-    kv = _kv_dtype(o, _model_dtype(root, o))
-    page = _kv_fields(full, block, heads, head_dim, kv)
-    # Local layers never need more than the window: a per-request ring.
-    state = [
-        EntryField("k_window", local, (window, heads, head_dim), kv),
-        EntryField("v_window", local, (window, heads, head_dim), kv),
-    ]
-    notes = (
-        f"{local} sliding-window layers keep a {window}-token K/V ring per request; {full} global layers page",
-    )
-    return _model(
-        name, "gemma3", o, block, page, state, attention=full, state_layers=local, notes=notes
-    )
+def _windowed(
+    family: str, pattern_default: int
+) -> Callable[[str, ConfigReader, ServingOptions], ModelCache]:
+    """A family whose sliding-window layers keep a per-request K/V ring and
+    whose global layers page (Gemma 2/3, gpt-oss, Command R7B).
+
+    A local layer never reads past its window, so a ring of ``window`` tokens
+    per request is all it needs, however long the context: the capacity the
+    global layers page is not spent on it. ``layer_types`` names each layer's
+    kind where the config has it; otherwise every ``sliding_window_pattern``-th
+    layer is global (``pattern_default`` when the config names no pattern:
+    Gemma 3 6, Gemma 2 and gpt-oss 2, Cohere2 4).
+    """
+
+    def build(name: str, root: ConfigReader, o: ServingOptions) -> ModelCache:
+        t = root.sub("text_config", optional=True) or root
+        layers = t.integer("num_hidden_layers", hi=MAX_LAYERS)
+        if t.has("layer_types"):
+            full = t.layer_kinds(layers, _ATTENTION_KINDS).count("full_attention")
+        else:
+            pattern = t.integer("sliding_window_pattern", hi=MAX_LAYERS, default=pattern_default)
+            full = layers // pattern  # every pattern-th layer is global
+        local = layers - full
+        heads = _kv_heads(t.integer("num_key_value_heads"), o.tp)
+        head_dim = _head_dim(t)
+        block = _block(o, 16)
+        kv = _kv_dtype(o, _model_dtype(root, o))
+        page = _kv_fields(full, block, heads, head_dim, kv)
+        notes: tuple[str, ...] = ()
+        state: list[EntryField] = []
+        if local:
+            window = t.integer("sliding_window")
+            state = [
+                EntryField("k_window", local, (window, heads, head_dim), kv),
+                EntryField("v_window", local, (window, heads, head_dim), kv),
+            ]
+            notes = (
+                f"{local} sliding-window layers keep a {window}-token K/V ring per request; "
+                f"{full} global layers page",
+            )
+        return _model(
+            name, family, o, block, page, state, attention=full, state_layers=local, notes=notes
+        )
+
+    return build
 
 
 def _mla_row(
@@ -855,7 +901,10 @@ def _deepseek_v4(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
 
 _BUILDERS = {
     "gqa": _gqa,
-    "gemma3": _gemma3,
+    "gemma3": _windowed("gemma3", 6),
+    "gemma2": _windowed("gemma2", 2),
+    "gpt_oss": _windowed("gpt_oss", 2),
+    "cohere2": _windowed("cohere2", 4),
     "mla": _mla,
     "qwen3_next": _qwen3_next,
     "mamba2": _mamba2,

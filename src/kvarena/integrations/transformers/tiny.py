@@ -39,6 +39,23 @@ TINY: dict[str, dict[str, Any]] = {
         sliding_window=8,
         layer_types=["sliding_attention"] * 3 + ["full_attention"],
     ),
+    "gemma2": dict(
+        num_hidden_layers=4,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+    ),
+    "gpt_oss": dict(
+        num_hidden_layers=4,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    ),
+    "cohere2": dict(
+        num_hidden_layers=4,
+        sliding_window=8,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+    ),
     "qwen3_next": dict(
         num_hidden_layers=4,
         layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
