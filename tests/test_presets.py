@@ -311,6 +311,38 @@ def test_more_families_read_their_configs(config, family, kv, ring, said):
     assert tp.kv_bytes_per_token * config["num_key_value_heads"] == kv * per_rank
 
 
+def test_a_multimodal_checkpoint_caches_for_its_language_model():
+    """A wrapper type kvarena does not know is read through its ``text_config``
+    (mistralai/Mistral-Small-3.1-24B: 40 Mistral layers, 8 KV heads of 128),
+    with the checkpoint's dtype; nothing is guessed for a field it lacks."""
+    text = {
+        "model_type": "mistral",
+        "num_hidden_layers": 40,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "hidden_size": 5120,
+    }
+    wrapper = {
+        "architectures": ["Mistral3ForConditionalGeneration"],
+        "model_type": "mistral3",
+        "torch_dtype": "bfloat16",
+        "text_config": text,
+        "vision_config": {"model_type": "pixtral"},
+    }
+    assert detect_family(wrapper) == "gqa"
+    m = model_cache(wrapper)
+    assert (m.family, m.kv_bytes_per_token, m.notes) == ("gqa", _kv(40, 8, 128), ())
+    # The text config's own dtype wins over the checkpoint's.
+    fp16 = model_cache({**wrapper, "text_config": {**text, "torch_dtype": "float16"}})
+    assert {f.dtype for f in fp16.page_fields} == {torch.float16}
+    # A text config that leaves a field to its class's default is refused by name.
+    with pytest.raises(UnknownModelError, match=r"llava\.text_config: .*'num_hidden_layers'"):
+        model_cache({"model_type": "llava", "text_config": {"model_type": "llama"}})
+    with pytest.raises(UnknownModelError, match="model_type='blip'"):
+        model_cache({"model_type": "blip", "text_config": {"model_type": "opt"}})
+
+
 def test_windowed_families_count_layers_from_layer_types():
     """``layer_types`` wins over a pattern, whatever the order of the kinds; a
     config that names no sliding layer keeps no ring and says nothing."""

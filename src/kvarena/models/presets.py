@@ -324,10 +324,8 @@ _FAMILY_BY_ARCH = {
 }
 
 
-def detect_family(config: Mapping[str, Any]) -> str:
-    """The preset family from ``model_type``, then ``architectures``."""
-    if not isinstance(config, Mapping):
-        raise UnknownModelError(f"a config must be a JSON object, got {type(config).__name__}")
+def _family_of(config: Mapping[str, Any]) -> str | None:
+    """The preset family a config names by ``model_type``, then ``architectures``."""
     model_type = config.get("model_type")
     family = _FAMILY_BY_TYPE.get(model_type) if isinstance(model_type, str) else None
     archs = config.get("architectures")
@@ -339,13 +337,41 @@ def detect_family(config: Mapping[str, Any]) -> str:
     ssm = config.get("ssm_cfg")
     if family is None and isinstance(ssm, Mapping) and ssm.get("layer") == "Mamba2":
         family = "mamba2"  # mamba_ssm-format configs name neither
-    if family is None:
+    return family
+
+
+def _resolve(config: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
+    """``(family, the config its builder reads)``.
+
+    A multimodal checkpoint whose own type kvarena does not know (Mistral
+    Small 3.1's ``mistral3``, LLaVA's ``llava``) caches only for its language
+    model: the ``text_config`` of a known family is read instead, with the
+    checkpoint's dtype where the text config names none (the vision tower
+    keeps nothing in the cache).
+    """
+    if not isinstance(config, Mapping):
+        raise UnknownModelError(f"a config must be a JSON object, got {type(config).__name__}")
+    family = _family_of(config)
+    if family is not None:
+        return family, config
+    text = config.get("text_config")
+    family = _family_of(text) if isinstance(text, Mapping) else None
+    if family is None or not isinstance(text, Mapping):
         raise UnknownModelError(
-            f"unknown model family: model_type={model_type!r}, "
-            f"architectures={archs!r}; supported model_types: "
+            f"unknown model family: model_type={config.get('model_type')!r}, "
+            f"architectures={config.get('architectures')!r}; supported model_types: "
             f"{', '.join(sorted(_FAMILY_BY_TYPE))}"
         )
-    return family
+    if any(text.get(k) is not None for k in ("torch_dtype", "dtype")):
+        return family, text
+    dtype = {k: config[k] for k in ("torch_dtype", "dtype") if config.get(k) is not None}
+    return family, {**text, **dtype}
+
+
+def detect_family(config: Mapping[str, Any]) -> str:
+    """The preset family from ``model_type``, then ``architectures`` (a
+    multimodal checkpoint's: its ``text_config``'s)."""
+    return _resolve(config)[0]
 
 
 # -- helpers -------------------------------------------------------------------
@@ -927,9 +953,9 @@ def model_cache(
             f"options must be ServingOptions(...), got {type(options).__name__}"
         )
     name, config = load_config(source)
-    family = detect_family(config)
+    family, read = _resolve(config)
     opts = options or ServingOptions()
-    reader = ConfigReader(config, name)
+    reader = ConfigReader(read, name if read is config else f"{name}.text_config")
     model = _BUILDERS[family](name, reader, opts)
     text = reader.sub("text_config", optional=True)
     named = _config_dtype(reader) or (text is not None and _config_dtype(text))
