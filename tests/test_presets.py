@@ -343,6 +343,74 @@ def test_a_multimodal_checkpoint_caches_for_its_language_model():
         model_cache({"model_type": "blip", "text_config": {"model_type": "opt"}})
 
 
+GRANITE_H = {  # shaped like ibm-granite/granite-4.0-h-tiny, in the hub's words
+    "model_type": "granitemoehybrid",
+    "torch_dtype": "bfloat16",
+    "num_hidden_layers": 40,
+    "hidden_size": 1536,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "layer_types": ["mamba"] * 5 + ["attention"] + ["mamba"] * 9 + ["attention"] + ["mamba"] * 24,
+    "mamba_n_heads": 48,
+    "mamba_d_head": 64,
+    "mamba_d_state": 128,
+    "mamba_n_groups": 1,
+    "mamba_d_conv": 4,
+    "mamba_expand": 2,
+}
+
+
+def _mamba2_layer(heads: int, dim: int, state: int, groups: int, kernel: int) -> int:
+    """vLLM's Mamba2 states of one layer in bf16: conv (kernel - 1, heads x dim +
+    2 x groups x state) and SSM (heads, dim, state)."""
+    return 2 * ((kernel - 1) * (heads * dim + 2 * groups * state) + heads * dim * state)
+
+
+def test_mamba2_hybrids_with_mamba_fields():
+    """Granite 4.0 hybrids (``layer_types`` in the hub's words or transformers 5's)
+    and Bamba (``attn_layer_indices``): attention layers page, Mamba2 layers keep
+    Nemotron-H-shaped states."""
+    m = model_cache(GRANITE_H)
+    assert (m.family, m.attention_layers, m.state_layers, m.recurrent_layers) == (
+        "granitemoehybrid",
+        2,
+        38,
+        38,
+    )
+    assert m.is_hybrid
+    assert m.kv_bytes_per_token == _kv(2, 4, 128)
+    assert m.state_bytes == 38 * _mamba2_layer(48, 64, 128, 1, 4)
+    # transformers 5 writes the same layers as full_attention / linear_attention.
+    words5 = [
+        "full_attention" if k == "attention" else "linear_attention"
+        for k in GRANITE_H["layer_types"]
+    ]
+    assert model_cache({**GRANITE_H, "layer_types": words5}).state_fields == m.state_fields
+    bamba = {
+        **{k: v for k, v in GRANITE_H.items() if k != "layer_types"},
+        "model_type": "bamba",
+        "attn_layer_indices": [5, 15],
+    }
+    b = model_cache(bamba)
+    assert (b.family, b.page_fields, b.state_fields) == ("bamba", m.page_fields, m.state_fields)
+    # No attention named: every layer Mamba2, nothing pages.
+    only = model_cache({k: v for k, v in bamba.items() if k != "attn_layer_indices"})
+    assert (only.page_fields, only.state_layers) == ((), 40)
+    # TP 4 splits Mamba heads and the conv channels, and the 4 KV heads.
+    tp = model_cache(GRANITE_H, ServingOptions(tp=4))
+    assert tp.state_bytes * 4 == m.state_bytes and tp.kv_bytes_per_token * 4 == m.kv_bytes_per_token
+    for bad, words in [
+        ({"attn_layer_indices": [5, 5]}, "names a layer twice"),
+        ({"attn_layer_indices": [40]}, "'attn_layer_indices'"),
+        ({"mamba_expand": 4}, "the Mamba2 inner size must agree"),
+        ({"mamba_d_conv": 1}, "'mamba_d_conv'"),
+    ]:
+        with pytest.raises(UnknownModelError, match=words):
+            model_cache({**bamba, **bad})
+    with pytest.raises(UnknownModelError, match=r"layer_types holds \['moe'\]"):
+        model_cache({**GRANITE_H, "layer_types": ["moe"] * 40})
+
+
 def test_windowed_families_count_layers_from_layer_types():
     """``layer_types`` wins over a pattern, whatever the order of the kinds; a
     config that names no sliding layer keeps no ring and says nothing."""

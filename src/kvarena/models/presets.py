@@ -290,6 +290,8 @@ _FAMILY_BY_TYPE = {
     "qwen3_5_moe_text": "qwen3_next",
     "mamba2": "mamba2",
     "nemotron_h": "nemotron_h",
+    "granitemoehybrid": "granitemoehybrid",
+    "bamba": "bamba",
     "kimi_linear": "kimi_linear",
     "deepseek_v4": "deepseek_v4",
 }
@@ -319,6 +321,8 @@ _FAMILY_BY_ARCH = {
     "Qwen3_5MoeForConditionalGeneration": "qwen3_next",
     "Mamba2ForCausalLM": "mamba2",
     "NemotronHForCausalLM": "nemotron_h",
+    "GraniteMoeHybridForCausalLM": "granitemoehybrid",
+    "BambaForCausalLM": "bamba",
     "KimiLinearForCausalLM": "kimi_linear",
     "DeepseekV4ForCausalLM": "deepseek_v4",
 }
@@ -807,6 +811,94 @@ def _nemotron_h(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
     )
 
 
+_HYBRID_KINDS = {
+    "mamba": False,
+    "linear_attention": False,
+    "attention": True,
+    "full_attention": True,
+}
+"""A Mamba2 hybrid's ``layer_types`` (the hub's words and transformers 5's):
+True for an attention layer."""
+
+
+def _hybrid_attention_layers(c: ConfigReader, layers: int) -> int:
+    """How many layers attend: ``layer_types`` (Granite 4.0), else
+    ``attn_layer_indices`` (Bamba), else none (every layer Mamba2, as
+    transformers builds either config without them)."""
+    if c.has("layer_types"):
+        kinds = c.layer_kinds(layers, tuple(_HYBRID_KINDS))
+        return sum(_HYBRID_KINDS[k] for k in kinds)
+    if c.has("attn_layer_indices"):
+        indices = c.int_list("attn_layer_indices", lo=0, hi=layers - 1, max_len=layers)
+        if len(set(indices)) != len(indices):
+            raise ConfigError(f"{c.where}: attn_layer_indices names a layer twice: {indices}")
+        return len(indices)
+    return 0
+
+
+def _mamba2_hybrid(family: str) -> Callable[[str, ConfigReader, ServingOptions], ModelCache]:
+    """Mamba2 layers beside attention layers, with ``mamba_*`` fields (IBM
+    Granite 4.0's ``granitemoehybrid``, Bamba): the attention layers page, each
+    Mamba2 layer keeps a conv and an SSM state per request, shaped as for
+    Nemotron-H."""
+
+    def build(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
+        layers = c.integer("num_hidden_layers", hi=MAX_LAYERS)
+        attn = _hybrid_attention_layers(c, layers)
+        mamba = layers - attn
+        heads, head_dim = c.integer("mamba_n_heads"), c.integer("mamba_d_head")
+        if c.has("mamba_expand"):
+            # vLLM sizes the conv state from mamba_expand x hidden_size and the
+            # SSM state from the heads: a config where they differ is not guessed at.
+            inner = c.integer("mamba_expand") * c.integer("hidden_size")
+            if inner != heads * head_dim:
+                raise ConfigError(
+                    f"{c.where}: mamba_n_heads x mamba_d_head = {heads * head_dim} but "
+                    f"mamba_expand x hidden_size = {inner}; the Mamba2 inner size must agree"
+                )
+        model = _model_dtype(c, o)
+        block = _block(o, 16)
+        page = (
+            _kv_fields(
+                attn,
+                block,
+                _kv_heads(c.integer("num_key_value_heads"), o.tp),
+                _head_dim(c),
+                _kv_dtype(o, model),
+            )
+            if attn
+            else []
+        )
+        state = (
+            _mamba2_fields(
+                layers=mamba,
+                heads=heads,
+                head_dim=head_dim,
+                state=c.integer("mamba_d_state"),
+                groups=c.integer("mamba_n_groups"),
+                kernel=c.integer("mamba_d_conv", lo=2),
+                tp=o.tp,
+                conv_dtype=model,
+                ssm_dtype=_ssm_dtype(c, o, model),
+            )
+            if mamba
+            else []
+        )
+        return _model(
+            name,
+            family,
+            o,
+            block,
+            page,
+            state,
+            attention=attn,
+            state_layers=mamba,
+            recurrent=mamba,
+        )
+
+    return build
+
+
 def _kimi_layers(c: ConfigReader) -> tuple[int, int, int, int, int]:
     """(MLA layers, KDA layers, KDA heads, head dim, conv kernel) from
     ``linear_attn_config`` (the original config) or transformers 5's flat fields."""
@@ -935,6 +1027,8 @@ _BUILDERS = {
     "qwen3_next": _qwen3_next,
     "mamba2": _mamba2,
     "nemotron_h": _nemotron_h,
+    "granitemoehybrid": _mamba2_hybrid("granitemoehybrid"),
+    "bamba": _mamba2_hybrid("bamba"),
     "kimi_linear": _kimi_linear,
     "deepseek_v4": _deepseek_v4,
 }

@@ -69,11 +69,15 @@ def _qwen3_next(c: ConfigReader) -> LinearStates:
     )
 
 
-def _mamba2_like(heads: str, head_dim: str, state: str) -> Callable[[ConfigReader], LinearStates]:
+def _mamba2_like(
+    heads: str, head_dim: str, state: str, groups: str = "n_groups", kernel: str = "conv_kernel"
+) -> Callable[[ConfigReader], LinearStates]:
+    """Mamba2 layers' states, read from the field names a family gives them."""
+
     def states(c: ConfigReader) -> LinearStates:
         h, d, n = c.integer(heads), c.integer(head_dim), c.integer(state)
-        channels = h * d + 2 * c.integer("n_groups") * n
-        return LinearStates((channels, c.integer("conv_kernel", lo=2)), (h, d, n))
+        channels = h * d + 2 * c.integer(groups) * n
+        return LinearStates((channels, c.integer(kernel, lo=2)), (h, d, n))
 
     return states
 
@@ -90,6 +94,13 @@ LINEAR_FAMILIES: dict[str, Callable[[ConfigReader], LinearStates]] = {
     "mamba2": _mamba2_like("num_heads", "head_dim", "state_size"),
     "nemotron_h": _mamba2_like("mamba_num_heads", "mamba_head_dim", "ssm_state_size"),
     "kimi_linear": _kimi_linear,
+    # IBM's Granite 4.0 hybrids and Bamba: Mamba2 layers with fields of their own.
+    "granitemoehybrid": _mamba2_like(
+        "mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_d_conv"
+    ),
+    "bamba": _mamba2_like(
+        "mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_d_conv"
+    ),
 }
 """model_type -> the states of its linear-attention layers (checked against transformers)."""
 
