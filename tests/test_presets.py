@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvarena.errors import InvalidValueError
 from kvarena.models import (
     PRESETS,
     ServingOptions,
@@ -396,9 +397,11 @@ def test_mamba2_hybrids_with_mamba_fields():
     # No attention named: every layer Mamba2, nothing pages.
     only = model_cache({k: v for k, v in bamba.items() if k != "attn_layer_indices"})
     assert (only.page_fields, only.state_layers) == ((), 40)
-    # TP 4 splits Mamba heads and the conv channels, and the 4 KV heads.
+    # TP 4 splits the Mamba heads and their channels and the 4 KV heads; the one
+    # group's B and C stay whole on every rank.
     tp = model_cache(GRANITE_H, ServingOptions(tp=4))
-    assert tp.state_bytes * 4 == m.state_bytes and tp.kv_bytes_per_token * 4 == m.kv_bytes_per_token
+    assert tp.kv_bytes_per_token * 4 == m.kv_bytes_per_token
+    assert tp.state_bytes == 38 * _mamba2_layer(12, 64, 128, 1, 4)
     for bad, words in [
         ({"attn_layer_indices": [5, 5]}, "names a layer twice"),
         ({"attn_layer_indices": [40]}, "'attn_layer_indices'"),
@@ -409,6 +412,23 @@ def test_mamba2_hybrids_with_mamba_fields():
             model_cache({**bamba, **bad})
     with pytest.raises(UnknownModelError, match=r"layer_types holds \['moe'\]"):
         model_cache({**GRANITE_H, "layer_types": ["moe"] * 40})
+
+
+def test_mamba2_groups_split_with_the_heads_or_are_replicated():
+    """A rank's conv state holds its heads' channels and the B and C of their
+    groups: groups that TP divides split with the heads, a single group is
+    whole on every rank (vLLM's ``extra_groups_for_head_shards``), any other
+    count is refused as vLLM's Mamba2 mixer refuses it."""
+    for tp in (1, 2, 8):
+        conv, ssm = model_cache("mamba2-2.7b", ServingOptions(tp=tp)).state_fields
+        assert conv.shape == (3, 5120 // tp + 2 * 1 * 128)  # n_groups 1: replicated
+        assert ssm.shape == (80 // tp, 64, 128)
+    for tp in (1, 4, 8):
+        conv, ssm = model_cache("nemotron-h-8b", ServingOptions(tp=tp)).state_fields
+        assert conv.shape == (3, (8192 + 2 * 8 * 128) // tp)  # n_groups 8: split
+        assert ssm.shape == (128 // tp, 64, 128)
+    with pytest.raises(InvalidValueError, match=r"n_groups = 8 is not divisible by .* 16"):
+        model_cache("nemotron-h-8b", ServingOptions(tp=16))
 
 
 def test_windowed_families_count_layers_from_layer_types():

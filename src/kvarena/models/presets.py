@@ -472,7 +472,22 @@ def _mamba2_fields(
     conv_dtype: torch.dtype,
     ssm_dtype: torch.dtype,
 ) -> list[EntryField]:
-    """Mamba2's conv and SSM states, split over ``tp`` ranks as vLLM splits them."""
+    """Mamba2's conv and SSM states, split over ``tp`` ranks as vLLM splits them.
+
+    The conv state holds the heads' channels and each group's B and C. A rank
+    needs the groups of its own heads: groups that ``tp`` divides split with
+    the heads; a single group is replicated on every rank (vLLM and SGLang
+    count it ``tp`` times: mamba2-2.7b at TP 8 keeps 640 + 2 x 128 channels
+    a rank, not (5,120 + 256) / 8); any other count is refused, as vLLM's
+    Mamba2 mixer refuses it.
+    """
+    if groups % tp:
+        if groups != 1:
+            raise InvalidValueError(
+                f"mamba n_groups = {groups} is not divisible by tensor-parallel size {tp} "
+                "(only a single group is replicated over the ranks)"
+            )
+        groups = tp
     intermediate = heads * head_dim
     conv_dim = _split(intermediate + 2 * groups * state, tp, "mamba conv dim")
     return [

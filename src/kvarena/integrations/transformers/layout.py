@@ -82,6 +82,14 @@ def _mamba2_like(
     return states
 
 
+def _jamba(c: ConfigReader) -> LinearStates:
+    # Mamba (1): a conv over the inner channels, and a [channels, state] SSM state.
+    inner = c.integer("mamba_expand") * c.integer("hidden_size")
+    return LinearStates(
+        (inner, c.integer("mamba_d_conv", lo=2)), (inner, c.integer("mamba_d_state"))
+    )
+
+
 def _kimi_linear(c: ConfigReader) -> LinearStates:
     h, d = c.integer("linear_num_heads"), c.integer("linear_head_dim")
     return LinearStates((3 * h * d, c.integer("linear_conv_kernel_dim", lo=2)), (h, d, d))
@@ -98,6 +106,7 @@ LINEAR_FAMILIES: dict[str, Callable[[ConfigReader], LinearStates]] = {
     "granitemoehybrid": _mamba2_like(
         "mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_d_conv"
     ),
+    "jamba": _jamba,
     "bamba": _mamba2_like(
         "mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_d_conv"
     ),
