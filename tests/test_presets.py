@@ -414,6 +414,38 @@ def test_mamba2_hybrids_with_mamba_fields():
         model_cache({**GRANITE_H, "layer_types": ["moe"] * 40})
 
 
+def test_jamba_mamba_layers_beside_attention():
+    """ai21labs/Jamba-v0.1 (and 1.5 Mini): every 8th layer from the 4th attends,
+    the 28 others are Mamba (1) layers with vLLM's mamba1 states in bf16: conv
+    (3, 8192) and SSM (8192, 16)."""
+    jamba = {
+        "architectures": ["JambaForCausalLM"],
+        "torch_dtype": "bfloat16",
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "attn_layer_period": 8,
+        "attn_layer_offset": 4,
+        "mamba_d_state": 16,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+    }
+    m = model_cache(jamba)
+    assert (m.family, m.attention_layers, m.state_layers, m.is_hybrid) == ("jamba", 4, 28, True)
+    assert m.kv_bytes_per_token == _kv(4, 8, 128)
+    assert m.state_bytes == 28 * 2 * (3 * 8192 + 8192 * 16)
+    fp32 = model_cache(jamba, ServingOptions(state_dtype="float32"))
+    assert {f.name: f.dtype for f in fp32.state_fields}["ssm_state"] == torch.float32
+    tp = model_cache(jamba, ServingOptions(tp=8))
+    assert [f.shape for f in tp.state_fields] == [(3, 1024), (1024, 16)]
+    # Transformers' defaults where the config names no period: 8 and 4.
+    bare = {k: v for k, v in jamba.items() if not k.startswith("attn_layer")}
+    assert model_cache(bare).attention_layers == 4
+    with pytest.raises(UnknownModelError, match="'attn_layer_offset'"):
+        model_cache({**jamba, "attn_layer_offset": 8})
+
+
 def test_mamba2_groups_split_with_the_heads_or_are_replicated():
     """A rank's conv state holds its heads' channels and the B and C of their
     groups: groups that TP divides split with the heads, a single group is

@@ -292,6 +292,7 @@ _FAMILY_BY_TYPE = {
     "nemotron_h": "nemotron_h",
     "granitemoehybrid": "granitemoehybrid",
     "bamba": "bamba",
+    "jamba": "jamba",
     "kimi_linear": "kimi_linear",
     "deepseek_v4": "deepseek_v4",
 }
@@ -323,6 +324,7 @@ _FAMILY_BY_ARCH = {
     "NemotronHForCausalLM": "nemotron_h",
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
     "BambaForCausalLM": "bamba",
+    "JambaForCausalLM": "jamba",
     "KimiLinearForCausalLM": "kimi_linear",
     "DeepseekV4ForCausalLM": "deepseek_v4",
 }
@@ -914,6 +916,46 @@ def _mamba2_hybrid(family: str) -> Callable[[str, ConfigReader, ServingOptions],
     return build
 
 
+def _jamba(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
+    """AI21's Jamba: Mamba (1) layers beside attention ones, layer ``i`` attending
+    when ``i % attn_layer_period == attn_layer_offset`` (transformers' defaults
+    8 and 4 where the config names neither). A Mamba layer keeps, as vLLM's
+    ``mamba1_state_shape``, a conv state of ``d_conv - 1`` rows over the inner
+    channels and a ``[inner, d_state]`` SSM state, both split over TP ranks."""
+    layers = c.integer("num_hidden_layers", hi=MAX_LAYERS)
+    period = c.integer("attn_layer_period", hi=MAX_LAYERS, default=8)
+    offset = c.integer("attn_layer_offset", lo=0, hi=period - 1, default=4)
+    attn = len(range(offset, layers, period))
+    mamba = layers - attn
+    model = _model_dtype(c, o)
+    block = _block(o, 16)
+    page = (
+        _kv_fields(
+            attn,
+            block,
+            _kv_heads(c.integer("num_key_value_heads"), o.tp),
+            _head_dim(c),
+            _kv_dtype(o, model),
+        )
+        if attn
+        else []
+    )
+    inner = _split(c.integer("mamba_expand") * c.integer("hidden_size"), o.tp, "mamba inner size")
+    state = (
+        [
+            EntryField("conv_state", mamba, (c.integer("mamba_d_conv", lo=2) - 1, inner), model),
+            EntryField(
+                "ssm_state", mamba, (inner, c.integer("mamba_d_state")), _ssm_dtype(c, o, model)
+            ),
+        ]
+        if mamba
+        else []
+    )
+    return _model(
+        name, "jamba", o, block, page, state, attention=attn, state_layers=mamba, recurrent=mamba
+    )
+
+
 def _kimi_layers(c: ConfigReader) -> tuple[int, int, int, int, int]:
     """(MLA layers, KDA layers, KDA heads, head dim, conv kernel) from
     ``linear_attn_config`` (the original config) or transformers 5's flat fields."""
@@ -1044,6 +1086,7 @@ _BUILDERS = {
     "nemotron_h": _nemotron_h,
     "granitemoehybrid": _mamba2_hybrid("granitemoehybrid"),
     "bamba": _mamba2_hybrid("bamba"),
+    "jamba": _jamba,
     "kimi_linear": _kimi_linear,
     "deepseek_v4": _deepseek_v4,
 }
