@@ -458,6 +458,17 @@ def _kv_fields(
     ]
 
 
+def _attention_pages(
+    c: ConfigReader, o: ServingOptions, layers: int, block: int, model: torch.dtype
+) -> list[EntryField]:
+    """K and V pages of a hybrid's ``layers`` GQA attention layers; none (and no
+    attention field read) when it has none."""
+    if not layers:
+        return []
+    heads = _kv_heads(c.integer("num_key_value_heads"), o.tp)
+    return _kv_fields(layers, block, heads, _head_dim(c), _kv_dtype(o, model))
+
+
 def _per_layer(fields: list[EntryField]) -> int:
     return sum(f.bytes_per_layer for f in fields)
 
@@ -797,13 +808,7 @@ def _nemotron_h(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
     mamba, attn = pattern.count("M"), pattern.count("*")
     model = _model_dtype(c, o)
     block = _block(o, 16)
-    page = _kv_fields(
-        attn,
-        block,
-        _kv_heads(c.integer("num_key_value_heads"), o.tp),
-        _head_dim(c),
-        _kv_dtype(o, model),
-    )
+    page = _attention_pages(c, o, attn, block, model)
     state = _mamba2_fields(
         layers=mamba,
         heads=c.integer("mamba_num_heads"),
@@ -875,17 +880,7 @@ def _mamba2_hybrid(family: str) -> Callable[[str, ConfigReader, ServingOptions],
                 )
         model = _model_dtype(c, o)
         block = _block(o, 16)
-        page = (
-            _kv_fields(
-                attn,
-                block,
-                _kv_heads(c.integer("num_key_value_heads"), o.tp),
-                _head_dim(c),
-                _kv_dtype(o, model),
-            )
-            if attn
-            else []
-        )
+        page = _attention_pages(c, o, attn, block, model)
         state = (
             _mamba2_fields(
                 layers=mamba,
@@ -929,17 +924,7 @@ def _jamba(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
     mamba = layers - attn
     model = _model_dtype(c, o)
     block = _block(o, 16)
-    page = (
-        _kv_fields(
-            attn,
-            block,
-            _kv_heads(c.integer("num_key_value_heads"), o.tp),
-            _head_dim(c),
-            _kv_dtype(o, model),
-        )
-        if attn
-        else []
-    )
+    page = _attention_pages(c, o, attn, block, model)
     inner = _split(c.integer("mamba_expand") * c.integer("hidden_size"), o.tp, "mamba inner size")
     state = (
         [
