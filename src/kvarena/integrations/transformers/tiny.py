@@ -30,6 +30,10 @@ _GATED_DELTANET = dict(
     linear_value_head_dim=16,
 )
 """The Gated DeltaNet layers' fields Qwen3-Next and Qwen3.5 share."""
+_MAMBA2_FIELDS = dict(
+    mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1, mamba_expand=2
+)
+"""The Mamba2 layers' fields Granite 4.0 hybrids and Bamba share."""
 
 TINY: dict[str, dict[str, Any]] = {
     "llama": dict(num_hidden_layers=2),
@@ -84,22 +88,14 @@ TINY: dict[str, dict[str, Any]] = {
     "granitemoehybrid": dict(
         num_hidden_layers=4,
         layer_types=["mamba", "attention", "mamba", "mamba"],
-        mamba_n_heads=8,
-        mamba_d_head=16,
-        mamba_d_state=16,
-        mamba_n_groups=1,
-        mamba_expand=2,
+        **_MAMBA2_FIELDS,
         num_local_experts=4,
         num_experts_per_tok=2,
     ),
     "bamba": dict(
         num_hidden_layers=4,
         attn_layer_indices=[2],
-        mamba_n_heads=8,
-        mamba_d_head=16,
-        mamba_d_state=16,
-        mamba_n_groups=1,
-        mamba_expand=2,
+        **_MAMBA2_FIELDS,
     ),
     "jamba": dict(
         num_hidden_layers=4,
