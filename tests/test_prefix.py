@@ -278,3 +278,28 @@ def test_tails_age_first_and_an_image_goes_with_its_last_block():
     assert pc.images == 0 and pc.metrics.evicted_images == 1
     pc.check_books()
     assert pc.lookup(np.arange(30)).tokens == 0
+
+
+def test_a_dropped_prefix_cache_frees_its_cache_at_once():
+    """The allocator's callbacks hold the prefix cache weakly: dropping it frees
+    the cache (and its buffer) by reference counting, not at the next cyclic
+    collection, so replays in a row do not each keep a budget's worth of
+    memory. While it lives, evictions still reach it."""
+    import gc
+    import weakref
+
+    pc = make()
+    run(pc, "a", np.arange(16))
+    pc.finish("a")
+    cached = [b for b in range(pc.cache.num_blocks) if pc.cache.blocks.is_evictable(b)]
+    assert cached
+    before = pc.metrics.evicted_blocks + pc.metrics.evicted_images
+    pc.cache.blocks.evict(cached[0])
+    assert pc.metrics.evicted_blocks + pc.metrics.evicted_images == before + 1
+    ref = weakref.ref(pc.cache)
+    gc.disable()
+    try:
+        del pc
+        assert ref() is None
+    finally:
+        gc.enable()

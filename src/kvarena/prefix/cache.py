@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import enum
 import warnings
-from collections.abc import Hashable, Sequence
+import weakref
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -147,6 +148,25 @@ class Admission:
     images: list[Image] = field(default_factory=list)  # written by this request, held by it
 
 
+def _weakly(method: Callable[..., None]) -> Callable[..., None]:
+    """``method``, called through a weak reference to its object.
+
+    The prefix cache owns its :class:`UnifiedCache`; a callback holding the
+    prefix cache strongly would close a cycle (prefix cache -> cache ->
+    allocator -> callback -> prefix cache) that only Python's cyclic collector
+    frees, and the cache's buffer with it: three replays of a 2 GiB budget in
+    a row held 6 GiB until a collection ran. Once the prefix cache is gone,
+    nothing is left to tell."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return call
+
+
 class PrefixCache:
     """A prefix cache over one :class:`UnifiedCache`, built from a plan (the one road)."""
 
@@ -176,10 +196,10 @@ class PrefixCache:
         self.cache = UnifiedCache.from_plan(
             plan,
             device,
-            on_evict=self._evicted,
-            before_evict=self._evicting if self.tiers else None,
+            on_evict=_weakly(self._evicted),
+            before_evict=_weakly(self._evicting) if self.tiers else None,
         )
-        self.cache.add_move_listener(self._moved)
+        self.cache.add_move_listener(_weakly(self._moved))
         self.block_size = plan.block_size
         self.has_kv = bool(plan.page_fields)
         self.has_state = bool(plan.state_fields)
