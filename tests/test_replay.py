@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from kvarena import EntryField, ModelCache
+from kvarena import EntryField, InvalidValueError, ModelCache
 from kvarena.prefix import CheckpointPolicy
 from kvarena.replay import (
     MOONCAKE_BLOCK,
     ReplayConfig,
     TraceError,
     compare,
+    host_memory_available,
     infinite_bound,
     load_trace,
     parse_trace,
@@ -196,3 +197,27 @@ def test_replay_command(tmp_path):
     bad.write_text('{"timestamp": 0, "input_length": 9999, "hash_ids": [1]}\n')
     out = subprocess.run([*args[:4], str(bad)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "bad.jsonl:1" in out.stderr
+    # A verified replay larger than the host's memory: one line, before any allocation.
+    huge = [*args[:5], "--verify", "--memory", "64TiB"]
+    out = subprocess.run(huge, capture_output=True, text=True, timeout=300)
+    if host_memory_available() is not None:
+        assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+        assert "B available; replay a smaller budget (--memory)" in out.stderr
+
+
+@pytest.mark.skipif(host_memory_available() is None, reason="the host says nothing of its memory")
+def test_a_verified_replay_beyond_host_memory_is_refused_before_it_starts():
+    """Real bytes of a budget the host cannot hold would end in the kernel killing
+    the replay once the cache fills: refused at the door, in both entry points;
+    the same budget without real bytes (bookkeeping on the meta device) runs."""
+    trace = parse_trace(synthetic_lines(1, conversations=2))
+    available = host_memory_available()
+    assert available is not None and available > 0
+    cfg = ReplayConfig(budget_bytes=available + (1 << 30), max_seqs=2, verify=True)
+    for run in (lambda: replay(SMALL, trace, cfg), lambda: compare(SMALL, trace, cfg)):
+        with pytest.raises(InvalidValueError, match="host memory, but this host has"):
+            run()
+    fits = replay(SMALL, trace, ReplayConfig(budget_bytes=cfg.budget_bytes, max_seqs=2))
+    assert fits.requests == len(trace) and fits.verified_blocks == 0
+    with pytest.raises(InvalidValueError, match="budget_bytes"):
+        replay(SMALL, trace, ReplayConfig(budget_bytes="lots", max_seqs=2, verify=True))

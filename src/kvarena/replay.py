@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .checks import check_count
+from .checks import check_bytes, check_count
 from .errors import InvalidValueError
 from .models import ModelCache
 from .pools import BlockAllocationError, StateAllocationError, plan_cache
@@ -354,12 +354,42 @@ class _Replay:
         return r
 
 
+def host_memory_available() -> int | None:
+    """Bytes the kernel says can be allocated without swapping (``MemAvailable``),
+    or None where it does not say (no ``/proc/meminfo``)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _check_host_memory(cfg: ReplayConfig) -> None:
+    """A verified replay writes real bytes into a CPU cache of the whole budget,
+    and a prefix cache keeps what it computed until it must evict: a budget
+    above the host's available memory ends in the kernel killing the process
+    once the cache fills, so it is refused before anything is allocated."""
+    if not cfg.verify:
+        return
+    budget = check_bytes(cfg.budget_bytes, "replay: budget_bytes", lo=1)
+    available = host_memory_available()
+    if available is not None and budget > available:
+        raise InvalidValueError(
+            f"a verified replay keeps the cache's {budget:,} B in host memory, but this host "
+            f"has {available:,} B available; replay a smaller budget (--memory)"
+        )
+
+
 def replay(
     model: ModelCache, trace: Sequence[TraceRequest], cfg: ReplayConfig, *, label: str = "kvarena"
 ) -> ReplayResult:
     """Replay ``trace`` through a prefix cache planned for ``model`` in ``cfg.budget_bytes``."""
     if not isinstance(model, ModelCache):
         raise InvalidValueError(f"replay: model must be a ModelCache, got {type(model).__name__}")
+    _check_host_memory(cfg)
     return _Replay(model, trace, cfg, label).run()
 
 
@@ -405,6 +435,7 @@ def compare(
             "compare runs several policies over one trace; with tiers they would share (and "
             "warm) the same disk and store. Replay with --tier without --compare"
         )
+    _check_host_memory(cfg)
     rows = [replay(model, trace, cfg, label=f"kvarena ({cfg.policy.describe()})")]
     if model.state_fields and model.page_fields:
         align = replace(cfg, policy=CheckpointPolicy(end=True, branch=False))
