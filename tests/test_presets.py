@@ -446,6 +446,38 @@ def test_jamba_mamba_layers_beside_attention():
         model_cache({**jamba, "attn_layer_offset": 8})
 
 
+def test_lfm2_short_conv_layers_beside_attention():
+    """Shaped like LiquidAI/LFM2-1.2B: 6 of 16 layers attend (``full_attn_idxs`` in
+    the first configs, ``layer_types`` later); each of the 10 conv layers keeps
+    vLLM's short-conv state, (conv_L_cache - 1, hidden / TP) in the model dtype."""
+    lfm2 = {
+        "architectures": ["Lfm2ForCausalLM"],
+        "torch_dtype": "bfloat16",
+        "num_hidden_layers": 16,
+        "hidden_size": 2048,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "conv_L_cache": 3,
+        "full_attn_idxs": [2, 5, 8, 10, 12, 14],
+    }
+    m = model_cache(lfm2)
+    assert (m.family, m.attention_layers, m.state_layers, m.recurrent_layers) == ("lfm2", 6, 10, 10)
+    assert m.kv_bytes_per_token == _kv(6, 8, 64)
+    assert m.state_bytes == 10 * 2 * 2048 * 2
+    kinds = ["full_attention" if i in lfm2["full_attn_idxs"] else "conv" for i in range(16)]
+    named = {k: v for k, v in lfm2.items() if k != "full_attn_idxs"}
+    assert model_cache({**named, "layer_types": kinds}).state_fields == m.state_fields
+    (conv,) = model_cache(lfm2, ServingOptions(tp=4)).state_fields
+    assert conv.shape == (2, 512) and conv.dtype == torch.bfloat16
+    for bad, words in [
+        ({"full_attn_idxs": [2, 2]}, "names a layer twice"),
+        ({"full_attn_idxs": [16]}, "'full_attn_idxs'"),
+        ({"conv_L_cache": 1}, "'conv_L_cache'"),
+    ]:
+        with pytest.raises(UnknownModelError, match=words):
+            model_cache({**lfm2, **bad})
+
+
 def test_mamba2_groups_split_with_the_heads_or_are_replicated():
     """A rank's conv state holds its heads' channels and the B and C of their
     groups: groups that TP divides split with the heads, a single group is

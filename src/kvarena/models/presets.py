@@ -293,6 +293,8 @@ _FAMILY_BY_TYPE = {
     "granitemoehybrid": "granitemoehybrid",
     "bamba": "bamba",
     "jamba": "jamba",
+    "lfm2": "lfm2",
+    "lfm2_moe": "lfm2",
     "kimi_linear": "kimi_linear",
     "deepseek_v4": "deepseek_v4",
 }
@@ -325,6 +327,8 @@ _FAMILY_BY_ARCH = {
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
     "BambaForCausalLM": "bamba",
     "JambaForCausalLM": "jamba",
+    "Lfm2ForCausalLM": "lfm2",
+    "Lfm2MoeForCausalLM": "lfm2",
     "KimiLinearForCausalLM": "kimi_linear",
     "DeepseekV4ForCausalLM": "deepseek_v4",
 }
@@ -941,6 +945,35 @@ def _jamba(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
     )
 
 
+_LFM2_KINDS = ("conv", "full_attention")
+
+
+def _lfm2(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
+    """Liquid's LFM2: gated short-convolution layers beside attention ones
+    (``layer_types``, or ``full_attn_idxs`` in the first configs). A conv layer
+    keeps only its convolution's last ``conv_L_cache - 1`` inputs over the
+    hidden channels, vLLM's ``short_conv_state_shape``, in the model dtype."""
+    layers = c.integer("num_hidden_layers", hi=MAX_LAYERS)
+    if c.has("layer_types"):
+        attn = c.layer_kinds(layers, _LFM2_KINDS).count("full_attention")
+    else:
+        indices = c.int_list("full_attn_idxs", lo=0, hi=layers - 1, max_len=layers)
+        if len(set(indices)) != len(indices):
+            raise ConfigError(f"{c.where}: full_attn_idxs names a layer twice: {indices}")
+        attn = len(indices)
+    convs = layers - attn
+    model = _model_dtype(c, o)
+    block = _block(o, 16)
+    page = _attention_pages(c, o, attn, block, model)
+    channels = _split(c.integer("hidden_size"), o.tp, "hidden_size")
+    state = [
+        EntryField("conv_state", convs, (c.integer("conv_L_cache", lo=2) - 1, channels), model)
+    ]
+    return _model(
+        name, "lfm2", o, block, page, state, attention=attn, state_layers=convs, recurrent=convs
+    )
+
+
 def _kimi_layers(c: ConfigReader) -> tuple[int, int, int, int, int]:
     """(MLA layers, KDA layers, KDA heads, head dim, conv kernel) from
     ``linear_attn_config`` (the original config) or transformers 5's flat fields."""
@@ -1072,6 +1105,7 @@ _BUILDERS = {
     "granitemoehybrid": _mamba2_hybrid("granitemoehybrid"),
     "bamba": _mamba2_hybrid("bamba"),
     "jamba": _jamba,
+    "lfm2": _lfm2,
     "kimi_linear": _kimi_linear,
     "deepseek_v4": _deepseek_v4,
 }

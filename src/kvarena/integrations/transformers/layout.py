@@ -107,6 +107,10 @@ LINEAR_FAMILIES: dict[str, Callable[[ConfigReader], LinearStates]] = {
         "mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_d_conv"
     ),
     "jamba": _jamba,
+    # LFM2's gated short convolutions: a conv over the hidden channels, no recurrence.
+    "lfm2": lambda c: LinearStates(
+        (c.integer("hidden_size"), c.integer("conv_L_cache", lo=2)), None
+    ),
     "bamba": _mamba2_like(
         "mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_d_conv"
     ),

@@ -110,6 +110,11 @@ TINY: dict[str, dict[str, Any]] = {
         mamba_dt_rank=8,
         use_mamba_kernels=False,
     ),
+    "lfm2": dict(
+        num_hidden_layers=4,
+        layer_types=["conv", "full_attention", "conv", "conv"],
+        conv_L_cache=3,
+    ),
     "deepseek_v3": dict(
         num_hidden_layers=2,
         num_key_value_heads=4,
