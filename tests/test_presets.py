@@ -414,6 +414,34 @@ def test_mamba2_hybrids_with_mamba_fields():
         model_cache({**GRANITE_H, "layer_types": ["moe"] * 40})
 
 
+def test_falcon_h1_layers_attend_and_keep_mamba2_states():
+    """Falcon-H1 runs attention and Mamba2 side by side in every layer (here
+    transformers' FalconH1Config defaults): all 32 layers page and all keep a
+    state, sized by vLLM from mamba_d_ssm: conv (3, 1024 + 2 x 256)."""
+    falcon = {
+        "model_type": "falcon_h1",
+        "torch_dtype": "bfloat16",
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "mamba_d_ssm": 1024,
+        "mamba_n_heads": 128,
+        "mamba_d_head": 8,
+        "mamba_n_groups": 1,
+        "mamba_d_state": 256,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+    }
+    m = model_cache(falcon)
+    assert (m.attention_layers, m.state_layers, m.recurrent_layers) == (32, 32, 32)
+    assert m.kv_bytes_per_token == _kv(32, 8, 128)
+    assert m.state_bytes == 32 * _mamba2_layer(128, 8, 256, 1, 4)
+    assert [f.shape for f in m.state_fields] == [(3, 1536), (128, 8, 256)]
+    with pytest.raises(UnknownModelError, match="mamba_d_ssm = 2048; the Mamba2 inner size"):
+        model_cache({**falcon, "mamba_d_ssm": 2048})
+
+
 def test_jamba_mamba_layers_beside_attention():
     """ai21labs/Jamba-v0.1 (and 1.5 Mini): every 8th layer from the 4th attends,
     the 28 others are Mamba (1) layers with vLLM's mamba1 states in bf16: conv

@@ -292,6 +292,7 @@ _FAMILY_BY_TYPE = {
     "nemotron_h": "nemotron_h",
     "granitemoehybrid": "granitemoehybrid",
     "bamba": "bamba",
+    "falcon_h1": "falcon_h1",
     "jamba": "jamba",
     "lfm2": "lfm2",
     "lfm2_moe": "lfm2",
@@ -326,6 +327,7 @@ _FAMILY_BY_ARCH = {
     "NemotronHForCausalLM": "nemotron_h",
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
     "BambaForCausalLM": "bamba",
+    "FalconH1ForCausalLM": "falcon_h1",
     "JambaForCausalLM": "jamba",
     "Lfm2ForCausalLM": "lfm2",
     "Lfm2MoeForCausalLM": "lfm2",
@@ -862,26 +864,34 @@ def _hybrid_attention_layers(c: ConfigReader, layers: int) -> int:
     return 0
 
 
-def _mamba2_hybrid(family: str) -> Callable[[str, ConfigReader, ServingOptions], ModelCache]:
+def _mamba2_hybrid(
+    family: str, *, parallel: bool = False
+) -> Callable[[str, ConfigReader, ServingOptions], ModelCache]:
     """Mamba2 layers beside attention layers, with ``mamba_*`` fields (IBM
-    Granite 4.0's ``granitemoehybrid``, Bamba): the attention layers page, each
-    Mamba2 layer keeps a conv and an SSM state per request, shaped as for
-    Nemotron-H."""
+    Granite 4.0's ``granitemoehybrid``, Bamba), or inside every attention layer
+    (``parallel``: TII's Falcon-H1, whose layers run both side by side): the
+    attention layers page, each Mamba2 layer keeps a conv and an SSM state per
+    request, shaped as for Nemotron-H."""
 
     def build(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
         layers = c.integer("num_hidden_layers", hi=MAX_LAYERS)
-        attn = _hybrid_attention_layers(c, layers)
-        mamba = layers - attn
+        attn = layers if parallel else _hybrid_attention_layers(c, layers)
+        mamba = layers if parallel else layers - attn
         heads, head_dim = c.integer("mamba_n_heads"), c.integer("mamba_d_head")
-        if c.has("mamba_expand"):
-            # vLLM sizes the conv state from mamba_expand x hidden_size and the
-            # SSM state from the heads: a config where they differ is not guessed at.
+        # vLLM sizes the conv state from the inner size (Falcon-H1's mamba_d_ssm,
+        # else mamba_expand x hidden_size) and the SSM state from the heads: a
+        # config where the two differ is not guessed at.
+        inner, said = None, ""
+        if c.has("mamba_d_ssm"):
+            inner, said = c.integer("mamba_d_ssm"), "mamba_d_ssm"
+        elif c.has("mamba_expand"):
             inner = c.integer("mamba_expand") * c.integer("hidden_size")
-            if inner != heads * head_dim:
-                raise ConfigError(
-                    f"{c.where}: mamba_n_heads x mamba_d_head = {heads * head_dim} but "
-                    f"mamba_expand x hidden_size = {inner}; the Mamba2 inner size must agree"
-                )
+            said = "mamba_expand x hidden_size"
+        if inner is not None and inner != heads * head_dim:
+            raise ConfigError(
+                f"{c.where}: mamba_n_heads x mamba_d_head = {heads * head_dim} but {said} = "
+                f"{inner}; the Mamba2 inner size must agree"
+            )
         model = _model_dtype(c, o)
         block = _block(o, 16)
         page = _attention_pages(c, o, attn, block, model)
@@ -1104,6 +1114,7 @@ _BUILDERS = {
     "nemotron_h": _nemotron_h,
     "granitemoehybrid": _mamba2_hybrid("granitemoehybrid"),
     "bamba": _mamba2_hybrid("bamba"),
+    "falcon_h1": _mamba2_hybrid("falcon_h1", parallel=True),
     "jamba": _jamba,
     "lfm2": _lfm2,
     "kimi_linear": _kimi_linear,
