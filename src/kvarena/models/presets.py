@@ -464,6 +464,43 @@ def _kv_fields(
     ]
 
 
+MAMBA2_NEMOTRON_FIELDS = (
+    "mamba_num_heads",
+    "mamba_head_dim",
+    "ssm_state_size",
+    "n_groups",
+    "conv_kernel",
+)
+"""Where Nemotron-H's config names its Mamba2 heads, head dim, state size, groups
+and conv kernel."""
+MAMBA2_PREFIXED_FIELDS = (
+    "mamba_n_heads",
+    "mamba_d_head",
+    "mamba_d_state",
+    "mamba_n_groups",
+    "mamba_d_conv",
+)
+"""The same, as Granite 4.0 hybrids, Bamba and Falcon-H1 name them."""
+
+
+def _mamba2_states(
+    c: ConfigReader, o: ServingOptions, layers: int, model: torch.dtype, names: tuple[str, ...]
+) -> list[EntryField]:
+    """Mamba2 states of ``layers`` layers, read from the fields ``names`` says."""
+    heads, head_dim, state, groups, kernel = names
+    return _mamba2_fields(
+        layers=layers,
+        heads=c.integer(heads),
+        head_dim=c.integer(head_dim),
+        state=c.integer(state),
+        groups=c.integer(groups),
+        kernel=c.integer(kernel, lo=2),
+        tp=o.tp,
+        conv_dtype=model,
+        ssm_dtype=_ssm_dtype(c, o, model),
+    )
+
+
 def _attention_pages(
     c: ConfigReader, o: ServingOptions, layers: int, block: int, model: torch.dtype
 ) -> list[EntryField]:
@@ -815,17 +852,7 @@ def _nemotron_h(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
     model = _model_dtype(c, o)
     block = _block(o, 16)
     page = _attention_pages(c, o, attn, block, model)
-    state = _mamba2_fields(
-        layers=mamba,
-        heads=c.integer("mamba_num_heads"),
-        head_dim=c.integer("mamba_head_dim"),
-        state=c.integer("ssm_state_size"),
-        groups=c.integer("n_groups"),
-        kernel=c.integer("conv_kernel", lo=2),
-        tp=o.tp,
-        conv_dtype=model,
-        ssm_dtype=_ssm_dtype(c, o, model),
-    )
+    state = _mamba2_states(c, o, mamba, model, MAMBA2_NEMOTRON_FIELDS)
     return _model(
         name,
         "nemotron_h",
@@ -895,21 +922,7 @@ def _mamba2_hybrid(
         model = _model_dtype(c, o)
         block = _block(o, 16)
         page = _attention_pages(c, o, attn, block, model)
-        state = (
-            _mamba2_fields(
-                layers=mamba,
-                heads=heads,
-                head_dim=head_dim,
-                state=c.integer("mamba_d_state"),
-                groups=c.integer("mamba_n_groups"),
-                kernel=c.integer("mamba_d_conv", lo=2),
-                tp=o.tp,
-                conv_dtype=model,
-                ssm_dtype=_ssm_dtype(c, o, model),
-            )
-            if mamba
-            else []
-        )
+        state = _mamba2_states(c, o, mamba, model, MAMBA2_PREFIXED_FIELDS) if mamba else []
         return _model(
             name,
             family,

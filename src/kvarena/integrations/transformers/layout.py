@@ -35,6 +35,7 @@ from ...errors import InvalidValueError
 from ...layout import EntryField
 from ...models import ModelCache, ServingOptions
 from ...models.config import MAX_DIM, ConfigReader, UnknownModelError
+from ...models.presets import MAMBA2_NEMOTRON_FIELDS, MAMBA2_PREFIXED_FIELDS
 
 PAGED, RING, LINEAR, NONE = "paged", "ring", "linear", "none"
 _KIND_OF = {
@@ -100,19 +101,15 @@ LINEAR_FAMILIES: dict[str, Callable[[ConfigReader], LinearStates]] = {
     "qwen3_5_text": _qwen3_next,  # Qwen3.5 keeps Qwen3-Next's Gated DeltaNet
     "qwen3_5_moe_text": _qwen3_next,
     "mamba2": _mamba2_like("num_heads", "head_dim", "state_size"),
-    "nemotron_h": _mamba2_like("mamba_num_heads", "mamba_head_dim", "ssm_state_size"),
+    "nemotron_h": _mamba2_like(*MAMBA2_NEMOTRON_FIELDS),
     "kimi_linear": _kimi_linear,
     # IBM's Granite 4.0 hybrids and Bamba: Mamba2 layers with fields of their own.
-    "granitemoehybrid": _mamba2_like(
-        "mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_d_conv"
-    ),
+    "granitemoehybrid": _mamba2_like(*MAMBA2_PREFIXED_FIELDS),
+    "bamba": _mamba2_like(*MAMBA2_PREFIXED_FIELDS),
     "jamba": _jamba,
     # LFM2's gated short convolutions: a conv over the hidden channels, no recurrence.
     "lfm2": lambda c: LinearStates(
         (c.integer("hidden_size"), c.integer("conv_L_cache", lo=2)), None
-    ),
-    "bamba": _mamba2_like(
-        "mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_d_conv"
     ),
 }
 """model_type -> the states of its linear-attention layers (checked against transformers)."""
