@@ -116,6 +116,12 @@ def test_tensor_parallel_splits_heads_and_replicates_kv_heads():
     assert model_cache("llama-3.1-8b", ServingOptions(tp=2)).kv_bytes_per_token == 131_072 // 2
     with pytest.raises(ValueError, match="not divisible by tensor-parallel size 3"):
         model_cache("mamba2-2.7b", ServingOptions(tp=3))
+    # 8 KV heads: TP 16 replicates each on two ranks; TP 12 fits neither way.
+    assert model_cache("llama-3.1-8b", ServingOptions(tp=16)).page_fields[0].shape == (16, 1, 128)
+    with pytest.raises(
+        InvalidValueError, match="num_key_value_heads = 8 and tensor-parallel size 12"
+    ):
+        model_cache("llama-3.1-8b", ServingOptions(tp=12))
 
 
 def test_kimi_recurrent_state_is_fp32_by_default():

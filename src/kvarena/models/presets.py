@@ -445,8 +445,15 @@ def _split(n: int, tp: int, what: str) -> int:
 
 
 def _kv_heads(n: int, tp: int) -> int:
-    """KV heads per rank: split when they divide, replicated when tp exceeds them."""
+    """KV heads per rank: split when TP divides them, one replicated head a rank
+    when TP is a multiple of them (vLLM's QKV projection: ``tp / n`` replicas of
+    each head); any other TP size is refused, as vLLM refuses it."""
     if tp >= n:
+        if tp % n:
+            raise InvalidValueError(
+                f"num_key_value_heads = {n} and tensor-parallel size {tp}: the heads must "
+                "split evenly over the ranks or each be replicated on a whole number of them"
+            )
         return 1
     return _split(n, tp, "num_key_value_heads")
 
