@@ -529,6 +529,45 @@ def test_mamba2_groups_split_with_the_heads_or_are_replicated():
         model_cache("nemotron-h-8b", ServingOptions(tp=16))
 
 
+def test_llama4_chunked_layers_keep_a_ring_of_one_chunk():
+    """meta-llama/Llama-4-Scout-17B-16E: 3 of every 4 layers attend within 8,192-token
+    chunks (the RoPE layers; every 4th is global and NoPE). A chunked layer never
+    reads past its chunk, so it keeps a ring of one chunk per request; the 12 global
+    layers page. ``no_rope_layers`` (1 = chunked) wins over the interval; an empty
+    list, as the hub's config has it, means the interval."""
+    text = {
+        "model_type": "llama4_text",
+        "num_hidden_layers": 48,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "hidden_size": 5120,
+        "attention_chunk_size": 8192,
+        "no_rope_layers": [],
+    }
+    scout = {"model_type": "llama4", "torch_dtype": "bfloat16", "text_config": text}
+    m = model_cache(scout)
+    assert (m.family, m.attention_layers, m.state_layers) == ("llama4", 12, 36)
+    assert m.kv_bytes_per_token == _kv(12, 8, 128)
+    assert m.state_bytes == 8192 * _kv(36, 8, 128)
+    (note,) = m.notes
+    assert "36 chunked-attention layers keep a 8192-token K/V ring" in note
+    flags = [0] * 8 + [1] * 40
+    listed = model_cache({**scout, "text_config": {**text, "no_rope_layers": flags}})
+    assert (listed.attention_layers, listed.state_layers) == (8, 40)
+    kinds = ["chunked_attention" if f else "full_attention" for f in flags]
+    typed = model_cache({**scout, "text_config": {**text, "layer_types": kinds}})
+    assert typed.state_fields == listed.state_fields
+    for bad, words in [
+        ({"no_rope_layers": [1, 0]}, "no_rope_layers names 2 layers"),
+        ({"no_rope_layers": [2] * 48}, "'no_rope_layers'"),
+        ({"layer_types": ["sliding_attention"] * 48}, "layer_types holds"),
+        ({"attention_chunk_size": 0}, "'attention_chunk_size'"),
+    ]:
+        with pytest.raises(UnknownModelError, match=words):
+            model_cache({**scout, "text_config": {**text, **bad}})
+
+
 def test_windowed_families_count_layers_from_layer_types():
     """``layer_types`` wins over a pattern, whatever the order of the kinds; a
     config that names no sliding layer keeps no ring and says nothing."""

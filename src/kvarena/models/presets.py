@@ -279,6 +279,8 @@ _FAMILY_BY_TYPE = {
     "gemma2": "gemma2",
     "gpt_oss": "gpt_oss",
     "cohere2": "cohere2",
+    "llama4": "llama4",
+    "llama4_text": "llama4",
     "gemma3": "gemma3",
     "gemma3_text": "gemma3",
     "deepseek_v2": "mla",
@@ -315,6 +317,8 @@ _FAMILY_BY_ARCH = {
     "Gemma2ForCausalLM": "gemma2",
     "GptOssForCausalLM": "gpt_oss",
     "Cohere2ForCausalLM": "cohere2",
+    "Llama4ForCausalLM": "llama4",
+    "Llama4ForConditionalGeneration": "llama4",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",
     "DeepseekV3ForCausalLM": "mla",
@@ -654,29 +658,58 @@ def _gqa(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
     return _model(name, "gqa", o, block, page, [], attention=layers, state_layers=0, notes=notes)
 
 
-def _windowed(
-    family: str, pattern_default: int
-) -> Callable[[str, ConfigReader, ServingOptions], ModelCache]:
-    """A family whose sliding-window layers keep a per-request K/V ring and
-    whose global layers page (Gemma 2/3, gpt-oss, Command R7B).
+@dataclass(frozen=True)
+class _Local:
+    """How a family names its local (window-bounded) layers: their kind in
+    ``layer_types`` and in the plan's note, the config field of their window,
+    the field of the every-n-th-is-global pattern (and its default where the
+    config names none), and a per-layer 0/1 list whose 0s are the global
+    layers."""
 
-    A local layer never reads past its window, so a ring of ``window`` tokens
-    per request is all it needs, however long the context: the capacity the
-    global layers page is not spent on it. ``layer_types`` names each layer's
-    kind where the config has it; otherwise every ``sliding_window_pattern``-th
-    layer is global (``pattern_default`` when the config names no pattern:
-    Gemma 3 6, Gemma 2 and gpt-oss 2, Cohere2 4).
+    kind: str = "sliding_attention"
+    label: str = "sliding-window"
+    window: str = "sliding_window"
+    pattern: str = "sliding_window_pattern"
+    pattern_default: int = 6
+    flags: str | None = None
+
+
+def _global_layers(t: ConfigReader, layers: int, local: _Local) -> int:
+    if t.has("layer_types"):
+        return t.layer_kinds(layers, ("full_attention", local.kind)).count("full_attention")
+    if local.flags is not None and t.has(local.flags) and t.data[local.flags] != []:
+        flags = t.int_list(local.flags, lo=0, hi=1, max_len=layers)
+        if len(flags) != layers:
+            raise ConfigError(
+                f"{t.where}: {local.flags} names {len(flags)} layers but num_hidden_layers "
+                f"is {layers}"
+            )
+        return flags.count(0)
+    pattern = t.integer(local.pattern, hi=MAX_LAYERS, default=local.pattern_default)
+    return layers // pattern  # every pattern-th layer is global
+
+
+def _windowed(
+    family: str, local: _Local
+) -> Callable[[str, ConfigReader, ServingOptions], ModelCache]:
+    """A family whose local layers keep a per-request K/V ring and whose global
+    layers page (Gemma 2/3, gpt-oss, Command R7B: sliding windows; Llama 4:
+    chunked attention).
+
+    A sliding layer never reads past its window, and a chunked one past its
+    chunk, so a ring of ``window`` tokens per request is all it needs however
+    long the context: the capacity the global layers page is not spent on it.
+    ``layer_types`` names each layer's kind where the config has it; else a
+    per-layer list (Llama 4's ``no_rope_layers``: its RoPE layers are the
+    chunked ones); else every ``pattern``-th layer is global (Gemma 3 6,
+    Gemma 2 and gpt-oss 2, Cohere2 4, Llama 4 4).
     """
 
     def build(name: str, root: ConfigReader, o: ServingOptions) -> ModelCache:
         t = root.sub("text_config", optional=True) or root
         layers = t.integer("num_hidden_layers", hi=MAX_LAYERS)
-        if t.has("layer_types"):
-            full = t.layer_kinds(layers, _ATTENTION_KINDS).count("full_attention")
-        else:
-            pattern = t.integer("sliding_window_pattern", hi=MAX_LAYERS, default=pattern_default)
-            full = layers // pattern  # every pattern-th layer is global
-        local = layers - full
+        full = _global_layers(t, layers, local)
+        rings = layers - full
         heads = _kv_heads(t.integer("num_key_value_heads"), o.tp)
         head_dim = _head_dim(t)
         block = _block(o, 16)
@@ -684,18 +717,18 @@ def _windowed(
         page = _kv_fields(full, block, heads, head_dim, kv)
         notes: tuple[str, ...] = ()
         state: list[EntryField] = []
-        if local:
-            window = t.integer("sliding_window")
+        if rings:
+            window = t.integer(local.window)
             state = [
-                EntryField("k_window", local, (window, heads, head_dim), kv),
-                EntryField("v_window", local, (window, heads, head_dim), kv),
+                EntryField("k_window", rings, (window, heads, head_dim), kv),
+                EntryField("v_window", rings, (window, heads, head_dim), kv),
             ]
             notes = (
-                f"{local} sliding-window layers keep a {window}-token K/V ring per request; "
+                f"{rings} {local.label} layers keep a {window}-token K/V ring per request; "
                 f"{full} global layers page",
             )
         return _model(
-            name, family, o, block, page, state, attention=full, state_layers=local, notes=notes
+            name, family, o, block, page, state, attention=full, state_layers=rings, notes=notes
         )
 
     return build
@@ -1124,10 +1157,21 @@ def _deepseek_v4(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
 
 _BUILDERS = {
     "gqa": _gqa,
-    "gemma3": _windowed("gemma3", 6),
-    "gemma2": _windowed("gemma2", 2),
-    "gpt_oss": _windowed("gpt_oss", 2),
-    "cohere2": _windowed("cohere2", 4),
+    "gemma3": _windowed("gemma3", _Local(pattern_default=6)),
+    "gemma2": _windowed("gemma2", _Local(pattern_default=2)),
+    "gpt_oss": _windowed("gpt_oss", _Local(pattern_default=2)),
+    "cohere2": _windowed("cohere2", _Local(pattern_default=4)),
+    "llama4": _windowed(
+        "llama4",
+        _Local(
+            kind="chunked_attention",
+            label="chunked-attention",
+            window="attention_chunk_size",
+            pattern="no_rope_layer_interval",
+            pattern_default=4,
+            flags="no_rope_layers",
+        ),
+    ),
     "mla": _mla,
     "qwen3_next": _qwen3_next,
     "mamba2": _mamba2,

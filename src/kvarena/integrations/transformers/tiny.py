@@ -115,6 +115,14 @@ TINY: dict[str, dict[str, Any]] = {
         layer_types=["conv", "full_attention", "conv", "conv"],
         conv_L_cache=3,
     ),
+    "llama4_text": dict(
+        num_hidden_layers=4,
+        attention_chunk_size=8,
+        no_rope_layers=[1, 1, 1, 0],
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        intermediate_size_mlp=128,
+    ),
     "deepseek_v3": dict(
         num_hidden_layers=2,
         num_key_value_heads=4,
