@@ -453,3 +453,44 @@ def test_qwen3_5_preset_reads_its_text_config():
         RING: 0,
         LINEAR: model.state_layers,
     }
+
+
+GQA_TYPES = [
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "phi3",
+    "olmo2",
+    "granite",
+    "starcoder2",
+    "glm4",
+    "glm4_moe",
+    "smollm3",
+    "ernie4_5",
+    "ernie4_5_moe",
+    "seed_oss",
+]
+
+
+@pytest.mark.parametrize("model_type", GQA_TYPES)
+def test_gqa_presets_read_transformers_configs(model_type):
+    """Each GQA model type's config as transformers writes it plans every layer's
+    K and V with the head count and head size transformers' attention uses
+    (``head_dim``, else hidden size over heads), and agrees with the layout the
+    transformers integration derives from the same config."""
+    from transformers import AutoConfig
+
+    # transformers' default GLM-4.5 config names no head_dim (96 heads do not divide
+    # its hidden size); the released checkpoints name 128.
+    extra = {"head_dim": 128} if model_type == "glm4_moe" else {}
+    config = AutoConfig.for_model(model_type, num_hidden_layers=3, **extra)
+    text = config.get_text_config(decoder=True)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    m = kvarena.model_cache({**config.to_dict(), "dtype": "bfloat16"})
+    assert m.family == "gqa" and m.attention_layers == 3 and m.state_fields == ()
+    assert m.kv_bytes_per_token == 3 * 2 * text.num_key_value_heads * head_dim * 2
+    layout = hf_layout(config, dtype=torch.bfloat16)
+    assert layout.counts[PAGED] == 3
+    assert {f.name: f.shape[1:] for f in layout.model.page_fields} == {
+        f.name: f.shape[1:] for f in m.page_fields
+    }
