@@ -494,3 +494,14 @@ def test_gqa_presets_read_transformers_configs(model_type):
     assert {f.name: f.shape[1:] for f in layout.model.page_fields} == {
         f.name: f.shape[1:] for f in m.page_fields
     }
+
+
+def test_every_architecture_the_presets_name_is_one_transformers_has():
+    """``architectures`` detection only helps if the names are real: each one
+    the presets map is a class transformers exports."""
+    import transformers
+
+    from kvarena.models.presets import _FAMILY_BY_ARCH
+
+    missing = [a for a in _FAMILY_BY_ARCH if not hasattr(transformers, a)]
+    assert missing == []

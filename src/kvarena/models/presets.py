@@ -321,7 +321,7 @@ _FAMILY_BY_ARCH = {
     "Glm4MoeForCausalLM": "gqa",
     "Glm4ForCausalLM": "gqa",
     "SmolLM3ForCausalLM": "gqa",
-    "Ernie4_5_ForCausalLM": "gqa",
+    "Ernie4_5ForCausalLM": "gqa",
     "Ernie4_5_MoeForCausalLM": "gqa",
     "SeedOssForCausalLM": "gqa",
     "Gemma2ForCausalLM": "gemma2",
