@@ -435,7 +435,6 @@ def compare(
             "compare runs several policies over one trace; with tiers they would share (and "
             "warm) the same disk and store. Replay with --tier without --compare"
         )
-    _check_host_memory(cfg)
     rows = [replay(model, trace, cfg, label=f"kvarena ({cfg.policy.describe()})")]
     if model.state_fields and model.page_fields:
         align = replace(cfg, policy=CheckpointPolicy(end=True, branch=False))

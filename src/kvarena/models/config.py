@@ -128,21 +128,40 @@ class ConfigReader:
                 raise ConfigError(f"{self.where}: field {key!r}[{i}] must be a string, got {v!r}")
         return list(value)
 
+    def _one_per_layer(self, key: str, named: int, layers: int) -> None:
+        if named != layers:
+            raise ConfigError(
+                f"{self.where}: {key} names {named} layers but num_hidden_layers is {layers}"
+            )
+
     def layer_kinds(self, layers: int | None, legal: tuple[str, ...] | None = None) -> list[str]:
         """``layer_types``: one kind per layer, as many as ``layers`` when given,
         each one of ``legal`` when given."""
         kinds = self.str_list("layer_types")
-        if layers is not None and len(kinds) != layers:
-            raise ConfigError(
-                f"{self.where}: layer_types names {len(kinds)} layers but num_hidden_layers "
-                f"is {layers}"
-            )
+        if layers is not None:
+            self._one_per_layer("layer_types", len(kinds), layers)
         unknown = sorted(set(kinds) - set(legal)) if legal is not None else []
         if unknown:
             raise ConfigError(
                 f"{self.where}: layer_types holds {unknown}; legal: {', '.join(map(repr, legal or ()))}"
             )
         return kinds
+
+    def layer_flags(self, key: str, layers: int) -> list[int]:
+        """A 0/1 per layer (Llama 4's ``no_rope_layers``); an empty list names
+        no layer (transformers then derives them from an interval)."""
+        flags = self.int_list(key, lo=0, hi=1, max_len=layers)
+        if flags:
+            self._one_per_layer(key, len(flags), layers)
+        return flags
+
+    def layer_indices(self, key: str, layers: int) -> list[int]:
+        """Distinct 0-based layer indices below ``layers`` (Bamba's
+        ``attn_layer_indices``, LFM2's ``full_attn_idxs``)."""
+        indices = self.int_list(key, lo=0, hi=layers - 1, max_len=layers)
+        if len(set(indices)) != len(indices):
+            raise ConfigError(f"{self.where}: {key} names a layer twice: {indices}")
+        return indices
 
     def sub(self, key: str, *, optional: bool = False) -> ConfigReader | None:
         """A nested object (``text_config``, ``ssm_cfg``...); None when optional and absent."""

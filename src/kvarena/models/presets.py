@@ -687,13 +687,8 @@ class _Local:
 def _global_layers(t: ConfigReader, layers: int, local: _Local) -> int:
     if t.has("layer_types"):
         return t.layer_kinds(layers, ("full_attention", local.kind)).count("full_attention")
-    if local.flags is not None and t.has(local.flags) and t.data[local.flags] != []:
-        flags = t.int_list(local.flags, lo=0, hi=1, max_len=layers)
-        if len(flags) != layers:
-            raise ConfigError(
-                f"{t.where}: {local.flags} names {len(flags)} layers but num_hidden_layers "
-                f"is {layers}"
-            )
+    flags = t.layer_flags(local.flags, layers) if local.flags and t.has(local.flags) else []
+    if flags:
         return flags.count(0)
     pattern = t.integer(local.pattern, hi=MAX_LAYERS, default=local.pattern_default)
     return layers // pattern  # every pattern-th layer is global
@@ -934,10 +929,7 @@ def _hybrid_attention_layers(c: ConfigReader, layers: int) -> int:
         kinds = c.layer_kinds(layers, tuple(_HYBRID_KINDS))
         return sum(_HYBRID_KINDS[k] for k in kinds)
     if c.has("attn_layer_indices"):
-        indices = c.int_list("attn_layer_indices", lo=0, hi=layers - 1, max_len=layers)
-        if len(set(indices)) != len(indices):
-            raise ConfigError(f"{c.where}: attn_layer_indices names a layer twice: {indices}")
-        return len(indices)
+        return len(c.layer_indices("attn_layer_indices", layers))
     return 0
 
 
@@ -1030,10 +1022,7 @@ def _lfm2(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
     if c.has("layer_types"):
         attn = c.layer_kinds(layers, _LFM2_KINDS).count("full_attention")
     else:
-        indices = c.int_list("full_attn_idxs", lo=0, hi=layers - 1, max_len=layers)
-        if len(set(indices)) != len(indices):
-            raise ConfigError(f"{c.where}: full_attn_idxs names a layer twice: {indices}")
-        attn = len(indices)
+        attn = len(c.layer_indices("full_attn_idxs", layers))
     convs = layers - attn
     model = _model_dtype(c, o)
     block = _block(o, 16)
