@@ -156,6 +156,6 @@ def test_cli_bad_input_exits_2_with_a_one_line_reason(args):
     ],
 )
 def test_parse_bytes(text, value):
-    from kvarena.cli import parse_bytes
+    from kvarena.checks import parse_bytes
 
     assert parse_bytes(text) == value

@@ -625,11 +625,14 @@ class UnifiedCache:
         Slots short for waiting requests: grow STATE as far as the ladder
         (free -> evict -> relocate) allows while keeping ``blocks_needed``
         blocks obtainable. Blocks short: shrink STATE by the free slots it
-        can spare. Never raises for lack of room; it moves what it can.
+        can spare. Never raises for lack of room; it moves what it can. A
+        cache whose boundary cannot move (no STATE or no PAGE pool, a
+        layer-major PAGE region) has no move that helps: None.
         """
         waiting_requests = check_count(waiting_requests, "rebalance: waiting_requests")
         blocks_needed = check_count(blocks_needed, "rebalance: blocks_needed")
-        self._fixed()
+        if self.page_layout == "layer_major" or not self.state_fields or not self.page_fields:
+            return None
         slot_deficit = waiting_requests * self.slots.entries_per_req - self.slots.num_free
         obtainable = self.blocks.num_free + self.blocks.num_evictable
         if slot_deficit > 0:

@@ -1,4 +1,4 @@
-"""``kvarena replay``: request traces through the real prefix cache and pools.
+"""One replay: a request trace through the real prefix cache and pools.
 
 A trace is one JSON object a line: the Mooncake FAST'25 format
 (``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids`` — one per
@@ -26,117 +26,26 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-import json
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from .checks import check_bytes, check_count
-from .errors import InvalidValueError
-from .models import ModelCache
-from .pools import BlockAllocationError, StateAllocationError, plan_cache
-from .prefix import CheckpointPolicy, PrefixCache
-from .prefix.cache import Admission
-from .prefix.keys import Namespace, block_keys
-from .tiers import TierStack
-from .tiers.image import image_bytes
-
-MOONCAKE_BLOCK = 512
-"""Tokens per ``hash_ids`` entry in the Mooncake traces."""
-
-
-class TraceError(InvalidValueError):
-    """A trace line that cannot be replayed; the message names the line."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class TraceRequest:
-    arrival_ms: float
-    tokens: np.ndarray
-    output_tokens: int
-
-
-def _mooncake_tokens(hash_ids: list[int], input_length: int, where: str) -> np.ndarray:
-    n = len(hash_ids)
-    if not (MOONCAKE_BLOCK * (n - 1) < input_length <= MOONCAKE_BLOCK * n):
-        raise TraceError(
-            f"{where}: input_length {input_length} does not fit {n} hash ids of "
-            f"{MOONCAKE_BLOCK} tokens"
-        )
-    ids = np.asarray(hash_ids, dtype=np.int64)
-    tokens = (ids[:, None] * MOONCAKE_BLOCK + np.arange(MOONCAKE_BLOCK)).reshape(-1)
-    return tokens[:input_length]
-
-
-def parse_trace(
-    lines: Iterable[str], *, source: str = "trace", limit: int | None = None
-) -> list[TraceRequest]:
-    """Requests from trace lines, checked line by line (sorted by arrival)."""
-    out: list[TraceRequest] = []
-    for i, line in enumerate(lines, 1):
-        if limit is not None and len(out) >= limit:
-            break
-        if not line.strip():
-            continue
-        where = f"{source}:{i}"
-        try:
-            row = json.loads(line)
-        except (json.JSONDecodeError, RecursionError):
-            raise TraceError(f"{where}: not a JSON object") from None
-        if not isinstance(row, dict):
-            raise TraceError(f"{where}: not a JSON object")
-        try:
-            ts = row.get("timestamp", 0)
-            if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not 0 <= ts < 1e15:
-                raise TraceError(f"{where}: timestamp must be milliseconds >= 0, got {ts!r}")
-            output = check_count(row.get("output_length", 0), f"{where}: output_length", hi=1 << 24)
-            if "tokens" in row:
-                tokens = row["tokens"]
-                if (
-                    not isinstance(tokens, list)
-                    or not tokens
-                    or not all(
-                        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 62
-                        for t in tokens
-                    )
-                ):
-                    raise TraceError(f"{where}: tokens must be a non-empty list of token ids")
-                arr = np.asarray(tokens, dtype=np.int64)
-            else:
-                ids = row.get("hash_ids")
-                if (
-                    not isinstance(ids, list)
-                    or not ids
-                    or not all(
-                        isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 1 << 40
-                        for h in ids
-                    )
-                ):
-                    raise TraceError(f"{where}: hash_ids must be a non-empty list of ids >= 0")
-                length = check_count(
-                    row.get("input_length"), f"{where}: input_length", lo=1, hi=1 << 24
-                )
-                arr = _mooncake_tokens(ids, length, where)
-        except InvalidValueError as exc:
-            raise TraceError(str(exc)) from None
-        out.append(TraceRequest(arrival_ms=float(ts), tokens=arr, output_tokens=output))
-    out.sort(key=lambda r: r.arrival_ms)  # stable: equal timestamps keep file order
-    return out
-
-
-def load_trace(path: str | Path, *, limit: int | None = None) -> list[TraceRequest]:
-    p = Path(path)
-    try:
-        with p.open(encoding="utf-8") as fh:
-            return parse_trace(fh, source=str(p), limit=limit)
-    except (OSError, UnicodeDecodeError) as exc:
-        raise TraceError(f"{p}: cannot read the trace ({exc})") from None
+from ..checks import check_bytes
+from ..errors import InvalidValueError
+from ..models import ModelCache
+from ..pools import BlockAllocationError, StateAllocationError, plan_cache
+from ..prefix import CheckpointPolicy, PrefixCache
+from ..prefix.cache import Admission
+from ..prefix.keys import Namespace
+from ..tiers import TierStack
+from ..tiers.image import image_bytes
+from .timeline import Sample
+from .trace import TraceRequest
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,6 +58,7 @@ class ReplayConfig:
     verify: bool = False
     reuse: bool = True
     tiers: tuple[str, ...] = ()  # tier specs below the device (host:SIZE, disk:DIR:SIZE, redis://)
+    timeline: bool = False  # record a Sample after every event (replay --timeline)
 
 
 @dataclass(kw_only=True)
@@ -172,6 +82,7 @@ class ReplayResult:
     verified_by_source: dict[str, int] = field(default_factory=dict)  # device or a tier's name
     tiers: list[dict[str, Any]] = field(default_factory=list)
     drained: int = 0  # objects written to the tiers at the end of the run
+    timeline: list[Sample] = field(default_factory=list)  # with ReplayConfig(timeline=True)
 
     @property
     def hit_tokens(self) -> int:
@@ -179,6 +90,9 @@ class ReplayResult:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d["timeline"] = [s.to_dict() for s in self.timeline]
+        if not self.timeline:
+            del d["timeline"]  # recorded only when asked (ReplayConfig.timeline)
         d["hit_fraction"] = self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
         return d
 
@@ -215,6 +129,7 @@ class _Replay:
         self.events: list[tuple[float, int, str, int]] = []
         self.seq = 0
         self.admit_seconds = 0.0
+        self.finished = 0
 
     # -- the stand-in model (verify mode) ------------------------------------------------
     def _verify_hit(self, adm: Admission) -> None:
@@ -308,6 +223,25 @@ class _Replay:
             return adm
         return None
 
+    def _sample(self, now: float) -> None:
+        c, m = self.pc.cache, self.pc.metrics
+        self.result.timeline.append(
+            Sample(
+                t=now,
+                blocks=c.num_blocks,
+                live_blocks=c.blocks.num_live,
+                cached_blocks=c.blocks.num_evictable,
+                slots=c.num_slots,
+                live_slots=c.slots.num_live,
+                running=self.result.admitted - self.finished,
+                waiting=len(self.queue),
+                hit_tokens=m.hit_tokens,
+                prompt_tokens=self.result.prompt_tokens,
+                evicted_blocks=m.evicted_blocks,
+                evicted_images=m.evicted_images,
+            )
+        )
+
     def run(self) -> ReplayResult:
         try:
             return self._run()
@@ -326,6 +260,7 @@ class _Replay:
                     self._compute(self.pc.running(index))
                 else:
                     self.pc.finish(index)
+                    self.finished += 1
                 self._try_admit(now)
             elif arrivals:
                 now = next_arrival
@@ -336,6 +271,8 @@ class _Replay:
                 self._try_admit(now)
             else:  # queued requests with nothing running: _try_admit drops what never fits
                 self._try_admit(now)
+            if self.cfg.timeline:
+                self._sample(now)
         r = self.result
         r.sim_seconds = now
         r.wall_seconds = time.perf_counter() - wall
@@ -391,60 +328,3 @@ def replay(
         raise InvalidValueError(f"replay: model must be a ModelCache, got {type(model).__name__}")
     _check_host_memory(cfg)
     return _Replay(model, trace, cfg, label).run()
-
-
-def infinite_bound(trace: Sequence[TraceRequest], block_size: int) -> ReplayResult:
-    """Hit tokens with an infinite cache: every earlier full prompt block is kept."""
-    root = b"\x00" * 16
-    seen: set[bytes] = set()
-    r = ReplayResult(label="infinite cache")
-    hits = 0
-    for req in trace:
-        keys = block_keys(root, req.tokens, block_size)
-        limit = min(len(keys), (req.tokens.size - 1) // block_size)
-        h = 0
-        while h < limit and keys[h] in seen:
-            h += 1
-        seen.update(keys)
-        r.requests += 1
-        r.admitted += 1
-        r.prompt_tokens += req.tokens.size
-        r.requests_with_hit += bool(h)
-        hits += h * block_size
-    r.metrics = {"hit_tokens": hits, "computed_tokens": r.prompt_tokens - hits}
-    return r
-
-
-def compare(
-    model: ModelCache,
-    trace: Sequence[TraceRequest],
-    cfg: ReplayConfig,
-    *,
-    vllm_model: ModelCache | None = None,
-) -> list[ReplayResult]:
-    """The same trace and budget under five policies, side by side.
-
-    kvarena's policy; vLLM's align policy (only the last block boundary before
-    each prompt end keeps a state, at vLLM's unified block size when
-    ``vllm_model`` is given); no state reuse (hybrid prefix caching off); the
-    same model's KV with no state at all (what a pure-attention model of the
-    same KV size would hit); and the infinite-cache bound.
-    """
-    if cfg.tiers:
-        raise InvalidValueError(
-            "compare runs several policies over one trace; with tiers they would share (and "
-            "warm) the same disk and store. Replay with --tier without --compare"
-        )
-    rows = [replay(model, trace, cfg, label=f"kvarena ({cfg.policy.describe()})")]
-    if model.state_fields and model.page_fields:
-        align = replace(cfg, policy=CheckpointPolicy(end=True, branch=False))
-        vm = vllm_model or model
-        rows.append(replay(vm, trace, align, label=f"vLLM align ({vm.block_size}-token blocks)"))
-        rows.append(replay(model, trace, replace(cfg, reuse=False), label="no state reuse"))
-    if model.page_fields:
-        kv_only = ModelCache.from_fields(
-            model.page_fields, [], block_size=model.block_size, name=f"{model.name} (KV only)"
-        )
-        rows.append(replay(kv_only, trace, cfg, label="KV only (no state)"))
-    rows.append(infinite_bound(trace, model.block_size))
-    return rows
