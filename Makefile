@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean venv test-triton redis-server
+.PHONY: demo test lint bench clean venv test-triton redis-server chromium
 
 venv: $(STAMP)
 
@@ -15,11 +15,11 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH)
-	$(PY) -m pip install --quiet -e '.[dev,transfer,redis,hf]'
+	$(PY) -m pip install --quiet -e '.[dev,transfer,redis,hf,pictures]'
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/kvarena demo
+	$(VENV)/bin/kvarena demo --picture demo-memory-map.svg
 
 # The shared tier's tests run against a real redis-server: Debian's package,
 # installed here when missing (they fail under CI without it, skip elsewhere).
@@ -30,7 +30,16 @@ redis-server:
 	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 	    redis-server >/dev/null; } || echo "could not install redis-server (Debian's package)"
 
-test: $(STAMP) redis-server
+# The report page's test opens it in a real headless browser: Debian's chromium,
+# installed here when missing (the test skips where it cannot be installed).
+chromium:
+	@command -v chromium >/dev/null || { \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	    chromium >/dev/null; } || echo "could not install chromium (Debian's package)"
+
+test: $(STAMP) redis-server chromium
 	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(PY) -m pytest -q
 

@@ -108,10 +108,8 @@ def test_qwen3_next_tp8_numbers():
     epr=st.integers(1, 3),
 )
 def test_random_layouts(page, state, budget, seqs, epr):
-    model_fields = [f for f in page if f.nbytes], [f for f in state if f.nbytes]
-    assume(any(model_fields))
-    model = kv.ModelCache.from_fields(*model_fields, block_size=16, entries_per_req=epr)
     try:
+        model = kv.ModelCache.from_fields(page, state, block_size=16, entries_per_req=epr)
         plan = kv.plan_cache(model, budget_bytes=budget, max_seqs=seqs)
     except (PoolBudgetError, kv.InvalidValueError):
         assume(False)

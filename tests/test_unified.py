@@ -165,6 +165,23 @@ def test_layer_major_pages_have_a_fixed_boundary():
         c.block_bytes_of(0)
 
 
+@pytest.mark.parametrize("which", ["layer_major", "no_state", "no_page"])
+def test_rebalance_of_a_boundary_that_cannot_move_is_no_move(which):
+    """rebalance answers "which move helps?": where none can exist, None, books untouched
+    (a KV-only replay short of blocks asked it, and got an exception)."""
+    if which == "layer_major":
+        c = make(page_layout="layer_major")
+    else:
+        plan = plan_for(
+            PAGE if which == "no_state" else [], STATE if which == "no_page" else [], 64 * 1024, 2
+        )
+        c = UnifiedCache.from_plan(plan, "cpu")
+    before = (c.num_blocks, c.num_slots, c.blocks.num_free, c.slots.num_free)
+    for waiting, needed in ((0, 0), (3, 0), (0, c.num_blocks + 5), (3, c.num_blocks + 5)):
+        assert c.rebalance(waiting_requests=waiting, blocks_needed=needed) is None
+    assert (c.num_blocks, c.num_slots, c.blocks.num_free, c.slots.num_free) == before
+
+
 def test_rebalance_follows_demand():
     c = make()
     blocks = c.blocks.allocate(20)

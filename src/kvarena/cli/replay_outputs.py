@@ -68,12 +68,9 @@ def outputs(
         "--timeline": timeline and check_output(timeline, "--timeline", PICTURE_FORMATS),
         "--report": report and check_output(report, "--report", REPORT_FORMATS),
     }
-    named = [(k, p.resolve()) for k, p in paths.items() if p]
-    for i, (ka, a) in enumerate(named):
-        for kb, b in named[i + 1 :]:
-            if a == b:
-                raise InvalidValueError(f"{ka} and {kb} name the same file {str(a)!r}")
-    if named:
+    # No two of these can name one file: --picture and --timeline never go
+    # together, and only --report writes .html.
+    if any(paths.values()):
         require_matplotlib()
     return Outputs(
         budgets=budgets,

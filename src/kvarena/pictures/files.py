@@ -37,13 +37,13 @@ def check_output(path: object, what: str, formats: tuple[str, ...]) -> Path:
     if not isinstance(path, (str, os.PathLike)) or not str(path).strip():
         raise InvalidValueError(f"{what}: expected a file path, got {path!r}")
     p = Path(path)
+    if p.is_dir():
+        raise InvalidValueError(f"{what}: {str(p)!r} is a folder; name a file in it")
     if p.suffix.lower() not in formats:
         raise InvalidValueError(
             f"{what}: {str(p)!r} has extension {p.suffix or '(none)'!r}; "
             f"write one of {', '.join(formats)}"
         )
-    if p.is_dir():
-        raise InvalidValueError(f"{what}: {str(p)!r} is a folder; name a file in it")
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.is_dir():
         raise InvalidValueError(f"{what}: folder {str(parent)!r} of {str(p)!r} does not exist")

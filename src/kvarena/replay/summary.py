@@ -60,7 +60,7 @@ def replay_rows(rows: Sequence[ReplayResult]) -> list[tuple[str, ...]]:
 
 def sweep_rows(sw: Sweep) -> list[tuple[str, ...]]:
     """Every point of a sweep under :data:`SWEEP_COLUMNS`, by budget then policy."""
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for p in sw.points:
         r = p.result
         share = r.hit_tokens / r.prompt_tokens if r.prompt_tokens else 0.0
