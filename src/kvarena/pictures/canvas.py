@@ -4,7 +4,9 @@ Figures are built with :class:`matplotlib.figure.Figure` directly, never
 through ``pyplot``, so drawing selects no backend and changes no global state
 of a program that imports kvarena (matplotlib's non-interactive SVG and Agg
 canvases are picked per ``savefig`` by the format). SVG output carries no
-date, so the same plan draws the same file.
+date and its ids are salted with a constant (inside an ``rc_context``, so
+matplotlib's settings are back as they were after each save): the same plan
+draws the same file, and a committed picture changes only when its numbers do.
 """
 
 from __future__ import annotations
@@ -50,7 +52,10 @@ def figure_bytes(fig: Any, fmt: str) -> bytes:
     """``fig`` rendered as ``svg`` or ``png`` bytes."""
     buf = io.BytesIO()
     if fmt == "svg":
-        fig.savefig(buf, format="svg", metadata={"Date": None})
+        import matplotlib
+
+        with matplotlib.rc_context({"svg.hashsalt": "kvarena"}):
+            fig.savefig(buf, format="svg", metadata={"Date": None})
     else:
         fig.savefig(buf, format="png", dpi=150)
     return buf.getvalue()
