@@ -31,6 +31,7 @@ from kvarena.tiers import (
     parse_tier,
     read_header,
 )
+from kvarena.tiers.disk import LOCK_NAME
 from kvarena.tiers.image import HEAD_BYTES
 
 NS = b'{"model":"m","page":"p","state":"s"}'
@@ -216,13 +217,12 @@ def test_disk_tier_round_trip_restart_and_lru(tmp_path):
     evicted = tier.put_many(objs[3:4])
     assert [e.name for e in evicted] == [objs[1].name]
     assert evicted[0].to_bytes() == objs[1].to_bytes()
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        o.name + ".kvi" for o in (objs[0], objs[2], objs[3])
-    )
+    assert object_files(tmp_path) == sorted(o.name + ".kvi" for o in (objs[0], objs[2], objs[3]))
     # A restart rebuilds the index from the headers, oldest write first (file
     # times stamped apart here: within a batch they may tie at clock granularity).
     for age, o in enumerate((objs[2], objs[0], objs[3])):
         os.utime(tmp_path / (o.name + ".kvi"), ns=(10**18 + age, 10**18 + age))
+    tier.close()  # one owner at a time: the restart takes the directory over
     again = DiskTier(tmp_path, 3 * size)
     assert again.names() == [objs[2].name, objs[0].name, objs[3].name]
     assert again.used_bytes == 3 * size
@@ -230,6 +230,7 @@ def test_disk_tier_round_trip_restart_and_lru(tmp_path):
         o.to_bytes() for o in objs[2:4]
     ]
     # A smaller capacity on restart sheds the oldest objects.
+    again.close()
     small = DiskTier(tmp_path, size)
     assert small.names() == [objs[3].name]
 
@@ -252,7 +253,12 @@ def test_disk_tier_drops_unreadable_files_and_dead_writers_temporaries(tmp_path)
     live.write_bytes(b"in progress")
     tier = DiskTier(tmp_path, 1 << 20)
     assert tier.names() == [good.name] and tier.dropped_on_start == 3
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([good.name + ".kvi", live.name])
+    assert object_files(tmp_path) == sorted([good.name + ".kvi", live.name])
+
+
+def object_files(directory) -> list[str]:
+    """The directory's files but the owner's lock, which the tier keeps there."""
+    return sorted(p.name for p in Path(directory).iterdir() if p.name != LOCK_NAME)
 
 
 def _child(code: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -292,7 +298,7 @@ def test_a_writer_killed_mid_write_leaves_no_visible_object(tmp_path):
     tier = DiskTier(tmp_path, 1 << 30)
     small = "kv-" + (b"s" * 16).hex()
     assert tier.names() == [small] and tier.get_many(["kv-big"]) == [None]
-    assert [p.name for p in tmp_path.iterdir()] == [small + ".kvi"]  # the temporary is gone
+    assert object_files(tmp_path) == [small + ".kvi"]  # the temporary is gone
 
 
 def test_a_full_disk_disables_writes_and_reads_go_on(tmp_path):
@@ -313,7 +319,7 @@ def test_a_full_disk_disables_writes_and_reads_go_on(tmp_path):
             "disabled": tier.disabled,
             "warnings": [str(w.message) for w in seen if issubclass(w.category, TierWarning)],
             "got": [None if g is None else len(g) for g in got],
-            "files": sorted(os.listdir(sys.argv[1])),
+            "files": sorted(f for f in os.listdir(sys.argv[1]) if f != ".kvarena-disk.lock"),
             "names": tier.names(),
         }))
         """,
@@ -385,8 +391,9 @@ def test_a_really_full_disk_disables_writes(small_filesystem):
     assert len(seen) == 1 and tier.disabled is not None
     held = tier.names()
     assert 0 < len(held) < 8
-    files = sorted(p.name for p in small_filesystem.iterdir())
-    assert files == sorted(n + ".kvi" for n in held)  # no temporary, no partial object
+    assert object_files(small_filesystem) == sorted(
+        n + ".kvi" for n in held
+    )  # no temporary, no partial object
     got = tier.get_many(held)
     assert [bytes(g) for g in got] == [o.to_bytes() for o in objs if o.name in held]
 

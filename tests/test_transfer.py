@@ -288,6 +288,7 @@ def test_a_client_recovers_after_a_silent_service():
 
     from kvarena import TransferTimeout
     from kvarena.transfer.service import PrefillClient
+    from kvarena.transfer.wire import decode_request
 
     ctx = zmq.Context()
     service = ctx.socket(zmq.ROUTER)
@@ -303,7 +304,7 @@ def test_a_client_recovers_after_a_silent_service():
         def serve_until(wanted: str) -> None:
             while True:
                 ident, _, raw = service.recv_multipart()
-                got = json.loads(raw)["request"]
+                got = decode_request(json.loads(raw)["request"])  # ids cross tagged
                 service.send_multipart([ident, b"", json.dumps({"status": got}).encode()])
                 if got == wanted:
                     return

@@ -15,7 +15,7 @@ import math
 from bisect import bisect_right
 from collections.abc import Sequence
 
-from ..checks import check_bytes
+from ..checks import check_bytes, check_count
 from ..errors import InvalidValueError
 from .fields import EntryField, check_fields, entry_bytes_for
 from .regions import ALIGNMENT, align_up
@@ -80,6 +80,7 @@ def plan_field_planes(
     """
     fields = check_fields(fields, "plan_field_planes")
     widths = _check_widths(plane_row_bytes)
+    max_nodes = check_count(max_nodes, "plan_field_planes: max_nodes", lo=1, hi=1 << 40)
     n, planes = len(fields), len(widths)
     if n == 0:
         return [[] for _ in widths], 0

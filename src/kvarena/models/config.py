@@ -10,7 +10,6 @@ replaced by a default.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -59,9 +58,9 @@ class ConfigReader:
         value = self._raw(key, default)
         if value is default and default is not _MISSING:
             return value
-        # JSON has one number type: 8.0 is accepted as 8, 8.5 is not.
-        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-            value = int(value)
+        # transformers writes counts and sizes as JSON integers; 32.0 is a config
+        # that went through something else (a float field, a hand edit) and is
+        # refused like 32.5, so no count is ever taken from a float.
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(
                 f"{self.where}: field {key!r} must be an integer in {lo}..{hi}, got {value!r}"

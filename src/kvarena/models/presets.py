@@ -1102,7 +1102,21 @@ def _kimi_linear(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
 
 def _deepseek_v4(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
     layers = c.integer("num_hidden_layers", hi=MAX_LAYERS)
-    ratios = c.int_list("compress_ratios")[:layers]
+    # One ratio per layer (0: sliding window only, 4: CSA, 128: HCA), and the
+    # release's list also covers its multi-token-prediction layers after them.
+    nextn = c.integer("num_nextn_predict_layers", lo=0, hi=MAX_LAYERS, default=0)
+    listed = c.int_list("compress_ratios", lo=0, hi=128, max_len=layers + nextn)
+    if len(listed) < layers:
+        raise ConfigError(
+            f"{c.where}: compress_ratios names {len(listed)} layers but num_hidden_layers is "
+            f"{layers}; one ratio per layer (0, 4 or 128)"
+        )
+    ratios = listed[:layers]
+    odd = sorted({r for r in ratios if r not in (0, 4, 128)})
+    if odd:
+        raise ConfigError(
+            f"{c.where}: compress_ratios holds {odd}; DeepSeek-V4 layers compress by 0, 4 or 128"
+        )
     csa, hca = ratios.count(4), ratios.count(128)
     block = _block(o, 256)
     if block % 128:

@@ -23,6 +23,7 @@ from ..layout import (
     min_slot_stride,
     strictest_alignment,
 )
+from ..layout.regions import align_up
 from ..models import ModelCache
 from .geometry import PoolGeometry
 from .sizing import PoolBudgetError
@@ -234,7 +235,12 @@ def plan_cache(
     if asked > fitting:
         if not clamp or fitting < 1:
             slots = asked * model.entries_per_req if model.state_fields else 0
-            needed = slots * geometry.slot_stride + geometry.block_stride
+            # The smallest budget that holds them: slots hang from the budget
+            # rounded down to the STATE alignment, so the block below them is
+            # counted up to that alignment (needed > budget, always).
+            needed = slots * geometry.slot_stride + align_up(
+                geometry.block_stride, geometry.state_alignment
+            )
             entries = {"state": slots} if model.state_fields else {}
             if model.page_fields:
                 entries["page"] = 1

@@ -99,6 +99,7 @@ class PoolBudgetError(InvalidValueError):
         self.available = available
         self.entries = entries
         self.max_fitting_seqs = max_fitting_seqs
+        self._args = (needed, available, entries, max_fitting_seqs)
         # With clamp=True only "not even one" is ever raised, so the advice to
         # pass it is given exactly when it would help.
         if max_fitting_seqs < 1:
@@ -111,6 +112,10 @@ class PoolBudgetError(InvalidValueError):
             f"the pools need {needed:,} bytes ({entries}) but the budget is {available:,}; "
             + advice
         )
+
+    def __reduce__(self) -> tuple:
+        # Rebuilt from its numbers, so it survives a trip between processes.
+        return (type(self), self._args)
 
 
 @dataclass(frozen=True)
@@ -167,6 +172,7 @@ class PoolPlan:
 
 def max_fitting_seqs(classes: Sequence[EntryClass], budget_bytes: int) -> int:
     """The largest ``max_num_seqs`` whose STATE floor fits ``budget_bytes`` (may be 0)."""
+    budget_bytes = check_bytes(budget_bytes, "max_fitting_seqs: budget_bytes")
     states = [c for c in merge_classes(classes) if c.pool is PoolKind.STATE]
     fixed = sum(c.extra_entries * c.entry_bytes for c in states)
     per_seq = sum(c.entries_per_req * c.entry_bytes for c in states)

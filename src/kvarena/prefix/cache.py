@@ -185,7 +185,7 @@ class PrefixCache:
             raise InvalidValueError(
                 f"PrefixCache: plan must be a CachePlan, got {type(plan).__name__}"
             )
-        self.policy = policy or CheckpointPolicy()
+        self.policy = CheckpointPolicy() if policy is None else policy
         if not isinstance(self.policy, CheckpointPolicy):
             raise InvalidValueError(f"policy must be a CheckpointPolicy, got {policy!r}")
         self.policy.check_block_size(plan.block_size)
@@ -348,8 +348,9 @@ class PrefixCache:
         """The longest prefix of ``tokens`` every group can resume from (takes nothing)."""
         self.poll()
         tok = as_tokens(tokens)
-        self.metrics.lookups += 1
-        return self._answer(tok, block_keys(self.root, tok, self.block_size, extra))
+        keys = block_keys(self.root, tok, self.block_size, extra)
+        self.metrics.lookups += 1  # counted once the call is known to be good
+        return self._answer(tok, keys)
 
     # -- requests ----------------------------------------------------------------------
     def admit(
@@ -373,7 +374,6 @@ class PrefixCache:
         if request in self._running:
             raise InvalidValueError(f"request {request!r} is already running")
         keys = block_keys(self.root, tok, self.block_size, extra)
-        self.metrics.lookups += 1
         hit = self._answer(tok, keys)
         total = -(-(tok.size + reserve) // self.block_size) if self.has_kv else 0
         self._check_room(hit, total)
@@ -381,6 +381,7 @@ class PrefixCache:
         if any(s != "device" for s in hit.sources) or hit.image_source not in (None, "device"):
             hit, payloads = self._load(tok, keys, hit)
             self._check_room(hit, total)
+        self.metrics.lookups += 1  # a refused admission leaves every book, counts included
         h = hit.tokens // self.block_size
         blocks_b = self.cache.blocks
         device_blocks = [b for b in hit.blocks if b >= 0]

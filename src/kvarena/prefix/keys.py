@@ -83,10 +83,15 @@ class Namespace:
 
 
 def as_tokens(tokens: object, what: str = "tokens") -> np.ndarray:
-    """Token ids as a 1-D int64 array (ints, an integer array or an integer tensor)."""
+    """Token ids as a 1-D int64 array (ints, an integer array or an integer tensor
+    on any device that holds values: a ``meta`` tensor has none to key)."""
     if isinstance(tokens, torch.Tensor):
-        if tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
             raise InvalidValueError(f"{what} must be integer token ids, got {tokens.dtype}")
+        if tokens.device.type == "meta":
+            raise InvalidValueError(
+                f"{what} is a tensor on the meta device, which holds no values; pass the ids"
+            )
         arr = tokens.detach().cpu().numpy()
     else:
         arr = np.asarray(tokens)
@@ -100,11 +105,40 @@ def as_tokens(tokens: object, what: str = "tokens") -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
+MAX_EXTRA_DEPTH = 8
+"""Nesting of extra keys beyond this is refused (a LoRA name or an image hash is flat)."""
+
+
+def _check_depth(value: object) -> None:
+    """Refuse nesting deeper than :data:`MAX_EXTRA_DEPTH`, without recursion."""
+    todo = [(value, 1)]
+    while todo:
+        v, depth = todo.pop()
+        if isinstance(v, (list, tuple, dict)):
+            if depth > MAX_EXTRA_DEPTH:
+                raise InvalidValueError(
+                    f"extra keys nest deeper than {MAX_EXTRA_DEPTH} levels; keys are flat values "
+                    "(LoRA names, multimodal hashes)"
+                )
+            items = v.values() if isinstance(v, dict) else v
+            todo.extend((x, depth + 1) for x in items)
+
+
 def _extra_bytes(extra: Sequence[object]) -> bytes:
+    if isinstance(extra, (str, bytes, bytearray)) or not isinstance(extra, (list, tuple)):
+        # A string is a sequence of its characters: "lora-ab" would key as
+        # ["l", "o", ...]; say which sequence was meant.
+        raise InvalidValueError(
+            f"extra must be a list or tuple of keys, got {type(extra).__name__} {extra!r}"
+            + (f"; pass ({extra!r},) for one key" if isinstance(extra, str) else "")
+        )
     if not extra:
         return b""
+    _check_depth(extra)
     try:
-        return json.dumps(list(extra), sort_keys=True, separators=(",", ":")).encode()
+        return json.dumps(
+            list(extra), sort_keys=True, separators=(",", ":"), allow_nan=False
+        ).encode()
     except (TypeError, ValueError):
         raise InvalidValueError(
             f"extra keys must be JSON values (LoRA names, multimodal hashes...), got {extra!r}"

@@ -26,6 +26,12 @@ class CheckpointPolicy:
     branch: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("end", "branch"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise InvalidValueError(
+                    f"CheckpointPolicy: {name} must be True or False, got {value!r}"
+                )
         check_count(self.interval_tokens, "CheckpointPolicy: interval_tokens")
         check_count(self.end_align_tokens, "CheckpointPolicy: end_align_tokens")
         if not (self.end or self.end_align_tokens or self.interval_tokens or self.branch):
@@ -48,7 +54,12 @@ class CheckpointPolicy:
                 end = True
             elif part == "branch":
                 branch = True
-            elif name in ("end", "interval") and number.isdigit() and 0 < int(number) <= 1 << 24:
+            elif (
+                name in ("end", "interval")
+                and number.isascii()  # str.isdigit() also takes "５１２" and "²"
+                and number.isdigit()
+                and 0 < int(number) <= 1 << 24
+            ):
                 if name == "end":
                     align = int(number)
                 else:

@@ -57,8 +57,10 @@ def parse_trace(
         where = f"{source}:{i}"
         try:
             row = json.loads(line)
-        except (json.JSONDecodeError, RecursionError):
-            raise TraceError(f"{where}: not a JSON object") from None
+        except (ValueError, RecursionError):
+            # ValueError covers JSONDecodeError and an integer of thousands of
+            # digits, which the JSON reader refuses to convert.
+            raise TraceError(f"{where}: not a JSON object a replay can read") from None
         if not isinstance(row, dict):
             raise TraceError(f"{where}: not a JSON object")
         try:

@@ -17,6 +17,22 @@ loader), not at start, which would read every byte.
 
 A full disk (ENOSPC, EDQUOT, EFBIG) disables the tier's writes with one
 message; reads go on.
+
+What the tier trusts of its directory: nothing it did not write. It reads
+and deletes only files named as it names them (``NAME.kvi``, and temporaries
+``.NAME.PID.HEX.tmp`` whose writer is gone), opens them without following
+links and without blocking (a FIFO, a device or a link in their place is a
+miss, never a hang), and reads at most the bytes its index says an object
+has. An object whose header declares more than the tier's whole capacity
+cannot be one it wrote: that file alone is dropped, never the valid ones
+beside it.
+
+One process owns a directory at a time (an exclusive ``flock`` on
+``.kvarena-disk.lock``, held until :meth:`DiskTier.close` or the process
+ends, so a crashed owner frees it): a second tier on the same directory, in
+this process or another, is refused naming the owner's pid. Two processes
+each keeping their own index of one directory would hold twice its
+capacity; engines that share objects share them through a Redis tier.
 """
 
 from __future__ import annotations
@@ -24,19 +40,28 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import fcntl
 import os
+import re
 import secrets
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from ..checks import check_bytes
+from ..errors import InvalidValueError
 from .base import IndexedTier, TierError
 from .image import HEAD_BYTES, MAX_NAMESPACE_BYTES, ImageMismatch, TierObject, read_header
 
 SUFFIX = ".kvi"
 TMP_SUFFIX = ".tmp"
+LOCK_NAME = ".kvarena-disk.lock"
 _FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,199}")
+"""An object name this tier writes as a file name: no separator, no dot, no surprise."""
+_TEMP = re.compile(r"\.([A-Za-z0-9][A-Za-z0-9_-]{0,199})\.([0-9]{1,10})\.([0-9a-f]{1,32})\.tmp")
+_OPEN = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -71,15 +96,49 @@ class DiskTier(IndexedTier):
         # One syncfs per batch (Linux) instead of one fsync per object: the same
         # guarantee — nothing is renamed into view before its bytes are durable.
         self._syncfs = _find_syncfs() if batch_sync else None
+        if not isinstance(directory, (str, os.PathLike)) or not str(directory):
+            raise InvalidValueError(f"disk tier: directory must be a path, got {directory!r}")
         self.dir = Path(directory)
         self._prefix = os.path.join(str(self.dir), "")
+        self._lock_fd: int | None = None
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = self._take_directory()
             entries = list(os.scandir(self.dir))
         except OSError as exc:
+            self.close()
             raise TierError(f"disk tier {self.dir}: cannot use the directory ({exc})") from None
         self.dropped_on_start = 0  # unreadable objects and dead writers' temporaries removed
         self._rebuild(entries)
+
+    def _take_directory(self) -> int:
+        """The directory's lock, held for this tier's life; refused if another holds it."""
+        fd = os.open(self.dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise TierError(
+                f"disk tier {self.dir}: the directory is in use by process {owner} (one process "
+                "owns a disk directory at a time: close the other tier, give each engine its "
+                "own directory, or share objects through a redis:// tier)"
+            ) from None
+        except OSError:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return fd
+
+    def close(self) -> None:
+        """Give the directory up (its objects stay, for the next owner)."""
+        fd, self._lock_fd = getattr(self, "_lock_fd", None), None  # refused half-built: none
+        if fd is not None:
+            os.close(fd)  # closing the descriptor releases its flock
+
+    def __del__(self) -> None:
+        self.close()
 
     def describe(self) -> str:
         return f"disk {self.dir} {self._capacity:,} B"
@@ -90,24 +149,22 @@ class DiskTier(IndexedTier):
     def _rebuild(self, entries: list[os.DirEntry[str]]) -> None:
         found: list[tuple[int, str, int]] = []
         for e in entries:
-            if e.name.endswith(TMP_SUFFIX) and e.name.startswith("."):
-                parts = e.name.split(".")
-                pid = int(parts[-3]) if len(parts) >= 4 and parts[-3].isdigit() else 0
+            temp = _TEMP.fullmatch(e.name)
+            if temp is not None:  # a temporary of ours: its writer's pid is in its name
+                pid = int(temp.group(2))
                 if pid and _pid_alive(pid) and pid != os.getpid():
                     continue  # another live process is writing it
-                self._unlink(e.path)
-                continue
-            if not e.name.endswith(SUFFIX) or not e.is_file(follow_symlinks=False):
+                if e.is_file(follow_symlinks=False):
+                    self._unlink(e.path)
                 continue
             name = e.name[: -len(SUFFIX)]
+            if not e.name.endswith(SUFFIX) or not NAME.fullmatch(name):
+                continue  # not a file this tier names: never read, never deleted
             try:
-                with open(e.path, "rb") as fh:
-                    head = read_header(fh.read(HEAD_BYTES + MAX_NAMESPACE_BYTES))
-                st = e.stat()
-                if st.st_size != head.stored_bytes:
-                    raise ImageMismatch("truncated", "file size differs from its header")
+                st, head = self._read_header(e.path)
             except (OSError, ImageMismatch):
-                self._unlink(e.path)
+                if e.is_file(follow_symlinks=False) or e.is_symlink():
+                    self._unlink(e.path)
                 continue
             found.append((st.st_mtime_ns, name, head.logical_bytes))
         found.sort()
@@ -118,6 +175,34 @@ class DiskTier(IndexedTier):
         # this run) sheds its oldest objects now.
         for name in self._victims(0):
             self._drop(name)
+
+    def _open_regular(self, path: str) -> tuple[int, os.stat_result]:
+        """An open descriptor of ``path`` if it is a regular file (no link followed,
+        no FIFO or device waited on), with its stat."""
+        fd = os.open(path, _OPEN)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(errno.EINVAL, "not a regular file")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, st
+
+    def _read_header(self, path: str) -> tuple[os.stat_result, Any]:
+        """A file's stat and image header, checked against its size and the capacity."""
+        fd, st = self._open_regular(path)
+        try:
+            head = read_header(os.pread(fd, HEAD_BYTES + MAX_NAMESPACE_BYTES, 0))
+        finally:
+            os.close(fd)
+        if st.st_size != head.stored_bytes:
+            raise ImageMismatch("truncated", "file size differs from its header")
+        if head.logical_bytes > self._capacity:
+            # Larger than the whole tier: not one this tier wrote (its puts
+            # refuse that), and counting it would evict every valid object.
+            raise ImageMismatch("length", f"declares {head.logical_bytes:,} B")
+        return st, head
 
     def _unlink(self, path: str | Path) -> None:
         try:
@@ -187,15 +272,26 @@ class DiskTier(IndexedTier):
         return True
 
     def _read(self, name: str) -> bytes | None:
-        """The file's bytes, or None if it is gone."""
+        """The file's bytes, or None if it is gone or cannot be an object of this
+        tier: a regular file only (opened without following a link or waiting on
+        a FIFO), and no larger than the tier's capacity, which bounds the read."""
+        limit = self._capacity
         try:
-            with open(self._prefix + name + SUFFIX, "rb", buffering=0) as fh:
-                return fh.read()
+            fd, st = self._open_regular(self._path(name))
         except FileNotFoundError:
             return None
         except OSError as exc:
             self._failed("read", exc)
             return None
+        try:
+            if st.st_size > limit:
+                return None  # larger than the whole tier: not an object it wrote
+            return os.pread(fd, st.st_size, 0)
+        except OSError as exc:
+            self._failed("read", exc)
+            return None
+        finally:
+            os.close(fd)
 
     def put_many(
         self, objects: Sequence[TierObject], *, want_evicted: bool = True
@@ -203,6 +299,12 @@ class DiskTier(IndexedTier):
         """Write the batch to temporary files, make them durable together, then
         rename each into place: a reader never sees an object before its bytes
         are on disk."""
+        for obj in objects:
+            if not NAME.fullmatch(obj.name):
+                raise InvalidValueError(
+                    f"disk tier: object name {obj.name!r} is not a file name it can use "
+                    "(letters, digits, '_' and '-', at most 200)"
+                )
         evicted: list[TierObject] = []
         written: list[tuple[TierObject, Path]] = []
         for obj in objects:

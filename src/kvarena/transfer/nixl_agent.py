@@ -32,6 +32,7 @@ from ..errors import Error, InvalidValueError, LayoutMismatchError
 from ..pools import UnifiedCache
 from .descriptors import plan_request
 from .geometry import CacheGeometry
+from .wire import decode_request, encode_request
 
 WAIT_BACKOFF_MAX_S = 0.003
 """Waiting for a transfer polls at 20 us, doubling to this: a short transfer is
@@ -74,18 +75,39 @@ class _InFlight:
     on_settled: Callable[[], None]
 
 
-def _notif(kind: str, transfer: int, request: str) -> bytes:
+def _notif(kind: str, transfer: int, request: Hashable) -> bytes:
     """A transfer's notification: ``w`` (its WRITE landed) or ``a`` (its sender
-    aborted it, and no byte of it can land any more), with the transfer id."""
-    return f"{kind}:{transfer}:{request}".encode()
+    aborted it, and no byte of it can land any more), with the transfer id and
+    the request id in its wire form (:mod:`.wire`: it decodes to an equal id)."""
+    return f"{kind}:{transfer}:{encode_request(request)}".encode()
 
 
-def _parse_notif(msg: bytes) -> tuple[str, int, str] | None:
+def _parse_notif(msg: bytes) -> tuple[str, int, Hashable] | None:
     kind, _, rest = msg.decode(errors="replace").partition(":")
-    tid, _, request = rest.partition(":")
-    if kind in ("w", "a") and tid.isdigit():
+    tid, _, text = rest.partition(":")
+    request = decode_request(text)
+    if kind in ("w", "a") and tid.isascii() and tid.isdigit() and request is not None:
         return kind, int(tid), request
     return None
+
+
+PULLED = "pulled:"
+"""The prefix of a pull's completion notification (then the request's wire form)."""
+
+
+def _check_offer(src: object) -> dict:
+    """An offer from :meth:`PrefillSender.offer` as the peer sent it: its ids and geometry."""
+    missing = [
+        k for k in ("blocks", "slots", "geometry") if not isinstance(src, dict) or k not in src
+    ]
+    if missing:
+        raise InvalidValueError(
+            f"pull: the offer must be the dict PrefillSender.offer returned (blocks, slots, "
+            f"geometry); missing {missing}"
+        )
+    if not isinstance(src["geometry"], dict):  # type: ignore[index]
+        raise InvalidValueError("pull: the offer's geometry must be CacheGeometry.to_dict()")
+    return src  # type: ignore[return-value]
 
 
 @dataclass(kw_only=True, eq=False)
@@ -435,6 +457,7 @@ class PrefillSender(NixlEndpoint):
         """
         timeout_s = check_timeout(timeout_s, "ship: timeout_s")
         transfer = check_int(transfer, "ship: transfer", lo=1)
+        encode_request(request)  # an id that cannot cross is refused before anything is pinned
         self._settle()
         try:
             plan = plan_request(
@@ -503,6 +526,7 @@ class PrefillSender(NixlEndpoint):
     ) -> dict:
         """Pin a request's blocks for a peer to READ; returns the ids and this geometry."""
         timeout_s = check_timeout(timeout_s, "offer: timeout_s")
+        encode_request(request)
         if request in self._offers:
             raise InvalidValueError(f"request {request!r} is already offered")
         slot_ids = self.cache.slots.check_held(slots, "offer: slots").tolist()
@@ -516,8 +540,10 @@ class PrefillSender(NixlEndpoint):
         for msgs in self.progress().values():
             for msg in msgs:
                 text = msg.decode(errors="replace")
-                if text.startswith("pulled:") and text[7:] in self._offers:
-                    done.append(text[7:])
+                if text.startswith(PULLED):
+                    request = decode_request(text[len(PULLED) :])
+                    if request is not None and request in self._offers:
+                        done.append(request)
         now = time.monotonic()
         done += [r for r, (_, deadline) in self._offers.items() if now > deadline and r not in done]
         for request in done:
@@ -594,6 +620,7 @@ class DecodeReceiver(NixlEndpoint):
         name) lets :meth:`drop_peer` free a quarantine of this request.
         """
         timeout_s = check_timeout(timeout_s, "expect: timeout_s")
+        encode_request(request)  # its notification must decode to this very id
         if peer is not None and (not isinstance(peer, str) or not peer):
             raise InvalidValueError(
                 f"expect: peer must be an agent name (a str) or None, got {peer!r}"
@@ -632,6 +659,7 @@ class DecodeReceiver(NixlEndpoint):
         the READ is cancelled (quarantined until then).
         """
         timeout_s = check_timeout(timeout_s, "pull: timeout_s")
+        src = _check_offer(src)
         p = self._pending.get(request)
         if p is None:
             raise InvalidValueError(f"request {request!r} is not expected; call expect() first")
@@ -653,7 +681,7 @@ class DecodeReceiver(NixlEndpoint):
                 request,
                 (p.blocks, dst_slots),
                 (src["blocks"], src["slots"]),
-                f"pulled:{request}".encode(),
+                (PULLED + encode_request(request)).encode(),
                 timeout_s,
                 on_settled=lambda: self._release_quietly(p.transfer),
             )

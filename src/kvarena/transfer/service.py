@@ -33,6 +33,7 @@ from ..checks import check_timeout
 from ..errors import InvalidValueError
 from .geometry import CacheGeometry
 from .nixl_agent import DecodeReceiver, PrefillSender, ShipResult, TransferError, TransferTimeout
+from .wire import decode_request, encode_request
 
 
 def receiver_deadline(write_timeout_s: float) -> float:
@@ -110,15 +111,18 @@ class DecodeService:
                 "peer": name,
                 "liveness_port": self.liveness_port,
             }
+        if op in ("expect", "status"):
+            request = decode_request(msg.get("request"))
+            if request is None:
+                raise InvalidValueError(f"control message {op!r} carries no request id it can read")
         if op == "expect":
             return self.receiver.expect(
-                msg["request"],
+                request,
                 int(msg["blocks"]),
                 timeout_s=float(msg["timeout_s"]),
                 peer=msg.get("peer"),
             )
         if op == "status":
-            request = msg["request"]
             if request in self.receiver.ready:
                 return {"status": "ready"}
             if request in self.receiver.pending:
@@ -258,7 +262,7 @@ class PrefillClient:
         return self._call(
             {
                 "op": "expect",
-                "request": request,
+                "request": encode_request(request),
                 "blocks": num_blocks,
                 # The receiver waits past the WRITE's own deadline, so a write that
                 # finishes in time is never declared late; a sender that gives up
@@ -285,7 +289,7 @@ class PrefillClient:
         )
 
     def status(self, request: str) -> dict:
-        return self._call({"op": "status", "request": request})
+        return self._call({"op": "status", "request": encode_request(request)})
 
     def wait_ready(self, request: str) -> None:
         deadline = time.monotonic() + self.timeout_s
