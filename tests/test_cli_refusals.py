@@ -14,6 +14,7 @@ GEMMA = load_config("gemma-3-27b")[1]
 MAMBA = load_config("mamba2-2.7b")[1]
 LLAMA = load_config("llama-3.1-8b")[1]
 GPT_OSS = load_config("gpt-oss-20b")[1]
+DSV4 = load_config("deepseek-v4-flash")[1]
 
 
 def _with(base: dict, **fields) -> dict:
@@ -37,6 +38,23 @@ BAD_CONFIGS = [
     ("zero head_dim", _with(LLAMA, head_dim=0), "'head_dim'"),
     ("string layers", _with(LLAMA, num_hidden_layers="32"), "'num_hidden_layers'"),
     ("float layers", _with(LLAMA, num_hidden_layers=31.5), "'num_hidden_layers'"),
+    ("whole float layers", _with(LLAMA, num_hidden_layers=32.0), "'num_hidden_layers'"),
+    ("whole float heads", _with(LLAMA, num_key_value_heads=8.0), "'num_key_value_heads'"),
+    (
+        "short compress_ratios",
+        _with(DSV4, compress_ratios=DSV4["compress_ratios"][:20]),
+        "compress_ratios names 20 layers but num_hidden_layers is 43",
+    ),
+    (
+        "unknown compress ratio",
+        _with(DSV4, compress_ratios=[8] * 44),
+        "compress by 0, 4 or 128",
+    ),
+    (
+        "long compress_ratios",
+        _with(DSV4, compress_ratios=DSV4["compress_ratios"] + [4, 4]),
+        "'compress_ratios' must be a list of at most 44",
+    ),
     ("billion layers", _with(LLAMA, num_hidden_layers=10**9), "'num_hidden_layers'"),
     (
         "zero heads",

@@ -12,6 +12,7 @@ from kvarena import (
     PRESETS,
     CachePlan,
     EntryField,
+    InvalidValueError,
     ModelCache,
     PoolBudgetError,
     ServingOptions,
@@ -213,3 +214,50 @@ def test_one_byte_float_fills_must_be_exact():
     with pytest.raises(ValueError, match=r"stores 0\.1 as"):
         EntryField("k", 1, (4,), torch.float8_e4m3fn, fill=0.1)
     assert EntryField("scale", 1, (4,), torch.float8_e8m0fnu, fill=1.0).fill == 1.0
+
+
+@given(
+    page=field_lists(min_size=1, max_size=3),
+    state=field_lists(min_size=1, max_size=3),
+    budget=st.integers(1, 1 << 20),
+    seqs=st.integers(1, 64),
+    epr=st.integers(1, 3),
+)
+def test_a_refusal_names_a_budget_that_would_fit(page, state, budget, seqs, epr):
+    """``needed`` is the smallest budget that holds the ask: above the refused one,
+    and enough (a plan at it succeeds) — the STATE top's lost alignment included."""
+    try:
+        model = ModelCache.from_fields(page, state, block_size=16, entries_per_req=epr)
+    except InvalidValueError:
+        assume(False)
+    assume(model.page_fields and model.state_fields)
+    try:
+        plan_cache(model, budget_bytes=budget, max_seqs=seqs, clamp=False)
+    except PoolBudgetError as err:
+        assert err.needed > err.available == budget
+        again = plan_cache(model, budget_bytes=err.needed, max_seqs=seqs, clamp=False)
+        assert again.max_seqs == seqs
+        with pytest.raises(PoolBudgetError):
+            plan_cache(model, budget_bytes=err.needed - 1, max_seqs=seqs, clamp=False)
+    except InvalidValueError:
+        assume(False)
+
+
+def test_a_budget_refusal_survives_a_trip_between_processes():
+    import pickle
+
+    model = ModelCache.from_fields(
+        [EntryField("k", 1, (16, 64), torch.float32)],
+        [EntryField("s", 1, (512,), torch.float32)],
+        block_size=16,
+    )
+    with pytest.raises(PoolBudgetError) as info:
+        plan_cache(model, budget_bytes=4096, max_seqs=8, clamp=False)
+    back = pickle.loads(pickle.dumps(info.value))
+    assert (back.needed, back.available, back.entries, back.max_fitting_seqs, str(back)) == (
+        info.value.needed,
+        info.value.available,
+        info.value.entries,
+        info.value.max_fitting_seqs,
+        str(info.value),
+    )

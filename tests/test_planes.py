@@ -104,3 +104,12 @@ def test_refuses_when_the_bound_is_too_small():
     with pytest.raises(PlanePlanningError, match="within 5 search nodes") as info:
         plan_field_planes(fields, [256, 256, 512], max_nodes=5)
     assert (info.value.fields, info.value.planes) == (12, 3)
+
+
+@pytest.mark.parametrize("max_nodes", [-1, 0, "x", 1.5, None, True])
+def test_max_nodes_must_be_a_positive_count(max_nodes):
+    from kvarena import InvalidValueError
+
+    fields = [EntryField("a", 1, (64,), torch.float32)]
+    with pytest.raises(InvalidValueError, match="max_nodes"):
+        plan_field_planes(fields, [256, 512], max_nodes=max_nodes)

@@ -85,6 +85,7 @@ def test_mooncake_lines_expand_into_deterministic_tokens():
         ('{"timestamp": -1, "input_length": 5, "hash_ids": [1]}', "timestamp"),
         ('{"input_length": 5, "hash_ids": [1.5]}', "hash_ids"),
         ('{"tokens": [], "output_length": 1}', "tokens"),
+        ('{"timestamp": 1, "tokens": [1%s]}' % ("0" * 5000), "not a JSON object"),
         ("[1, 2]", "not a JSON object"),
         ("{", "not a JSON object"),
     ):

@@ -127,3 +127,12 @@ def test_plan_properties(page_bytes, states, budget, seqs):
         return
     assert plan.used_bytes <= budget and plan.unused_bytes < page_bytes
     assert plan.of("kv").entries == (budget - floor(seqs)) // page_bytes
+
+
+@pytest.mark.parametrize("budget", [-5, -1, 1.5, "1GiB", None, True])
+def test_max_fitting_seqs_refuses_a_budget_that_is_not_a_byte_count(budget):
+    from kvarena import InvalidValueError
+
+    classes = [EntryClass(pool=STATE, name="s", entry_bytes=1024, entries_per_req=1)]
+    with pytest.raises(InvalidValueError, match="budget_bytes"):
+        max_fitting_seqs(classes, budget)
