@@ -153,14 +153,14 @@ def test_elided_images_load_only_into_caches_without_bytes():
 # -- the host tier ---------------------------------------------------------------------
 @given(
     ops=st.lists(
-        st.tuples(st.sampled_from("pgd"), st.integers(0, 15), st.integers(1, 900)), max_size=80
+        st.tuples(st.sampled_from("pgd"), st.integers(0, 15), st.integers(1, 7200)), max_size=80
     ),
-    unit=st.sampled_from([64, 100, 256]),
+    unit=st.sampled_from([512, 800, 2048]),
 )
 def test_host_tier_matches_an_lru_model(ops, unit):
-    tier = HostTier(2048, unit_bytes=unit)
+    tier = HostTier(16384, unit_bytes=unit)
     model: OrderedDict[str, bytes] = OrderedDict()
-    cap_units = 2048 // unit
+    cap_units = 16384 // unit
 
     def units(n: int) -> int:
         return -(-n // unit)
@@ -199,7 +199,10 @@ def test_host_tier_matches_an_lru_model(ops, unit):
 def test_host_tier_refuses_nonsense_at_the_door():
     for kwargs, words in (
         ({"capacity_bytes": 0}, "capacity_bytes"),
-        ({"capacity_bytes": 100, "unit_bytes": 200}, "smaller than one unit"),
+        ({"capacity_bytes": 1000, "unit_bytes": 2000}, "smaller than one unit"),
+        ({"capacity_bytes": 1 << 20, "unit_bytes": 64}, "unit_bytes must be"),
+        ({"capacity_bytes": 1 << 20, "unit_bytes": 1}, "unit_bytes must be"),
+        ({"capacity_bytes": 1 << 40, "unit_bytes": 512}, "use units of at least 65,536 B"),
         ({"capacity_bytes": 1 << 20, "pin_memory": 1}, "pin_memory"),
     ):
         with pytest.raises(InvalidValueError, match=words):
@@ -348,7 +351,7 @@ def test_tier_specs_are_checked(tmp_path):
 
 
 def test_stack_cascades_evictions_down(tmp_path):
-    objs = [image(key=bytes([i]) * 16, payload=(bytes([i]) * 100,))[0] for i in range(4)]
+    objs = [image(key=bytes([i]) * 16, payload=(bytes([i]) * 1000,))[0] for i in range(4)]
     size = objs[0].logical_bytes
     host = HostTier(2 * size, unit_bytes=size)
     disk = DiskTier(tmp_path, 10 * size)

@@ -27,6 +27,11 @@ from .base import IndexedTier
 from .image import TierObject
 
 DEFAULT_UNIT_BYTES = 64 << 10
+MIN_UNIT_BYTES = 512
+MAX_UNITS = 1 << 24
+"""The tier's books (a free-id set and heap, an LRU entry per object) cost about
+100 B a unit in Python: units of at least 512 B keep them under a fifth of the
+tier, and at most 16M units under 2 GB whatever the capacity."""
 
 
 def _runs(units: list[int]) -> list[tuple[int, int]]:
@@ -47,7 +52,14 @@ class HostTier(IndexedTier):
         self, capacity_bytes: int, *, unit_bytes: int = DEFAULT_UNIT_BYTES, pin_memory: bool = False
     ) -> None:
         capacity = check_bytes(capacity_bytes, "host tier: capacity_bytes", lo=1)
-        unit = check_bytes(unit_bytes, "host tier: unit_bytes", lo=1)
+        unit = check_bytes(unit_bytes, "host tier: unit_bytes", lo=MIN_UNIT_BYTES)
+        if capacity // unit > MAX_UNITS:
+            smallest = -(-capacity // MAX_UNITS)
+            raise InvalidValueError(
+                f"host tier: {capacity:,} B in units of {unit:,} B is {capacity // unit:,} units, "
+                f"more than {MAX_UNITS:,} (its books would outgrow it); use units of at least "
+                f"{smallest:,} B"
+            )
         if unit > capacity:
             raise InvalidValueError(
                 f"host tier: capacity {capacity:,} B is smaller than one unit ({unit:,} B)"

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 
 import xxhash
 
-from ..errors import Error
+from ..checks import check_bytes, check_int
+from ..errors import Error, InvalidValueError
 
 MAGIC = b"KVARENA\x89"
 FORMAT_VERSION = 1
@@ -46,6 +47,8 @@ HEAD_BYTES = _HEAD.size
 _CHECKSUM_AT = HEAD_BYTES - 8
 KEY_BYTES = 16
 MAX_NAMESPACE_BYTES = 1 << 16
+MAX_SPAN = (1 << 64) - 1
+"""A token span's ends are unsigned 64-bit fields of the header."""
 
 
 class ImageKind(enum.IntEnum):
@@ -146,9 +149,21 @@ def encode(
     payload: Sequence[bytes | memoryview] | None,
     payload_bytes: int,
 ) -> TierObject:
-    """An image of ``payload`` (its parts in order; None: elided) as a tier object."""
-    if len(key) != KEY_BYTES or len(namespace) > MAX_NAMESPACE_BYTES or not 0 <= start <= end:
-        raise ImageMismatch("header", f"key of {len(key)} bytes, span {start}..{end}")
+    """An image of ``payload`` (its parts in order; None: elided) as a tier object.
+
+    Every header field is checked against what the header can hold before a
+    byte is packed: a refusal names the field, never a raw ``struct.error``."""
+    if not isinstance(kind, ImageKind):
+        raise InvalidValueError(f"encode: kind must be an ImageKind, got {kind!r}")
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        raise InvalidValueError(f"encode: key must be {KEY_BYTES} bytes, got {key!r:.60}")
+    if not isinstance(namespace, bytes) or len(namespace) > MAX_NAMESPACE_BYTES:
+        raise InvalidValueError(
+            f"encode: namespace must be bytes, at most {MAX_NAMESPACE_BYTES:,} of them"
+        )
+    start = check_int(start, "encode: start", lo=0, hi=MAX_SPAN)
+    end = check_int(end, "encode: end", lo=start, hi=MAX_SPAN)
+    payload_bytes = check_bytes(payload_bytes, "encode: payload_bytes")
     parts = tuple(payload) if payload is not None else ()
     if payload is not None and sum(memoryview(p).nbytes for p in parts) != payload_bytes:
         raise ImageMismatch("length", f"payload parts do not add up to {payload_bytes} bytes")

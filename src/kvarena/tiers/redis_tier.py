@@ -31,9 +31,28 @@ DEFAULT_PREFIX = "kvarena:"
 INLINE_BYTES = 64 << 10
 """Payload parts below this are gathered into the command bytes; larger ones
 are sent from where they lie."""
+_OK = (b"OK", "OK", True)
+_NONE = object()
 BATCH_BYTES = 64 << 20
 """Bytes per put pipeline: large enough to amortise the round trip, small
 enough that the reused scratch buffer stays modest."""
+
+
+class MalformedReply(TierError):
+    """The server answered, in Redis's protocol, with a reply of the wrong kind."""
+
+
+def _memory_field(info: Any, field: str) -> int:
+    """An integer field of ``INFO memory``'s reply, or :class:`MalformedReply`."""
+    value = info.get(field, 0) if isinstance(info, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise MalformedReply(f"INFO memory gave {field} = {value!r:.80}")
+    return value
+
+
+def _zero_or_one(v: Any) -> bool:
+    """What EXISTS and UNLINK of one key answer."""
+    return isinstance(v, int) and not isinstance(v, bool) and v in (0, 1)
 
 
 def _redis() -> Any:
@@ -72,6 +91,14 @@ class RedisTier(Tier):
             redis.exceptions.TimeoutError,
             redis.exceptions.RedisError,
             OSError,
+            MalformedReply,
+            # What redis-py's reply parsers raise on a reply of a kind they did not
+            # expect (INFO answered with an integer, say): a malformed reply too.
+            AttributeError,
+            TypeError,
+            ValueError,
+            IndexError,
+            KeyError,
         )
         try:
             factory = redis.RedisCluster if cluster else redis.Redis
@@ -82,8 +109,7 @@ class RedisTier(Tier):
             raise TierError(f"redis tier {url}: {exc}") from None
         self._capacity = 0
         try:
-            info = self._client.info("memory")
-            self._capacity = int(info.get("maxmemory", 0))
+            self._capacity = _memory_field(self._client.info("memory"), "maxmemory")
         except self._errors as exc:
             self._failed("connect", exc)
         self._scratch = bytearray()
@@ -106,7 +132,7 @@ class RedisTier(Tier):
     @property
     def used_bytes(self) -> int:
         try:
-            used = int(self._client.info("memory").get("used_memory", 0))
+            used = _memory_field(self._client.info("memory"), "used_memory")
         except self._errors as exc:
             self._failed("info", exc)
             return 0
@@ -119,16 +145,23 @@ class RedisTier(Tier):
     def _keys(self, names: Sequence[str]) -> list[str]:
         return [self.prefix + n for n in names]
 
-    def _pipeline(self, op: str, build: Any) -> list[Any] | None:
+    def _pipeline(self, op: str, build: Any, count: int, valid: Any) -> list[Any] | None:
+        """One round trip: ``count`` replies, each passing ``valid``; a reply of the
+        wrong kind (or count) fails the whole batch as a miss, with one warning."""
         try:
             pipe = self._client.pipeline(transaction=False)
             build(pipe)
             result = pipe.execute()
+            if not isinstance(result, list) or len(result) != count:
+                raise MalformedReply(f"{op}: {count} replies wanted, got {result!r:.80}")
+            bad = next((v for v in result if not valid(v)), _NONE)
+            if bad is not _NONE:
+                raise MalformedReply(f"{op}: a reply of the wrong kind: {bad!r:.80}")
         except self._errors as exc:
             self._failed(op, exc)
             return None
         self._worked()
-        return list(result)
+        return result
 
     def put_many(
         self, objects: Sequence[TierObject], *, want_evicted: bool = True
@@ -199,7 +232,9 @@ class RedisTier(Tier):
             flush()
             conn.send_packed_command(pieces)
             for _ in chunk:
-                conn.read_response()  # "OK", or raises (an OOM under noeviction, say)
+                reply = conn.read_response()  # "OK", or raises (an OOM under noeviction, say)
+                if reply not in _OK:
+                    raise MalformedReply(f"SET answered {reply!r:.80}")
         except BaseException:
             conn.disconnect()  # a half-read reply stream cannot be reused
             raise
@@ -222,7 +257,12 @@ class RedisTier(Tier):
                 mv[pos : pos + n] = memoryview(part).cast("B")
                 pos += n
             pipe.set(self.prefix + obj.name, mv[start:pos])
-        pipe.execute()
+        replies = pipe.execute()
+        if not isinstance(replies, list) or len(replies) != len(chunk):
+            raise MalformedReply(f"SET pipeline answered {replies!r:.80}")
+        for reply in replies:
+            if reply not in _OK:
+                raise MalformedReply(f"SET answered {reply!r:.80}")
 
     def get_many(self, names: Sequence[str]) -> list[bytes | bytearray | memoryview | None]:
         if not names:
@@ -234,7 +274,9 @@ class RedisTier(Tier):
             for k in keys:
                 pipe.get(k)
 
-        got = self._pipeline("get", build)
+        got = self._pipeline(
+            "get", build, len(keys), lambda v: v is None or isinstance(v, (bytes, bytearray))
+        )
         out: list[bytes | bytearray | memoryview | None] = (
             list(got) if got is not None else [None] * len(names)
         )
@@ -255,7 +297,7 @@ class RedisTier(Tier):
             for k in keys:
                 pipe.exists(k)
 
-        got = self._pipeline("exists", build)
+        got = self._pipeline("exists", build, len(keys), _zero_or_one)
         return [bool(v) for v in got] if got is not None else [False] * len(names)
 
     def delete_many(self, names: Sequence[str]) -> int:
@@ -267,7 +309,7 @@ class RedisTier(Tier):
             for k in keys:
                 pipe.unlink(k)
 
-        got = self._pipeline("delete", build)
+        got = self._pipeline("delete", build, len(keys), _zero_or_one)
         n = sum(int(v) for v in got) if got is not None else 0
         self.metrics.deletes += n
         self._count = max(0, self._count - n)
