@@ -39,6 +39,7 @@ listener, so no caller keeps books for the prefix cache.
 from __future__ import annotations
 
 import enum
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Hashable, Sequence
@@ -50,6 +51,7 @@ import torch
 
 from ..checks import check_count, check_device, check_request_id
 from ..errors import InvalidValueError
+from ..locking import synchronized
 from ..pools import BlockAllocationError, BoundaryMove, CachePlan, StateAllocationError
 from ..pools.unified import UnifiedCache
 from ..tiers import Tier, TierStack
@@ -220,19 +222,23 @@ class PrefixCache:
         self._copying: list[Image] = []
         self._wanted: set[bytes] = set()  # branch points
         self._running: dict[Hashable, Admission] = {}
+        self._lock = threading.RLock()  # every public call holds it: see kvarena.locking
 
     # -- queries ---------------------------------------------------------------------
     def keys(self, tokens: object, extra: Sequence[object] = ()) -> list[bytes]:
         return block_keys(self.root, as_tokens(tokens), self.block_size, extra)
 
     @property
+    @synchronized
     def cached_blocks(self) -> int:
         return len(self._block_of)
 
     @property
+    @synchronized
     def images(self) -> int:
         return sum(1 for i in self._images.values() if i.state is ImageState.READY)
 
+    @synchronized
     def running(self, request: Hashable) -> Admission:
         try:
             return self._running[request]
@@ -240,6 +246,7 @@ class PrefixCache:
             raise InvalidValueError(f"request {request!r} is not running") from None
 
     # -- the lookup contract -----------------------------------------------------------
+    @synchronized
     def poll(self) -> None:
         """Promote images whose copy has completed (COPYING -> READY)."""
         still = []
@@ -344,6 +351,7 @@ class PrefixCache:
                     tier_state[b] = where
         return full
 
+    @synchronized
     def lookup(self, tokens: object, extra: Sequence[object] = ()) -> PrefixHit:
         """The longest prefix of ``tokens`` every group can resume from (takes nothing)."""
         self.poll()
@@ -353,6 +361,7 @@ class PrefixCache:
         return self._answer(tok, keys)
 
     # -- requests ----------------------------------------------------------------------
+    @synchronized
     def admit(
         self,
         request: Hashable,
@@ -608,6 +617,7 @@ class PrefixCache:
         if objects:
             self.tiers.write_back(objects)
 
+    @synchronized
     def drain(self, batch: int = 256) -> int:
         """Write every cached block and READY image back to the tiers without
         evicting anything (a server shutting down, so the next one starts warm);
@@ -633,6 +643,7 @@ class PrefixCache:
         self.tiers.write_back(objects)
         return n + len(objects)
 
+    @synchronized
     def commit(self, request: Hashable, tokens: int) -> None:
         """The request has computed its first ``tokens`` prompt tokens: register the
         keys of the full blocks among them (a block another request already cached
@@ -648,6 +659,7 @@ class PrefixCache:
                 self._cache_block(key, i, block)
         adm.committed = max(adm.committed, n)
 
+    @synchronized
     def checkpoint(self, request: Hashable, boundary: int, *, event: Any = None) -> Image | None:
         """Keep an image of the request's state, which holds the state at ``boundary``
         blocks, keyed by that prefix. None when one exists already or no units fit.
@@ -685,6 +697,7 @@ class PrefixCache:
         self.metrics.image_bytes_written += self.spec.image_bytes
         return img
 
+    @synchronized
     def finish(self, request: Hashable) -> None:
         """Return the request's references: cached blocks age in the LRU, the rest
         are free; its slots are free."""
@@ -744,9 +757,11 @@ class PrefixCache:
                 adm.slots = tuple(move.slot_remap.get(s, s) for s in adm.slots)
 
     # -- boundary moves through the prefix cache's own books -----------------------------
+    @synchronized
     def rebalance(self, *, waiting_requests: int, blocks_needed: int) -> BoundaryMove | None:
         return self.cache.rebalance(waiting_requests=waiting_requests, blocks_needed=blocks_needed)
 
+    @synchronized
     def check_books(self) -> None:
         """Every cached key maps a block the allocator holds (live or evictable), every
         image's units are cached, and no two keys share a block (for tests)."""

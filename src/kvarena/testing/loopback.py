@@ -19,7 +19,7 @@ import multiprocessing as mp
 import os
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
@@ -291,7 +291,7 @@ class _Side:
     ) -> dict:
         return self.receiver.expect(request, num_blocks, timeout_s=timeout_s, peer=peer)
 
-    def drop_peer(self, peer: str) -> list[str]:
+    def drop_peer(self, peer: str) -> list[Hashable]:
         return self.receiver.drop_peer(peer)
 
     def fragment(self, n: int) -> None:

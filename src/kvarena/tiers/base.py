@@ -16,12 +16,14 @@ full disk disables the tier's writes with a message, and reads go on.
 from __future__ import annotations
 
 import abc
+import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from ..errors import Error
+from ..locking import synchronized
 from .image import TierObject
 
 
@@ -59,6 +61,7 @@ class Tier(abc.ABC):
         self.metrics = TierMetrics()
         self.disabled: str | None = None  # why writes stopped, if they did
         self._warned = False
+        self._lock = threading.RLock()  # one per tier: see kvarena.locking
 
     # -- the interface -------------------------------------------------------------
     @abc.abstractmethod
@@ -146,16 +149,20 @@ class IndexedTier(Tier):
         return self._capacity
 
     @property
+    @synchronized
     def used_bytes(self) -> int:
         return self._used
 
+    @synchronized
     def __len__(self) -> int:
         return len(self._index)
 
+    @synchronized
     def contains_many(self, names: Sequence[str]) -> list[bool]:
         index = self._index
         return [n in index for n in names]
 
+    @synchronized
     def names(self) -> list[str]:
         """Held objects, least recently used first."""
         return list(self._index)
@@ -205,6 +212,7 @@ class IndexedTier(Tier):
     def _drop(self, name: str) -> None:
         """Forget one held object and free its room."""
 
+    @synchronized
     def get_many(self, names: Sequence[str]) -> list[bytes | bytearray | memoryview | None]:
         out: list[bytes | bytearray | memoryview | None] = []
         for name in names:
@@ -219,6 +227,7 @@ class IndexedTier(Tier):
             out.append(data)
         return out
 
+    @synchronized
     def delete_many(self, names: Sequence[str]) -> int:
         n = 0
         for name in names:

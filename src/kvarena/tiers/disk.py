@@ -51,6 +51,7 @@ from typing import Any
 
 from ..checks import check_bytes
 from ..errors import InvalidValueError
+from ..locking import synchronized
 from .base import IndexedTier, TierError
 from .image import HEAD_BYTES, MAX_NAMESPACE_BYTES, ImageMismatch, TierObject, read_header
 
@@ -293,6 +294,7 @@ class DiskTier(IndexedTier):
         finally:
             os.close(fd)
 
+    @synchronized
     def put_many(
         self, objects: Sequence[TierObject], *, want_evicted: bool = True
     ) -> list[TierObject]:

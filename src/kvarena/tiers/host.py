@@ -22,6 +22,7 @@ import torch
 from ..checks import check_bytes
 from ..errors import InvalidValueError
 from ..layout.regions import aligned_zeros
+from ..locking import synchronized
 from ..pools.free_ids import FreeIds
 from .base import IndexedTier
 from .image import TierObject
@@ -125,6 +126,7 @@ class HostTier(IndexedTier):
         del self._stored[name]
         self._removed(name)
 
+    @synchronized
     def put_many(
         self, objects: Sequence[TierObject], *, want_evicted: bool = True
     ) -> list[TierObject]:
@@ -149,6 +151,7 @@ class HostTier(IndexedTier):
     def _fetch(self, name: str) -> memoryview:
         return self._read(name)
 
+    @synchronized
     def check_books(self) -> None:
         """Every unit is free or held by exactly one object (for tests)."""
         held = [u for us in self._units.values() for u in us]

@@ -24,6 +24,7 @@ from typing import Any
 
 from ..checks import check_timeout
 from ..errors import InvalidValueError
+from ..locking import synchronized
 from .base import Tier, TierError
 from .image import TierObject
 
@@ -130,6 +131,7 @@ class RedisTier(Tier):
         return self._capacity
 
     @property
+    @synchronized
     def used_bytes(self) -> int:
         try:
             used = _memory_field(self._client.info("memory"), "used_memory")
@@ -139,6 +141,7 @@ class RedisTier(Tier):
         self._worked()
         return used
 
+    @synchronized
     def __len__(self) -> int:
         return self._count
 
@@ -163,6 +166,7 @@ class RedisTier(Tier):
         self._worked()
         return result
 
+    @synchronized
     def put_many(
         self, objects: Sequence[TierObject], *, want_evicted: bool = True
     ) -> list[TierObject]:
@@ -264,6 +268,7 @@ class RedisTier(Tier):
             if reply not in _OK:
                 raise MalformedReply(f"SET answered {reply!r:.80}")
 
+    @synchronized
     def get_many(self, names: Sequence[str]) -> list[bytes | bytearray | memoryview | None]:
         if not names:
             return []
@@ -288,6 +293,7 @@ class RedisTier(Tier):
                 self.metrics.get_bytes += len(v)
         return out
 
+    @synchronized
     def contains_many(self, names: Sequence[str]) -> list[bool]:
         if not names:
             return []
@@ -300,6 +306,7 @@ class RedisTier(Tier):
         got = self._pipeline("exists", build, len(keys), _zero_or_one)
         return [bool(v) for v in got] if got is not None else [False] * len(names)
 
+    @synchronized
     def delete_many(self, names: Sequence[str]) -> int:
         if not names:
             return 0
@@ -315,6 +322,7 @@ class RedisTier(Tier):
         self._count = max(0, self._count - n)
         return n
 
+    @synchronized
     def close(self) -> None:
         try:
             self._client.close()

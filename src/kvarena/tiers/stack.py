@@ -10,11 +10,13 @@ block evicted again costs nothing where it is still held.
 from __future__ import annotations
 
 import re
+import threading
 import time
 from collections.abc import Sequence
 
 from ..checks import parse_bytes
 from ..errors import InvalidValueError
+from ..locking import synchronized
 from .base import Tier
 from .disk import DiskTier
 from .host import DEFAULT_UNIT_BYTES, HostTier
@@ -57,6 +59,7 @@ class TierStack:
         self.names = self._names(tiers)
         # Wall time spent in each tier (probe, fetch, write-back), for reports.
         self.seconds = [0.0] * len(tiers)
+        self._lock = threading.RLock()  # see kvarena.locking
 
     @classmethod
     def from_specs(
@@ -92,6 +95,7 @@ class TierStack:
     def __bool__(self) -> bool:
         return bool(self.tiers)
 
+    @synchronized
     def locate(self, names: Sequence[str]) -> list[int | None]:
         """For each name, the index of the first tier holding it (None: nowhere);
         one batched call per tier, over the names still unplaced."""
@@ -112,6 +116,7 @@ class TierStack:
             todo = rest
         return where
 
+    @synchronized
     def fetch(self, tier: int, names: Sequence[str]) -> list[bytes | bytearray | memoryview | None]:
         start = time.perf_counter()
         try:
@@ -119,9 +124,11 @@ class TierStack:
         finally:
             self.seconds[tier] += time.perf_counter() - start
 
+    @synchronized
     def drop(self, tier: int, names: Sequence[str]) -> None:
         self.tiers[tier].delete_many(names)
 
+    @synchronized
     def write_back(self, objects: Sequence[TierObject]) -> None:
         """Store objects at the top; each tier's evictions go to the next one down."""
         batch = list(objects)
@@ -134,10 +141,12 @@ class TierStack:
             self.seconds[i] += time.perf_counter() - start
             batch = evicted
 
+    @synchronized
     def close(self) -> None:
         for t in self.tiers:
             t.close()
 
+    @synchronized
     def report(self) -> list[dict[str, object]]:
         return [
             {

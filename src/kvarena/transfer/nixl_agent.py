@@ -22,7 +22,7 @@ import os
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -91,6 +91,15 @@ def _parse_notif(msg: bytes) -> tuple[str, int, Hashable] | None:
     return None
 
 
+def _in_order(ids: Iterable[Hashable]) -> list[Hashable]:
+    """Request ids sorted (by their repr where their types do not compare)."""
+    ids = list(ids)
+    try:
+        return sorted(ids)  # type: ignore[type-var]
+    except TypeError:
+        return sorted(ids, key=repr)
+
+
 PULLED = "pulled:"
 """The prefix of a pull's completion notification (then the request's wire form)."""
 
@@ -116,7 +125,7 @@ class Xfer:
 
     op: str
     peer: str
-    request: str
+    request: Hashable
     start: float
     timeout_s: float
     on_settled: Callable[[], None] | None
@@ -234,7 +243,7 @@ class NixlEndpoint:
         self,
         op: str,
         peer: str,
-        request: str,
+        request: Hashable,
         local: tuple[Sequence[int], Sequence[int]],
         remote: tuple[Sequence[int], Sequence[int]],
         notif: bytes,
@@ -328,7 +337,7 @@ class NixlEndpoint:
         self,
         op: str,
         peer: str,
-        request: str,
+        request: Hashable,
         local: tuple[Sequence[int], Sequence[int]],
         remote: tuple[Sequence[int], Sequence[int]],
         notif: bytes,
@@ -367,7 +376,7 @@ class NixlEndpoint:
 
 @dataclass(frozen=True, kw_only=True)
 class ShipResult:
-    request: str
+    request: Hashable
     descriptors: int
     nbytes: int
     seconds: float
@@ -395,14 +404,14 @@ class PrefillSender(NixlEndpoint):
     def __init__(self, name: str, cache: UnifiedCache) -> None:
         super().__init__(name, cache)
         self._offers: dict[
-            str, tuple[list[int], float]
+            Hashable, tuple[list[int], float]
         ] = {}  # request -> (pinned blocks, deadline)
-        self.released: list[str] = []  # offers whose pins are gone: pulled or expired
+        self.released: list[Hashable] = []  # offers whose pins are gone: pulled or expired
 
     def ship(
         self,
         peer: str,
-        request: str,
+        request: Hashable,
         src_blocks: Sequence[int],
         src_slots: Sequence[int],
         dst_blocks: Sequence[int],
@@ -434,7 +443,7 @@ class PrefillSender(NixlEndpoint):
     def post(
         self,
         peer: str,
-        request: str,
+        request: Hashable,
         src_blocks: Sequence[int],
         src_slots: Sequence[int],
         dst_blocks: Sequence[int],
@@ -510,7 +519,7 @@ class PrefillSender(NixlEndpoint):
         for b in pins:
             self.cache.blocks.release(b)
 
-    def abort(self, peer: str, request: str, transfer: int) -> None:
+    def abort(self, peer: str, request: Hashable, transfer: int) -> None:
         """Tell ``peer`` that ``transfer`` will not be written (a request the prefill
         gave up on, or a WRITE that failed and is cancelled): the receiver frees its
         allocation at once. Only for a transfer none of whose bytes can still land.
@@ -522,7 +531,12 @@ class PrefillSender(NixlEndpoint):
             pass
 
     def offer(
-        self, request: str, blocks: Sequence[int], slots: Sequence[int], *, timeout_s: float = 30.0
+        self,
+        request: Hashable,
+        blocks: Sequence[int],
+        slots: Sequence[int],
+        *,
+        timeout_s: float = 30.0,
     ) -> dict:
         """Pin a request's blocks for a peer to READ; returns the ids and this geometry."""
         timeout_s = check_timeout(timeout_s, "offer: timeout_s")
@@ -534,9 +548,9 @@ class PrefillSender(NixlEndpoint):
         self._offers[request] = (pins, time.monotonic() + timeout_s)
         return {"blocks": pins, "slots": slot_ids, "geometry": self.geometry().to_dict()}
 
-    def poll(self) -> list[str]:
+    def poll(self) -> list[Hashable]:
         """Release the pins of offers the peer has read, or that expired; return them."""
-        done = []
+        done: list[Hashable] = []
         for msgs in self.progress().values():
             for msg in msgs:
                 text = msg.decode(errors="replace")
@@ -553,8 +567,8 @@ class PrefillSender(NixlEndpoint):
         return done
 
     @property
-    def offered(self) -> list[str]:
-        return sorted(self._offers)
+    def offered(self) -> list[Hashable]:
+        return _in_order(self._offers)
 
 
 @dataclass
@@ -569,10 +583,10 @@ class _Pending:
 
 @dataclass
 class ReceiverEvents:
-    ready: list[str] = field(default_factory=list)
-    failed: list[tuple[str, str]] = field(default_factory=list)
-    refused: list[str] = field(default_factory=list)
-    released: list[str] = field(default_factory=list)  # quarantined allocations freed
+    ready: list[Hashable] = field(default_factory=list)
+    failed: list[tuple[Hashable, str]] = field(default_factory=list)
+    refused: list[Hashable] = field(default_factory=list)
+    released: list[Hashable] = field(default_factory=list)  # quarantined allocations freed
 
 
 class DecodeReceiver(NixlEndpoint):
@@ -592,18 +606,18 @@ class DecodeReceiver(NixlEndpoint):
 
     def __init__(self, name: str, cache: UnifiedCache) -> None:
         super().__init__(name, cache)
-        self._pending: dict[str, _Pending] = {}
-        self.ready: dict[str, _Pending] = {}
-        self._quarantine: dict[int, tuple[str, _Pending]] = {}  # transfer -> (request, held)
+        self._pending: dict[Hashable, _Pending] = {}
+        self.ready: dict[Hashable, _Pending] = {}
+        self._quarantine: dict[int, tuple[Hashable, _Pending]] = {}  # transfer -> (request, held)
         self._next_transfer = 1
         # The latest failures (with their reasons) and refused notifications: bounded,
         # so a long-running receiver's memory does not grow with its history.
-        self.failed: deque[tuple[str, str]] = deque(maxlen=EVENT_HISTORY)
-        self.refused: deque[str] = deque(maxlen=EVENT_HISTORY)
+        self.failed: deque[tuple[Hashable, str]] = deque(maxlen=EVENT_HISTORY)
+        self.refused: deque[Hashable] = deque(maxlen=EVENT_HISTORY)
 
     def expect(
         self,
-        request: str,
+        request: Hashable,
         num_blocks: int,
         *,
         with_state: bool | None = None,
@@ -650,7 +664,9 @@ class DecodeReceiver(NixlEndpoint):
             "transfer": transfer,
         }
 
-    def pull(self, peer: str, request: str, src: dict, *, timeout_s: float = 30.0) -> ShipResult:
+    def pull(
+        self, peer: str, request: Hashable, src: dict, *, timeout_s: float = 30.0
+    ) -> ShipResult:
         """READ an offered request (``src`` from the peer's :meth:`PrefillSender.offer`)
         into this request's allocation; it is ready when this returns.
 
@@ -700,7 +716,7 @@ class DecodeReceiver(NixlEndpoint):
         if p.slots:
             self.cache.free_state(p.owner)
 
-    def _release(self, transfer: int) -> str | None:
+    def _release(self, transfer: int) -> Hashable | None:
         """Free a quarantined allocation: no write of its transfer can land now."""
         held = self._quarantine.pop(transfer, None)
         if held is None:
@@ -752,7 +768,7 @@ class DecodeReceiver(NixlEndpoint):
         self.refused.extend(events.refused)
         return events
 
-    def drop_peer(self, peer: str) -> list[str]:
+    def drop_peer(self, peer: str) -> list[Hashable]:
         """``peer``'s process is gone: forget it, and free every allocation it could
         have written — its quarantines and its still-pending requests (those fail,
         "peer gone"); the requests freed.
@@ -778,7 +794,7 @@ class DecodeReceiver(NixlEndpoint):
                 freed.append(request)
         return freed
 
-    def wait(self, request: str, timeout_s: float) -> _Pending:
+    def wait(self, request: Hashable, timeout_s: float) -> _Pending:
         """Poll until ``request`` is ready; raise :class:`TransferTimeout` otherwise."""
         timeout_s = check_timeout(timeout_s, "wait: timeout_s")
         deadline = time.monotonic() + timeout_s
@@ -799,7 +815,7 @@ class DecodeReceiver(NixlEndpoint):
             pause = min(pause * 2, WAIT_BACKOFF_MAX_S)
         return self.ready[request]
 
-    def finish(self, request: str) -> None:
+    def finish(self, request: Hashable) -> None:
         """The engine is done with a ready request: free its blocks and slots."""
         try:
             p = self.ready.pop(request)
@@ -807,7 +823,7 @@ class DecodeReceiver(NixlEndpoint):
             raise InvalidValueError(f"request {request!r} is not ready") from None
         self._free(p)
 
-    def take(self, request: str) -> tuple[list[int], tuple[int, ...], Hashable]:
+    def take(self, request: Hashable) -> tuple[list[int], tuple[int, ...], Hashable]:
         """The engine takes a ready request over: ``(blocks, slots, owner)`` are
         now its to free (``cache.blocks.release`` each block,
         ``cache.free_state(owner)``); the receiver forgets them."""
@@ -822,10 +838,10 @@ class DecodeReceiver(NixlEndpoint):
         return list(self._pending.values()) + [p for _, p in self._quarantine.values()]
 
     @property
-    def pending(self) -> list[str]:
-        return sorted(self._pending)
+    def pending(self) -> list[Hashable]:
+        return _in_order(self._pending)
 
     @property
-    def quarantined(self) -> list[str]:
+    def quarantined(self) -> list[Hashable]:
         """Requests whose allocation waits for proof that no write can land."""
-        return sorted(r for r, _ in self._quarantine.values())
+        return _in_order(r for r, _ in self._quarantine.values())

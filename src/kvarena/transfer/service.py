@@ -24,7 +24,7 @@ import select
 import socket
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import zmq
@@ -73,7 +73,7 @@ class _Link:
 class LinkEvents:
     """Peers whose link ended (their process is gone) and the requests freed."""
 
-    dropped: list[tuple[str, list[str]]] = field(default_factory=list)
+    dropped: list[tuple[str, list[Hashable]]] = field(default_factory=list)
 
 
 def _encode_hello(hello: dict) -> dict:
@@ -100,7 +100,7 @@ class DecodeService:
         self._listen.setblocking(False)
         self.liveness_port: int = self._listen.getsockname()[1]
         self._links: dict[socket.socket, _Link] = {}
-        self.dropped: deque[tuple[str, list[str]]] = deque(maxlen=1024)
+        self.dropped: deque[tuple[str, list[Hashable]]] = deque(maxlen=1024)
 
     def _handle(self, msg: dict) -> dict:
         op = msg.get("op")

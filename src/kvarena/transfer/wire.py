@@ -78,7 +78,7 @@ def _untag(v: Any, depth: int) -> Any:
     raise ValueError(f"unknown tag {tag!r}")
 
 
-def decode_request(text: str) -> Hashable | None:
+def decode_request(text: object) -> Hashable | None:
     """The id :func:`encode_request` wrote, or None for text it did not write
     (a foreign or garbled notification: the caller counts it as refused)."""
     if not isinstance(text, str) or len(text) > MAX_ID_BYTES:

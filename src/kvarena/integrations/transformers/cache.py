@@ -49,6 +49,12 @@ class _Rows:
         self._copies: set[str] = set()  # fields held as working copies
         self._index: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._prepared: tuple[int, int] | None = None
+        self.released = False  # set once, by the cache's close(): then every use refuses
+        # A window of tokens counts in the tables (and so can be committed to the
+        # prefix cache) only once every paged layer wrote it: a forward that
+        # raises in layer 5 leaves the tables where the last whole forward left them.
+        self.paged_layers = 0
+        self._wrote: dict[int, int] = {}  # window end -> paged layers that wrote it
         # Each row's first rollback entry, where a crop finds the state from
         # before the last forward (None: the pool keeps no rollback entries).
         self.rollback_index = (
@@ -56,6 +62,24 @@ class _Rows:
             if slots and len(slots[0]) > 1
             else None
         )
+
+    def check_live(self) -> None:
+        if self.released:
+            raise InvalidValueError(
+                "this KvarenaCache was released to its pool: its blocks and slots may belong "
+                "to another cache now; make a new cache (pool.new_cache or pool.prefill)"
+            )
+
+    def wrote(self, end: int) -> None:
+        """One paged layer wrote its tokens up to ``end``; the last of them advances
+        every row's table to ``end``."""
+        n = self._wrote.get(end, 0) + 1
+        if n < self.paged_layers:
+            self._wrote[end] = n
+            return
+        self._wrote.pop(end, None)
+        for t in self.tables:
+            t.tokens = max(t.tokens, end)
 
     @property
     def live_slots(self) -> list[int]:
@@ -92,7 +116,6 @@ class _Rows:
         for t in self.tables:
             held = len(t.blocks)
             changed |= bool(t.prepare_write(start, end)) or len(t.blocks) != held
-            t.tokens = max(t.tokens, end)
         if changed:  # block ids moved: cached index tensors are stale
             self._index.clear()
         self._prepared = (start, end)
@@ -123,6 +146,32 @@ class _Rows:
     def changed(self) -> None:
         self._index.clear()
         self._prepared = None
+
+
+def _row_selection(beam_idx: object, rows: int) -> list[int]:
+    """``beam_idx`` as row numbers: a 1-D integer tensor of ``rows`` values in ``[0, rows)``."""
+    if (
+        not isinstance(beam_idx, torch.Tensor)
+        or beam_idx.dim() != 1
+        or beam_idx.dtype.is_floating_point
+        or beam_idx.dtype.is_complex
+        or beam_idx.dtype == torch.bool
+        or beam_idx.device.type == "meta"
+    ):
+        got = (
+            f"a {beam_idx.dim()}-D {beam_idx.dtype} tensor on {beam_idx.device}"
+            if isinstance(beam_idx, torch.Tensor)
+            else type(beam_idx).__name__
+        )
+        raise InvalidValueError(
+            f"reorder_cache: beam_idx must be a 1-D integer tensor of row numbers; got {got}"
+        )
+    order = [int(i) for i in beam_idx.tolist()]
+    if len(order) != rows or not all(0 <= i < rows for i in order):
+        raise InvalidValueError(
+            f"reorder_cache: beam_idx {order[:16]} is not a selection of the {rows} rows"
+        )
+    return order
 
 
 def _check_dtype(t: torch.Tensor, want: torch.dtype, what: str, layer: int) -> None:
@@ -169,6 +218,7 @@ class PagedLayer(_InPool, CacheLayerMixin):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.rows.check_live()
         _check_dtype(key_states, self.k.dtype, "keys", self.layer_idx)
         _check_dtype(value_states, self.v.dtype, "values", self.layer_idx)
         n, t = self.tokens, key_states.shape[-2]
@@ -184,6 +234,7 @@ class PagedLayer(_InPool, CacheLayerMixin):
             self.k.index_put_((blk, row), key_states.transpose(1, 2))
             self.v.index_put_((blk, row), value_states.transpose(1, 2))
         self.tokens = n + t
+        self.rows.wrote(n + t)
         ids, nb = self.rows.blocks(n + t)
         b = key_states.shape[0]
         return self._read(self.k, ids, b, nb, n + t), self._read(self.v, ids, b, nb, n + t)
@@ -254,6 +305,7 @@ class RingLayer(_InPool, CacheLayerMixin):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.rows.check_live()
         kr = self.rows.state("k_window")[self.group]  # [B, ring, heads, dim]
         vr = self.rows.state("v_window")[self.group]
         _check_dtype(key_states, kr.dtype, "keys", self.layer_idx)
@@ -343,6 +395,7 @@ class LinearLayer(_InPool, LinearAttentionCacheLayerMixin):
         conv_kernel_size: int | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
+        self.rows.check_live()
         self._check_idx(state_idx)
         if conv_kernel_size is not None and conv_kernel_size != self.kernel:
             raise LayoutMismatchError(
@@ -364,6 +417,7 @@ class LinearLayer(_InPool, LinearAttentionCacheLayerMixin):
     def update_recurrent_state(
         self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs: Any
     ) -> torch.Tensor:
+        self.rows.check_live()
         self._check_idx(state_idx)
         view = self.recurrent_states[0]
         if view is None:
@@ -551,7 +605,6 @@ class KvarenaCache(Cache):
     ) -> None:
         self.pool = pool
         self.rows = rows
-        self.released = False
         self.recording = False
         layout: HfLayout = pool.layout
         layers: list[Any] = []
@@ -566,6 +619,7 @@ class KvarenaCache(Cache):
                 assert kind == NONE
                 layers.append(NoneLayer())
         super().__init__(layers=layers)
+        rows.paged_layers = sum(1 for x in layers if isinstance(x, PagedLayer))
         self._replay: _Replay | None = None
         if model is not None and any(isinstance(x, LinearLayer) for x in layers):
             if rows.rollback_index is None:
@@ -582,10 +636,16 @@ class KvarenaCache(Cache):
         super().activate_past_recording()
 
     def close(self) -> None:
-        """Remove the hooks this cache placed on the model (the pool calls it on release)."""
+        """Remove the hooks this cache placed on the model, and refuse every later
+        use (the pool calls it on release, before it gives the blocks and slots back)."""
         if self._replay is not None:
             self._replay.close()
             self._replay = None
+        self.rows.released = True
+
+    @property
+    def released(self) -> bool:
+        return self.rows.released
 
     @property
     def requests(self) -> list[Hashable]:
@@ -608,10 +668,10 @@ class KvarenaCache(Cache):
         self.rows.sync()
 
     def _check_live(self) -> None:
-        if self.released:
-            raise InvalidValueError("this KvarenaCache was released to its pool")
+        self.rows.check_live()
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        self._check_live()
         if any(isinstance(layer, (PagedLayer, RingLayer)) for layer in self.layers):
             return super().get_seq_length(layer_idx)
         return 0
@@ -621,10 +681,8 @@ class KvarenaCache(Cache):
         """Row ``r`` becomes old row ``beam_idx[r]``: its blocks shared (copied on
         the next write), its state copied whole, as one entry per row."""
         self._check_live()
-        order = [int(i) for i in beam_idx.tolist()]
         rows = self.rows
-        if len(order) != len(rows.requests) or not all(0 <= i < len(order) for i in order):
-            raise InvalidValueError(f"reorder_cache: beam_idx {order} is not a row selection")
+        order = _row_selection(beam_idx, len(rows.requests))
         if order == list(range(len(order))):
             return
         if rows.tables:

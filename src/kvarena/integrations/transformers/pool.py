@@ -32,6 +32,25 @@ def forward_with(model: Any, input_ids: torch.Tensor, cache: Any) -> Any:
     return model(input_ids=input_ids, use_cache=True, **{name: cache})
 
 
+def _check_vocabulary(model: Any, input_ids: torch.Tensor, what: str) -> None:
+    """Token ids the model's embedding holds (torch's own IndexError from inside the
+    forward would leave a half-computed cache behind)."""
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab = getattr(embed, "num_embeddings", None) or getattr(
+        getattr(model, "config", None), "vocab_size", None
+    )
+    if not isinstance(vocab, int) or input_ids.device.type == "meta":
+        if input_ids.device.type == "meta":
+            raise InvalidValueError(f"{what}: input_ids on the meta device hold no token ids")
+        return
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= vocab:
+        bad = lo if lo < 0 else hi
+        raise InvalidValueError(
+            f"{what}: token id {bad} is outside the model's vocabulary 0..{vocab - 1}"
+        )
+
+
 def _check_prompt(input_ids: Any, what: str) -> None:
     """One prompt: token ids of shape ``[1, tokens]``, at least one token."""
     if (
@@ -133,6 +152,7 @@ class KvarenaPool:
         is kept for later prompts. ``generate(input_ids, cache=cache)``
         computes the rest."""
         _check_prompt(input_ids, "prefill")
+        _check_vocabulary(model, input_ids, "prefill")
         tokens = input_ids[0].tolist()
         request: Hashable = ("hf", next(self._ids))
         adm = self.prefix.admit(request, tokens)
@@ -164,6 +184,7 @@ class KvarenaPool:
         Ship ``cache.block_tables[0].blocks`` and ``cache.slots[0][:1]`` to the
         decode side, which continues with :meth:`adopt`."""
         _check_prompt(input_ids, "prefill_remote")
+        _check_vocabulary(model, input_ids, "prefill_remote")
         cache = self.new_cache(1)
         try:
             with torch.no_grad():
@@ -200,7 +221,7 @@ class KvarenaPool:
         if cache.released:
             raise InvalidValueError("release: this cache was released already")
         cache.sync()
-        cache.close()
+        cache.close()  # every later use of it refuses; then its blocks and slots go back
         rows = cache.rows
         for r, request in enumerate(rows.requests):
             prompt = self._prompts.pop(request, None)
@@ -213,7 +234,6 @@ class KvarenaPool:
                 rows.tables[r].release()
             if rows.slots:
                 self.cache.free_state(request)
-        cache.released = True
         self._live.discard(id(cache))
 
     @property
