@@ -89,6 +89,19 @@ class TierObject:
     parts: tuple[bytes | memoryview, ...]
     logical_bytes: int
 
+    def __post_init__(self) -> None:
+        # Checked where an object is made, so no tier ever sizes room from a
+        # count that does not hold its bytes (an elided image stores less).
+        if not isinstance(self.name, str) or not self.name:
+            raise InvalidValueError(f"TierObject: name must be a non-empty str, got {self.name!r}")
+        try:
+            stored = self.stored_bytes if isinstance(self.parts, tuple) else -1
+        except TypeError:
+            stored = -1
+        if stored < 0:
+            raise InvalidValueError("TierObject: parts must be a tuple of byte buffers")
+        check_bytes(self.logical_bytes, "TierObject: logical_bytes", lo=max(1, stored))
+
     @property
     def stored_bytes(self) -> int:
         return sum(memoryview(p).nbytes for p in self.parts)
