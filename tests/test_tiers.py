@@ -412,3 +412,51 @@ def test_tier_doors_refuse_nonsense():
     ):
         with pytest.raises(InvalidValueError, match=words):
             RedisTier(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("start", -1, "start"),
+        ("end", 1 << 64, "end"),
+        ("start", 10**30, "start"),
+        ("end", 1.5, "end"),
+        ("payload_bytes", -7, "payload_bytes"),
+        ("payload_bytes", 1 << 70, "payload_bytes"),
+        ("kind", 7, "ImageKind"),
+        ("key", "k" * 16, "16 bytes"),
+        ("namespace", "ns", "namespace"),
+    ],
+)
+def test_encode_refuses_a_header_field_it_cannot_hold(field, value, words):
+    args = {
+        "kind": ImageKind.KV_BLOCK,
+        "namespace": NS,
+        "key": b"k" * 16,
+        "start": 0,
+        "end": 16,
+        "payload": None,
+        "payload_bytes": 7,
+    }
+    args[field] = value
+    if field == "end" and isinstance(value, int):
+        args["start"] = 0
+    with pytest.raises(InvalidValueError, match=words):
+        encode(**args)
+
+
+@pytest.mark.parametrize(
+    ("name", "parts", "logical"),
+    [
+        ("", (b"x",), 1),
+        (5, (b"x",), 1),
+        ("kv-a", [b"x"], 1),
+        ("kv-a", (object(),), 1),
+        ("kv-a", (b"xyz",), 2),
+        ("kv-a", (b"x",), 0),
+        ("kv-a", (b"x",), 1.0),
+    ],
+)
+def test_a_tier_object_must_hold_its_bytes(name, parts, logical):
+    with pytest.raises(InvalidValueError, match="TierObject"):
+        TierObject(name, parts, logical)

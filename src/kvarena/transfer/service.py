@@ -229,7 +229,15 @@ class PrefillClient:
                 f"decode service at {self.endpoint} did not answer {msg['op']!r} within "
                 f"{self.timeout_s}s; the socket was reset, the next call starts afresh"
             )
-        reply = json.loads(raw)
+        try:
+            reply = json.loads(raw)
+        except (ValueError, RecursionError):
+            reply = None
+        if not isinstance(reply, dict):
+            raise TransferError(
+                f"decode service at {self.endpoint} answered {msg['op']!r} with what is not a "
+                f"control reply: {bytes(raw)[:80]!r}"
+            )
         if "error" in reply:
             raise TransferError(f"decode service refused {msg['op']!r}: {reply['error']}")
         return reply
