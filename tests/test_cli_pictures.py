@@ -52,7 +52,6 @@ def test_sweep_json_picture_and_report(tmp_path, trace_file):
         *MODEL,
         "--sweep",
         "256MiB,512MiB,1GiB",
-        "--compare",
         "--picture",
         str(curve),
         "--report",

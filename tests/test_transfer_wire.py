@@ -6,9 +6,13 @@ import os
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from test_transfer import random_spec
+from test_transfer import (
+    pair,  # noqa: F401 (the fixture of a prefill and a decode process)
+    random_spec,
+)
 
 from kvarena import DecodeReceiver, InvalidValueError, UnifiedCache
+from kvarena.transfer import nixl_available
 from kvarena.transfer.nixl_agent import _check_offer, _notif, _parse_notif
 from kvarena.transfer.wire import decode_request, encode_request
 
@@ -100,3 +104,16 @@ def test_expect_refuses_an_id_that_cannot_cross_before_allocating():
 def test_check_offer_names_what_is_missing():
     with pytest.raises(InvalidValueError, match=r"missing \['geometry'\]"):
         _check_offer({"blocks": [1], "slots": []})
+
+
+@pytest.mark.skipif(not nixl_available(), reason="NIXL (kvarena[transfer]) not installed")
+def test_ids_of_other_types_become_ready_over_a_real_transfer(pair):  # noqa: F811
+    """An int and a tuple id through NIXL: each write's notification names the very
+    id, so the request becomes ready (an int once arrived as "7" and waited forever)."""
+    from test_transfer import connect_pair, ship_request
+
+    prefill, decode, _ = pair
+    peer, _ = connect_pair(prefill, decode)
+    for request in (7, ("chat", 3), b"\x00id", "7"):
+        assert ship_request(prefill, decode, peer, request, 2, seed=5)["byte_exact"], request
+    assert decode.call("stats")["pending"] == []

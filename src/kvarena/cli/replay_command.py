@@ -67,7 +67,7 @@ def replay(
         str | None,
         typer.Option(
             help="replay at each budget of a comma list (4GiB,8GiB,...), in bookkeeping mode; "
-            "with --compare every policy"
+            "every policy of --compare at each, the infinite bound as a line"
         ),
     ] = None,
     picture: Annotated[
@@ -117,6 +117,8 @@ def replay(
             "--compare and --tier together would run every policy over the same tiers; "
             "use one or the other"
         )
+    # A sweep draws a curve for every policy of the comparison, --compare or not.
+    compare = compare or bool(out.budgets)
     v = vllm_unification(m, cfg.budget_bytes, max_seqs) if compare else None
     vm = model_cache(model, replace_options(options, v["attention_block_tokens"])) if v else None
     if out.budgets:
