@@ -23,7 +23,7 @@ from .app import (
     _serving,
     app,
 )
-from .replay_outputs import check_sweep, outputs, run_sweep, write_replay_outputs
+from .replay_outputs import check_sweep, json_head, outputs, run_sweep, write_replay_outputs
 from .replay_tables import render_replay
 
 
@@ -144,13 +144,8 @@ def replay(
     mismatches = sum(r.mismatches for r in rows)
     if as_json:
         doc = {
-            "schema": "kvarena-replay/1",
-            "trace": trace,
-            "model": m.name,
+            **json_head("kvarena-replay/1", trace, m, cfg),
             "budget_bytes": cfg.budget_bytes,
-            "max_seqs": max_seqs,
-            "block_size": m.block_size,
-            "checkpoint": cfg.policy.describe(),
             "verify": verify,
             "tiers": list(cfg.tiers),
             "results": [r.to_dict() for r in rows],

@@ -80,6 +80,18 @@ def outputs(
     )
 
 
+def json_head(schema: str, trace: str, m: ModelCache, cfg: ReplayConfig) -> dict[str, Any]:
+    """What every ``kvarena replay --json`` document opens with: what was replayed how."""
+    return {
+        "schema": schema,
+        "trace": trace,
+        "model": m.name,
+        "max_seqs": cfg.max_seqs,
+        "block_size": m.block_size,
+        "checkpoint": cfg.policy.describe(),
+    }
+
+
 def check_sweep(
     m: ModelCache,
     cfg: ReplayConfig,
@@ -211,15 +223,7 @@ def run_sweep(
             progress=lambda done, total: bar.update(task, completed=done, total=total),
         )
     if as_json:
-        doc = {
-            "schema": "kvarena-sweep/1",
-            "trace": trace,
-            "model": m.name,
-            "max_seqs": cfg.max_seqs,
-            "block_size": m.block_size,
-            "checkpoint": cfg.policy.describe(),
-            **sw.to_dict(),
-        }
+        doc = {**json_head("kvarena-sweep/1", trace, m, cfg), **sw.to_dict()}
         typer.echo(json.dumps(doc, indent=2))
     else:
         render_sweep(m.name, sw)
