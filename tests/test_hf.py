@@ -501,7 +501,7 @@ def test_every_architecture_the_presets_name_is_one_transformers_has():
     the presets map is a class transformers exports."""
     import transformers
 
-    from kvarena.models.presets import _FAMILY_BY_ARCH
+    from kvarena.models.loading import _FAMILY_BY_ARCH
 
     missing = [a for a in _FAMILY_BY_ARCH if not hasattr(transformers, a)]
     assert missing == []

@@ -35,7 +35,7 @@ from ...errors import InvalidValueError
 from ...layout import EntryField
 from ...models import ModelCache, ServingOptions
 from ...models.config import MAX_DIM, ConfigReader, UnknownModelError
-from ...models.presets import MAMBA2_NEMOTRON_FIELDS, MAMBA2_PREFIXED_FIELDS
+from ...models.shapes import MAMBA2_NEMOTRON_FIELDS, MAMBA2_PREFIXED_FIELDS
 
 PAGED, RING, LINEAR, NONE = "paged", "ring", "linear", "none"
 _KIND_OF = {
