@@ -13,8 +13,8 @@ from test_transfer import (
 
 from kvarena import DecodeReceiver, InvalidValueError, UnifiedCache
 from kvarena.transfer import nixl_available
-from kvarena.transfer.nixl_agent import _check_offer, _notif, _parse_notif
-from kvarena.transfer.wire import decode_request, encode_request
+from kvarena.transfer.receiver import _check_offer
+from kvarena.transfer.wire import decode_request, encode_request, notification, parse_notification
 
 leaves = (
     st.text(max_size=20)
@@ -30,7 +30,7 @@ ids = st.recursive(leaves, lambda inner: st.tuples(inner) | st.tuples(inner, inn
 def test_every_id_round_trips_with_its_type(request):
     back = decode_request(encode_request(request))
     assert back == request and type(back) is type(request)
-    kind, transfer, parsed = _parse_notif(_notif("w", 7, request))
+    kind, transfer, parsed = parse_notification(notification("w", 7, request))
     assert (kind, transfer, parsed) == ("w", 7, request) and type(parsed) is type(request)
 
 
@@ -74,7 +74,7 @@ def test_foreign_text_decodes_to_nothing(text):
     ],
 )
 def test_foreign_notifications_are_not_parsed(msg):
-    assert _parse_notif(msg) is None
+    assert parse_notification(msg) is None
 
 
 def test_expect_refuses_an_id_that_cannot_cross_before_allocating():

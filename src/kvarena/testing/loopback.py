@@ -27,7 +27,8 @@ import torch
 from ..errors import Error
 from ..layout import field_extents
 from ..pools import CachePlan, UnifiedCache
-from ..transfer.nixl_agent import DecodeReceiver, PrefillSender, Shipment
+from ..transfer.receiver import DecodeReceiver
+from ..transfer.sender import PrefillSender, Shipment
 from ..transfer.service import PrefillClient
 
 SENTINEL = 0xA5
@@ -349,7 +350,7 @@ def _serve(conn, role: str, plan: CachePlan, env: dict[str, str]) -> None:
     os.environ.update(env)
     # NIXL logs every agent start at INFO (its logger's level is set when the
     # module loads); the parent reports what matters.
-    from ..transfer.nixl_agent import nixl_available
+    from ..transfer.endpoint import nixl_available
 
     if nixl_available():
         for name in ("nixl", "nixl.nixl_cu12", "nixl.nixl_cu12._api"):

@@ -31,8 +31,10 @@ import zmq
 
 from ..checks import check_timeout
 from ..errors import InvalidValueError
+from .endpoint import ShipResult, TransferError, TransferTimeout
 from .geometry import CacheGeometry
-from .nixl_agent import DecodeReceiver, PrefillSender, ShipResult, TransferError, TransferTimeout
+from .receiver import DecodeReceiver
+from .sender import PrefillSender
 from .wire import decode_request, encode_request
 
 

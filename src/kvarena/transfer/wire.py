@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from typing import Any
 
 from ..checks import check_request_id
@@ -88,3 +88,32 @@ def decode_request(text: object) -> Hashable | None:
     except (ValueError, RecursionError, TypeError, OverflowError):
         return None
     return value
+
+
+def notification(kind: str, transfer: int, request: Hashable) -> bytes:
+    """A transfer's notification: ``w`` (its WRITE landed) or ``a`` (its sender
+    aborted it, and no byte of it can land any more), with the transfer id and
+    the request id in its wire form (:mod:`.wire`: it decodes to an equal id)."""
+    return f"{kind}:{transfer}:{encode_request(request)}".encode()
+
+
+def parse_notification(msg: bytes) -> tuple[str, int, Hashable] | None:
+    kind, _, rest = msg.decode(errors="replace").partition(":")
+    tid, _, text = rest.partition(":")
+    request = decode_request(text)
+    if kind in ("w", "a") and tid.isascii() and tid.isdigit() and request is not None:
+        return kind, int(tid), request
+    return None
+
+
+def in_order(ids: Iterable[Hashable]) -> list[Hashable]:
+    """Request ids sorted (by their repr where their types do not compare)."""
+    ids = list(ids)
+    try:
+        return sorted(ids)  # type: ignore[type-var]
+    except TypeError:
+        return sorted(ids, key=repr)
+
+
+PULLED = "pulled:"
+"""The prefix of a pull's completion notification (then the request's wire form)."""
