@@ -19,8 +19,9 @@ from ...checks import check_count, check_device
 from ...errors import InvalidValueError
 from ...pools import BlockTable, CachePlan, plan_cache
 from ...prefix import CheckpointPolicy, PrefixCache
-from .cache import KvarenaCache, _Rows
+from .cache import KvarenaCache
 from .layout import HfLayout, hf_layout
+from .rows import Rows
 
 
 def forward_with(model: Any, input_ids: torch.Tensor, cache: Any) -> Any:
@@ -117,8 +118,8 @@ class KvarenaPool:
     # -- caches ----------------------------------------------------------------------
     def _rows(
         self, requests: list[Hashable], tables: list[BlockTable], slots: list[tuple[int, ...]]
-    ) -> _Rows:
-        return _Rows(self.cache, requests, tables, slots)
+    ) -> Rows:
+        return Rows(self.cache, requests, tables, slots)
 
     def new_cache(self, batch_size: int, *, model: Any = None) -> KvarenaCache:
         """An empty cache for ``batch_size`` new requests: each row gets a block
