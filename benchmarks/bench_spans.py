@@ -1,5 +1,5 @@
 """Where one copy per span stops losing to grouped short-span moves: the
-measurement behind ``kvarena.copy.executor.THREADED_SPAN_BYTES`` (batches
+measurement behind ``kvarena.copy.thresholds.THREADED_SPAN_BYTES`` (batches
 split over threads: the default 512 MiB) and ``LARGE_SPAN_BYTES`` (batches on
 one thread, below ``PARALLEL_MIN_BYTES``: ``--mib 1``).
 
@@ -30,7 +30,7 @@ import torch
 from _timing import cache_memory, filled, plain_copy, side_by_side
 
 from kvarena.copy import CopyBatch, execute_batch
-from kvarena.copy.executor import LARGE_SPAN_BYTES, THREADED_SPAN_BYTES
+from kvarena.copy.thresholds import LARGE_SPAN_BYTES, THREADED_SPAN_BYTES
 
 LENGTHS_KIB = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 

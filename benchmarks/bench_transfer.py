@@ -24,7 +24,7 @@ import os
 from kvarena import plan_cache
 from kvarena.layout import align_up, min_slot_stride
 from kvarena.models import ServingOptions, model_cache
-from kvarena.testing.loopback import SideProcess, connect_pair
+from kvarena.transfer.local_pair import SideProcess, connect_pair
 
 
 def bench(preset: str, tokens: int, rounds: int, tp: int, fragmented: bool) -> dict:

@@ -11,14 +11,15 @@ from kvarena.copy import (
     CopyBatch,
     CopyBoundsError,
     CopyStats,
-    coalesce,
     describe_batch,
     execute_batch,
     executor,
     plan_segmented_copy,
+    thresholds,
 )
-from kvarena.copy.executor import PROGRESSION_MIN_BYTES, triton_available
-from kvarena.spans import progressions
+from kvarena.copy.executor import triton_available
+from kvarena.copy.thresholds import PROGRESSION_MIN_BYTES
+from kvarena.spans import coalesce, progressions
 
 # The Triton path runs here only under its interpreter (TRITON_INTERPRET=1);
 # on a GPU machine it runs for real in tests/test_gpu.py.
@@ -332,7 +333,6 @@ def test_short_spans_move_in_one_pass_when_adjacent_on_one_side(units_per_image)
 
 @pytest.mark.parametrize("same_storage", [False, True])
 def test_large_batches_split_over_threads_move_exactly_the_spans(same_storage, monkeypatch):
-    from kvarena.copy import executor
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)  # more shares than cores
     rng = np.random.default_rng(7)
@@ -347,7 +347,7 @@ def test_large_batches_split_over_threads_move_exactly_the_spans(same_storage, m
     src = rng.integers(0, n // 2 - (1 << 20), size=lengths.size)
     order = rng.permutation(lengths.size)
     batch = CopyBatch(src[order], dst[order], lengths[order])
-    assert batch.nbytes >= executor.PARALLEL_MIN_BYTES
+    assert batch.nbytes >= thresholds.PARALLEL_MIN_BYTES
     before = buf.clone()
     if same_storage:
         stats = execute_batch(batch, buf, buf)
@@ -370,7 +370,7 @@ def test_pieces_cover_the_same_bytes_in_order(count, length):
     """Spans cut into pieces (so numpy releases the GIL) name exactly the spans'
     bytes, in the same order, and more than 500 items whenever pieces can be long
     enough."""
-    from kvarena.copy.executor import MIN_PIECE_BYTES, NUMPY_GIL_ITEMS, _pieces
+    from kvarena.copy.short_spans import MIN_PIECE_BYTES, NUMPY_GIL_ITEMS, _pieces
 
     starts = np.arange(count, dtype=np.int64)[::-1] * (length + 7)
     pieces, piece = _pieces(starts, length)
@@ -558,10 +558,10 @@ def test_units_in_any_order_are_gathered_exactly(
         **({"large_span_bytes": length, "torch_span_bytes": length} if long else {}),
     )
     assert torch.equal(dst_buf, expect)
-    if path == "cpu" and long and step > 1 and not _upward_run(perm, executor.MIN_RUN):
+    if path == "cpu" and long and step > 1 and not _upward_run(perm, thresholds.MIN_RUN):
         # No two spans continue each other and no strided family lies in the
         # order: one gather, or a copy_ each below MIN_RUN.
-        assert stats.ops == (1 if count >= executor.MIN_RUN else count)
+        assert stats.ops == (1 if count >= thresholds.MIN_RUN else count)
     elif path == "cpu" and step > 1 and count >= 4:
         # One gather, after any strided families of two or more spans the
         # permutation happens to hold: never a call per span.
@@ -676,7 +676,7 @@ def test_spans_between_gather_in_families_of_min_run():
     """Spans between the short and the long, written evenly spaced from
     anywhere, are one gather from MIN_RUN of them; fewer go one copy each."""
     block = 4096
-    for count in (executor.MIN_RUN - 1, executor.MIN_RUN, 3 * executor.MIN_RUN):
+    for count in (thresholds.MIN_RUN - 1, thresholds.MIN_RUN, 3 * thresholds.MIN_RUN):
         perm = np.random.default_rng(count).permutation(count).astype(np.int64)
         src, dst = perm * 2 * block + block, np.arange(count, dtype=np.int64) * 2 * block
         buf = torch.from_numpy(
@@ -691,19 +691,19 @@ def test_spans_between_gather_in_families_of_min_run():
             torch_span_bytes=2 * block,
             progression_min_bytes=0,
         )
-        many = count >= executor.MIN_RUN
+        many = count >= thresholds.MIN_RUN
         assert gathers == many and stats.ops == (1 if many else count)
         expect = _spans_written(before, before, src, dst, block)
         assert torch.equal(buf, expect)
 
 
-@pytest.mark.parametrize("threaded_span", [executor.THREADED_SPAN_BYTES, 16 * 1024])
+@pytest.mark.parametrize("threaded_span", [thresholds.THREADED_SPAN_BYTES, 16 * 1024])
 def test_threaded_batches_move_spans_in_no_family_one_memcpy_each(threaded_span):
     """A batch split over threads moves spans that no gather or strided family
     takes (uneven destinations) one memcpy each from THREADED_SPAN_BYTES, and
     grouped below it; the bytes are the same either way."""
     length, count = 8 * 1024, 640
-    assert length * count >= executor.PARALLEL_MIN_BYTES
+    assert length * count >= thresholds.PARALLEL_MIN_BYTES
     rng = np.random.default_rng(12)
     gaps = rng.integers(1, 16, count) * 64
     dst = (np.cumsum(length + gaps) - (length + gaps))[rng.permutation(count)]

@@ -38,6 +38,7 @@ def test_threads_share_one_prefix_cache_and_its_tiers(tmp_path, fine_switching):
     def count(what: str) -> None:
         with count_lock:
             done[what] += 1
+
     start = threading.Barrier(5)
 
     def worker(wid: int) -> None:

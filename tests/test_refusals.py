@@ -44,7 +44,13 @@ def snapshot(c: UnifiedCache):
     b, s = c.blocks, c.slots
     return (
         c.buf.clone(),
-        (b.capacity, sorted(b._free._set), b._refs.tolist(), sorted(b._cached), list(b._lru)),
+        (
+            b.capacity,
+            sorted(b._free._set),
+            b._refs.tolist(),
+            sorted((repr(k), b.blocks_of(k)) for k in b.keys()),
+            list(b._lru),
+        ),
         (s.first, sorted(s._free._set), dict(s._owner), {k: list(v) for k, v in s._slots.items()}),
     )
 
@@ -59,7 +65,7 @@ def operations(c: UnifiedCache, spec):
         "allocate": lambda x: c.blocks.allocate(x),
         "release": lambda x: c.blocks.release(x),
         "retain": lambda x: c.blocks.retain(x),
-        "set_cached": lambda x: c.blocks.set_cached(x),
+        "cache": lambda x: c.blocks.cache(("k", repr(x)), [x] if isinstance(x, int) else x),
         "evict": lambda x: c.blocks.evict(x),
         "refresh": lambda x: c.blocks.refresh(x),
         "pin": lambda x: c.blocks.pin(x, "pin"),
@@ -141,7 +147,7 @@ def _doors():
         "plan seqs huge": lambda: kv.plan_cache(m, budget_bytes=2**30, max_seqs=2**70),
         "cache device object": lambda: UnifiedCache.from_plan(p, object()),
         "cache device nonsense": lambda: UnifiedCache.from_plan(p, "nonsense"),
-        "cache on_evict": lambda: UnifiedCache.from_plan(p, "cpu", on_evict=5),
+        "write-down not callable": lambda: c.blocks.set_write_down(5),
         "view list name": lambda: c.state_view(["k"]),
         "grow float": lambda: c.grow_state(1.5),
         "grow huge": lambda: c.grow_state(2**70),

@@ -36,9 +36,9 @@ def books(pc) -> tuple:
     host = pc.tiers.tiers[0]
     return (
         c.buf.clone(),
-        (sorted(b._free._set), b._refs.tolist(), sorted(b._cached), list(b._lru)),
+        (sorted(b._free._set), b._refs.tolist(), sorted(map(repr, b.keys())), list(b._lru)),
         (sorted(s._free._set), dict(s._owner)),
-        (dict(pc._block_of), sorted(pc._images), sorted(pc._running, key=repr), sorted(pc._wanted)),
+        (sorted(pc._copying), sorted(pc._running, key=repr), sorted(pc._wanted)),
         pc.metrics.to_dict(),
         (list(host._index.items()), host.used_bytes, sorted(host._free._set)),
     )
@@ -105,7 +105,7 @@ def pool_books(pool) -> tuple:
     b, s = c.blocks, c.slots
     return (
         c.buf.clone(),
-        (sorted(b._free._set), b._refs.tolist(), sorted(b._cached)),
+        (sorted(b._free._set), b._refs.tolist(), sorted(map(repr, b.keys())), len(c.holdings)),
         (sorted(s._free._set), dict(s._owner)),
         pool.live_caches,
         pool.prefix.metrics.to_dict(),

@@ -152,17 +152,18 @@ def test_a_bad_object_is_a_miss_deleted_and_never_copied(tmp_path, fault):
     assert pc.lookup(ps[0]).tokens == 32
 
 
-def test_a_refused_before_evict_refuses_the_whole_allocation():
+def test_a_refused_write_down_refuses_the_whole_allocation():
     seen: list[list[int]] = []
 
-    def hook(blocks: list[int]) -> None:
-        seen.append(list(blocks))
+    def hook(victims) -> None:
+        seen.append([b for v in victims for b in v.blocks])
         raise RuntimeError("tier exploded")
 
-    alloc = BlockAllocator(4, before_evict=hook)
+    alloc = BlockAllocator(4)
+    alloc.set_write_down(hook)
     blocks = alloc.allocate(4)
     for b in blocks:
-        alloc.set_cached(b)
+        alloc.cache(b"k%d" % b, [b])
         alloc.release(b)
     with pytest.raises(RuntimeError, match="exploded"):
         alloc.allocate(2)

@@ -12,8 +12,8 @@ import torch
 from conftest import plan_for
 
 from kvarena import EntryField
-from kvarena.testing.loopback import HarnessError, SideProcess, connect_pair, ship_request
 from kvarena.transfer import nixl_available
+from kvarena.transfer.local_pair import HarnessError, SideProcess, connect_pair, ship_request
 
 pytestmark = pytest.mark.skipif(
     not nixl_available(), reason="NIXL (kvarena[transfer]) not installed"

@@ -46,14 +46,15 @@ def test_geometry_and_views():
 
 def test_grow_relocates_live_blocks_one_copy_each_and_keeps_bytes():
     evicted = []
-    c = make(on_evict=evicted.append)
+    c = make()
+    c.blocks.set_write_down(lambda victims: evicted.extend(b for v in victims for b in v.blocks))
     blocks = c.blocks.allocate(c.num_blocks)
     for b in blocks:
         c.block_bytes_of(b).fill_(b % 251)
     for b in blocks[:40]:
         c.blocks.release(b)  # free low
     high = blocks[-6:]
-    c.blocks.set_cached(high[0])
+    c.blocks.cache(("k", high[0]), [high[0]])
     c.blocks.release(high[0])  # evictable at the top
     k_before = c.page_view("k")
     move = c.grow_state(2)
@@ -203,12 +204,13 @@ def test_rebalance_follows_demand():
 
 def test_block_allocator_rules():
     evicted = []
-    a = BlockAllocator(4, on_evict=evicted.append)
+    a = BlockAllocator(4)
+    a.set_write_down(lambda victims: evicted.extend(b for v in victims for b in v.blocks))
     assert a.allocate(2) == [0, 1]
     a.retain(0)
     a.release(0)
     assert a.refcount(0) == 1
-    a.set_cached(1)
+    a.cache(("k", 1), [1])
     a.release(1)
     assert a.is_evictable(1) and a.num_free == 2
     a.retain(1)  # a prefix hit revives it
@@ -245,10 +247,11 @@ def test_state_allocator_groups_topmost_first():
 
 def test_refresh_reorders_lru_without_a_reference():
     evicted = []
-    a = BlockAllocator(3, on_evict=evicted.append)
+    a = BlockAllocator(3)
+    a.set_write_down(lambda victims: evicted.extend(b for v in victims for b in v.blocks))
     blocks = a.allocate(3)
     for b in blocks:
-        a.set_cached(b)
+        a.cache(("k", b), [b])
         a.release(b)
     assert a.evictable_blocks() == [0, 1, 2]
     a.refresh(0)  # a prefix lookup hit block 0 without taking it
@@ -337,44 +340,51 @@ def test_request_ids_that_read_as_free_are_refused():
     assert c.slots.num_free == before[0] and torch.equal(c.buf, before[1])
 
 
-def test_a_raising_on_evict_cannot_leave_an_operation_half_done():
-    from kvarena.pools import EvictionCallbackError
-
+def test_a_refusing_write_down_sink_refuses_the_whole_operation():
+    """The sink sees the victims before anything changes; if it raises, the
+    allocation or the boundary move is refused whole: every id, key and byte
+    as it was."""
     seen = []
 
-    def angry(block):
-        seen.append(block)
-        raise RuntimeError(f"no {block}")
+    def angry(victims):
+        seen.append([v.key for v in victims])
+        raise RuntimeError("the tier is full")
 
-    a = BlockAllocator(4, on_evict=angry)
+    a = BlockAllocator(4)
+    a.set_write_down(angry)
     blocks = a.allocate(4)
     for b in blocks[:3]:
-        a.set_cached(b)
+        a.cache(("k", b), [b])
         a.release(b)
-    with pytest.raises(EvictionCallbackError, match="on_evict raised for 2") as info:
+    with pytest.raises(RuntimeError, match="the tier is full"):
         a.allocate(2)
-    # Completed first: both evictions applied, both callbacks ran, the blocks are held.
-    assert info.value.result == [0, 1] and seen == [0, 1]
-    assert [b for b, _ in info.value.errors] == [0, 1]
-    assert a.refcount(0) == a.refcount(1) == 1 and a.evictable_blocks() == [2]
-    assert a.num_free + a.num_live + a.num_evictable == a.capacity
+    assert seen == [[("k", 0), ("k", 1)]]
+    assert a.evictable_blocks() == [0, 1, 2] and a.num_free == 0 and a.num_live == 1
+    assert [a.blocks_of(("k", b)) for b in range(3)] == [(0,), (1,), (2,)]
+    a.check_books()
 
-    # A boundary move completes too: its remap is on the error, the bytes moved.
-    c = make(on_evict=angry)
+    c = make()
     blocks = c.blocks.allocate(c.num_blocks)
     for b in blocks:
         c.block_bytes_of(b).fill_(b % 251)
     for b in blocks[:-4]:
-        c.blocks.set_cached(b)
+        c.blocks.cache(("k", b), [b])
         c.blocks.release(b)  # all evictable but the top four, which are live
-    seen.clear()
-    with pytest.raises(EvictionCallbackError) as info:
+    c.blocks.set_write_down(angry)
+    before = (c.buf.clone(), c.blocks.capacity, c.slots.capacity, c.blocks.evictable_blocks())
+    with pytest.raises(RuntimeError, match="the tier is full"):
         c.grow_state(1)
-    move = info.value.result
-    assert move.slots_after == 5 and len(move.block_remap) == 4 and seen
-    assert set(seen) == set(move.evicted_blocks)
+    assert torch.equal(c.buf, before[0]) and c.moves == 0
+    assert (c.blocks.capacity, c.slots.capacity, c.blocks.evictable_blocks()) == before[1:]
+    c.blocks.check_books()
+    # Without the refusal the same move completes: the victims' keys are gone.
+    c.blocks.set_write_down(None)
+    move = c.grow_state(1)
+    assert move.slots_after == 5 and len(move.block_remap) == 4 and c.moves == 1
+    assert all(c.blocks.blocks_of(("k", b)) is None for b in move.evicted_blocks)
     for old, new in move.block_remap.items():
         assert (c.block_bytes_of(new) == old % 251).all() and c.blocks.refcount(new) == 1
+    c.blocks.check_books()
 
 
 def test_a_raw_store_over_the_cache_state_is_refused():

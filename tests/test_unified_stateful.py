@@ -43,10 +43,16 @@ class UnifiedCacheMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         plan = plan_for(PAGE_FIELDS, STATE_FIELDS, 48 * 1024, 2, block_size=4, entries_per_req=2)
-        self.cache = UnifiedCache.from_plan(plan, "cpu", on_evict=self._evicted)
+        self.cache = UnifiedCache.from_plan(plan, "cpu")
+        self.cache.blocks.set_write_down(self._written_down)
         self.handles: dict[int, dict] = {}  # handle -> {"id", "refs", "cached", "seed"}
         self.requests: dict[int, dict[int, int]] = {}  # request -> {slot: seed}
         self.next = 0
+
+    def _written_down(self, victims) -> None:
+        for v in victims:
+            for b in v.blocks:
+                self._evicted(b)
 
     def _evicted(self, block: int) -> None:
         owners = [h for h, v in self.handles.items() if v["id"] == block]
@@ -87,8 +93,9 @@ class UnifiedCacheMachine(RuleBasedStateMachine):
         live = self._live()
         if live:
             h = data.draw(st.sampled_from(live))
-            self.cache.blocks.set_cached(self.handles[h]["id"])
-            self.handles[h]["cached"] = True
+            if not self.handles[h]["cached"]:  # a block holds one key
+                self.cache.blocks.cache(("handle", h), [self.handles[h]["id"]])
+                self.handles[h]["cached"] = True
 
     def _release(self, h):
         self.cache.blocks.release(self.handles[h]["id"])

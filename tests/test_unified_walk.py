@@ -45,7 +45,9 @@ class Walk:
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
         plan = plan_for(PAGE, STATE, 64 * 1024 + 300, 3, entries_per_req=2)
-        self.c = UnifiedCache.from_plan(plan, "cpu", on_evict=self.evicted)
+        self.c = UnifiedCache.from_plan(plan, "cpu")
+        self.c.blocks.set_write_down(self.written_down)
+        self.keys = 0
         self.buf = self.c.buf.numpy()  # a view: the cache's bytes as they are
         c = self.c
         self.stride, self.sstride = c.block_stride, c.slot_stride
@@ -97,7 +99,13 @@ class Walk:
         assert b.num_free == b.capacity - len(self.refs) - len(self.evictable)
         assert {r: list(s.slots_of(r)) for r in s.requests} == self.requests
 
-    # -- callbacks -----------------------------------------------------------------------
+    # -- the write-down sink ------------------------------------------------------------
+    def written_down(self, victims) -> None:
+        """Victims arrive before anything changes, every one still evictable here."""
+        for v in victims:
+            for b in v.blocks:
+                self.evicted(b)
+
     def evicted(self, block: int) -> None:
         assert block in self.evictable and block not in self.refs
         self.evictable.discard(block)
@@ -147,8 +155,10 @@ class Walk:
         live = self.live_blocks()
         if live:
             x = self.rng.choice(live)
-            self.c.blocks.set_cached(x)
-            self.cached.add(x)
+            if x not in self.cached:  # a block holds one key
+                self.keys += 1
+                self.c.blocks.cache(("k", self.keys), [x])
+                self.cached.add(x)
 
     def step_retain(self) -> None:
         pool = self.live_blocks() + sorted(self.evictable)

@@ -5,7 +5,7 @@ alone (:func:`field_extents`, :func:`plan_regions`, :func:`plan_field_planes`)
 and only then materialized over memory (the arenas).
 """
 
-from .arenas import EntryMajorArena, LayerMajorArena, SplitEntryMajorArena, carve_layer_major
+from .arenas import EntryMajorArena, LayerMajorArena, carve_layer_major
 from .describe import LayoutRow, describe, layout_rows
 from .fields import (
     EntryField,
@@ -21,6 +21,7 @@ from .fields import (
 )
 from .planes import PlanePlanningError, plan_field_planes, plane_rows
 from .regions import ALIGNMENT, align_up, aligned_zeros, carve, plan_regions
+from .split_arena import SplitEntryMajorArena
 
 __all__ = [
     "ALIGNMENT",

@@ -1,8 +1,11 @@
 """Pools: one plan from a budget, allocators, and one allocation with a movable boundary."""
 
 from .block_table import BlockTable, block_table_tensor
-from .blocks import BlockAllocationError, BlockAllocator, EvictionCallbackError
+from .blocks import BlockAllocationError, BlockAllocator
+from .boundary import BoundaryMove, BoundaryMoveError
+from .cached_keys import Evicted
 from .geometry import PoolGeometry
+from .holdings import Holding
 from .plan import CachePlan, plan_cache
 from .sizing import (
     ClassPlan,
@@ -15,7 +18,7 @@ from .sizing import (
     plan_pools,
 )
 from .states import StateAllocationError, StateAllocator
-from .unified import BoundaryMove, BoundaryMoveError, UnifiedCache
+from .unified import UnifiedCache
 
 __all__ = [
     "BlockAllocationError",
@@ -26,7 +29,8 @@ __all__ = [
     "CachePlan",
     "ClassPlan",
     "EntryClass",
-    "EvictionCallbackError",
+    "Evicted",
+    "Holding",
     "PoolBudgetError",
     "PoolGeometry",
     "PoolKind",

@@ -18,19 +18,23 @@ import torch
 from ..checks import check_count
 from ..errors import InvalidValueError
 from .blocks import BlockAllocationError
+from .holdings import Holding
 from .unified import UnifiedCache
 
 
 class BlockTable:
     """The blocks of one sequence and how many tokens it holds.
 
-    ``blocks`` may be a list the caller shares (a prefix-cache admission's
-    blocks): the table appends to it and replaces copied blocks in place, so
-    whoever releases that list releases exactly what the table holds.
+    The table's blocks are a :class:`~kvarena.pools.holdings.Holding`'s: the
+    request's one record, which a prefix-cache admission may hold too (the
+    table appends to it and replaces copied blocks in place, so whoever gives
+    the request back gives back exactly what the table holds) and which a
+    boundary move remaps in place. Without one the table holds a new one of
+    its own, and :meth:`release` lets it go.
     """
 
     def __init__(
-        self, cache: UnifiedCache, blocks: list[int] | None = None, *, tokens: int = 0
+        self, cache: UnifiedCache, holding: Holding | None = None, *, tokens: int = 0
     ) -> None:
         if not isinstance(cache, UnifiedCache):
             raise InvalidValueError(
@@ -40,15 +44,22 @@ class BlockTable:
             raise InvalidValueError("BlockTable: this cache has no PAGE fields, so no blocks")
         self.cache = cache
         self.block_size = cache.block_size
-        if blocks is None:
-            blocks = []
-        elif not isinstance(blocks, list):
+        if holding is not None and not isinstance(holding, Holding):
             raise InvalidValueError(
-                f"BlockTable: blocks must be a list, got {type(blocks).__name__}"
+                f"BlockTable: holding must be a Holding (cache.hold), got {type(holding).__name__}"
             )
-        cache.blocks.check_held(blocks, "BlockTable: blocks", writing=True)
-        self.blocks = blocks
-        self.tokens = check_count(tokens, "BlockTable: tokens", hi=len(blocks) * self.block_size)
+        if holding is not None:
+            cache.blocks.check_held(holding.blocks, "BlockTable: blocks", writing=True)
+        n = len(holding.blocks) if holding is not None else 0
+        tokens = check_count(tokens, "BlockTable: tokens", hi=n * self.block_size)
+        self._own = holding is None
+        self.holding = cache.hold() if holding is None else holding
+        self.tokens = tokens
+
+    @property
+    def blocks(self) -> list[int]:
+        """The blocks in token order (the holding's list, remapped by boundary moves)."""
+        return self.holding.blocks
 
     @property
     def capacity(self) -> int:
@@ -106,7 +117,11 @@ class BlockTable:
     def fork(self) -> BlockTable:
         """A second table over the same blocks (one more reference on each)."""
         self.cache.blocks.pin(self.blocks, "BlockTable.fork: blocks")
-        return BlockTable(self.cache, list(self.blocks), tokens=self.tokens)
+        table = BlockTable(
+            self.cache, self.cache.hold(blocks=list(self.blocks)), tokens=self.tokens
+        )
+        table._own = True
+        return table
 
     def truncate(self, tokens: int) -> list[int]:
         """Keep the first ``tokens`` tokens; the blocks past them are released."""
@@ -120,8 +135,12 @@ class BlockTable:
         return gone
 
     def release(self) -> None:
-        """Give every block back (cached ones age in the LRU)."""
+        """Give every block back (cached ones age in the LRU); a holding of the
+        table's own is let go, one shared with its owner stays theirs."""
         self.truncate(0)
+        if self._own:
+            self._own = False
+            self.cache.let_go(self.holding)
 
     def token_index(self, start: int, end: int) -> torch.Tensor:
         """Flat row ids (``block * block_size + t % block_size``) of tokens

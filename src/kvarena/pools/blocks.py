@@ -3,35 +3,32 @@
 Blocks are handed out lowest id first so that the top of the PAGE region
 stays free: the STATE pool grows down into it, and a free block there costs
 nothing to give up. A block whose last reference is released while it holds
-a prefix-cached key becomes *evictable* instead of free: it keeps its bytes
-for a future prefix hit, and is reclaimed in least-recently-used order, with
-a callback so the prefix cache can forget its key.
+a cached key (:mod:`kvarena.pools.cached_keys`, the one book of cached
+blocks, which this allocator owns) becomes *evictable* instead of free: it
+keeps its bytes for a future prefix hit, and is reclaimed in
+least-recently-used order. Evicting a block drops its key in the same step
+(and the key's other blocks, and the key declared worthless without it).
 
-A second hook, ``before_evict``, sees each batch of victims BEFORE anything
-changes, while their bytes are still theirs: the place to write them to a
-lower tier. It runs before the operation's first change, so if it raises the
-operation is refused whole (nothing evicted, nothing allocated).
-
-The ``on_evict`` callback runs after the operation that evicted has completed, never in
-the middle of it: an ``on_evict`` that raises cannot leave an allocation or a
-boundary move half done. The operation completes, every callback runs, and
-then the callbacks' failures are raised together as
-:class:`EvictionCallbackError`, which carries the operation's result.
+Evictions are not announced to anyone above: the operation that evicted
+returns what it did (:meth:`evict_many` the dropped keys, a boundary move its
+record). One *write-down sink* may be set (:meth:`set_write_down`): it sees
+each batch of :class:`Evicted` keys BEFORE anything changes, while their
+bytes are still theirs — the place to write them to a lower tier. If it
+raises, the operation is refused whole (nothing evicted, nothing allocated).
 """
 
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import numpy as np
-import torch
 
 from ..checks import MAX_ENTRIES, check_count, check_ids, check_int
 from ..errors import Error, InvalidValueError
+from .block_region import EVICTABLE, FREE, LIVE, BlockRegion
+from .cached_keys import CachedKeys, Evicted
 from .free_ids import FreeIds
 
 
@@ -45,26 +42,11 @@ class BlockAllocationError(Error, RuntimeError):
         )
 
 
-class EvictionCallbackError(Error, RuntimeError):
-    """``on_evict`` raised. The operation that evicted had completed first: its
-    result (the blocks allocated, the boundary move) is ``.result``, and
-    ``.errors`` pairs each evicted block whose callback raised with the error."""
-
-    def __init__(self, result: Any, errors: list[tuple[int, Exception]]) -> None:
-        self.result, self.errors = result, errors
-        first = errors[0]
-        super().__init__(
-            f"on_evict raised for {len(errors)} evicted block(s) (first: block {first[0]}: "
-            f"{type(first[1]).__name__}: {first[1]}); the operation completed, its result is "
-            "on .result"
-        )
+WriteDown = Callable[[Sequence[Evicted]], None]
+"""The sink an allocator hands each batch of victims to, while their bytes are intact."""
 
 
-FREE, LIVE, EVICTABLE = 0, 1, 2
-"""The kinds of block a :class:`BlockAllocator` records in its kind array."""
-
-
-class BlockAllocator:
+class BlockAllocator(BlockRegion):
     """Blocks ``[0, capacity)``: O(log n) alloc/free, refcounts, LRU evictables.
 
     States of a block id: free, live (refcount > 0), or evictable (refcount 0,
@@ -77,28 +59,22 @@ class BlockAllocator:
     Python loop over dicts and sets.
     """
 
-    def __init__(
-        self,
-        capacity: int,
-        on_evict: Callable[[int], None] | None = None,
-        *,
-        before_evict: Callable[[list[int]], None] | None = None,
-    ) -> None:
+    def __init__(self, capacity: int) -> None:
         self._capacity = check_count(capacity, "BlockAllocator: capacity", hi=MAX_ENTRIES)
         self._free = FreeIds(range(self._capacity))
         self._kind = np.zeros(self._capacity, dtype=np.int8)  # FREE / LIVE / EVICTABLE
         self._refs = np.zeros(self._capacity, dtype=np.int64)  # 0 unless LIVE
         self._num_live = 0
-        self._cached: set[int] = set()
+        self._keys = CachedKeys()
         self._lru: OrderedDict[int, None] = OrderedDict()
-        if on_evict is not None and not callable(on_evict):
-            raise InvalidValueError(f"on_evict must be callable, got {on_evict!r}")
-        self._on_evict = on_evict
-        if before_evict is not None and not callable(before_evict):
-            raise InvalidValueError(f"before_evict must be callable, got {before_evict!r}")
-        self._before_evict = before_evict
-        self._evicted: list[int] = []  # evicted by the operation in progress
-        self._holds = 0  # > 0 while an enclosing operation defers the callbacks
+        self._write_down: WriteDown | None = None
+
+    def set_write_down(self, sink: WriteDown | None) -> None:
+        """The one sink that sees each batch of victims before they are evicted
+        (None: victims are simply dropped)."""
+        if sink is not None and not callable(sink):
+            raise InvalidValueError(f"a write-down sink must be callable, got {sink!r}")
+        self._write_down = sink
 
     # -- queries -------------------------------------------------------------
     @property
@@ -129,7 +105,59 @@ class BlockAllocator:
         return block in self._lru
 
     def is_cached(self, block: int) -> bool:
-        return block in self._cached
+        return self._keys.key_of(block) is not None
+
+    # -- the book of cached blocks ------------------------------------------
+    @property
+    def num_keys(self) -> int:
+        """Cached keys (a KV block's or an image's)."""
+        return len(self._keys)
+
+    def keys(self) -> list[Hashable]:
+        """Every cached key, oldest cached first."""
+        return list(self._keys)
+
+    def blocks_of(self, key: Hashable) -> tuple[int, ...] | None:
+        """The blocks ``key`` is cached in, in order; None when it is not cached."""
+        return self._keys.blocks_of(key)
+
+    def key_of(self, block: int) -> Hashable | None:
+        return self._keys.key_of(block)
+
+    def tag_of(self, key: Hashable) -> int:
+        """The integer its owner cached ``key`` with (a block index, a boundary)."""
+        if key not in self._keys:
+            raise InvalidValueError(f"key {key!r} is not cached")
+        return self._keys.tag_of(key)
+
+    def cache(
+        self, key: Hashable, blocks: Sequence[int], *, tag: int = 0, after: Hashable | None = None
+    ) -> None:
+        """Hold ``key`` in ``blocks`` (live, uncached, each named once): at their last
+        release they age in the LRU instead of going free. ``after`` names a key
+        without which this one is worthless: evicting that one evicts this one too."""
+        ids = self.check_held(blocks, "cache: blocks", writing=True)
+        if ids.size == 0 or len(set(ids.tolist())) != ids.size:
+            raise InvalidValueError(
+                f"cache: blocks must be distinct and at least one, got {blocks!r}"
+            )
+        held = [b for b in ids.tolist() if self._keys.key_of(b) is not None]
+        if held:
+            raise InvalidValueError(
+                f"cache: block {held[0]} holds key {self._keys.key_of(held[0])!r} already"
+            )
+        check_int(tag, "cache: tag")
+        self._keys.add(key, tuple(ids.tolist()), int(tag), after)
+
+    def check_books(self) -> None:
+        """The key book, the kinds and the LRU agree (for tests)."""
+        self._keys.check()
+        evictable = set(np.flatnonzero(self._kind == EVICTABLE).tolist())
+        assert evictable == set(self._lru)
+        assert all(self._keys.key_of(b) is not None for b in evictable)
+        for key in self._keys:
+            blocks = self._keys.blocks_of(key) or ()
+            assert all(self._kind[b] != FREE for b in blocks), key
 
     def live_blocks(self) -> list[int]:
         return np.flatnonzero(self._kind == LIVE).tolist()
@@ -137,32 +165,6 @@ class BlockAllocator:
     def evictable_blocks(self) -> list[int]:
         """Evictable blocks, least recently used first."""
         return list(self._lru)
-
-    def partition(self, lo: int, hi: int) -> tuple[list[int], list[int], list[int]]:
-        """(free, evictable, live) block ids in ``[lo, hi)``, each lowest first:
-        what a boundary move over that range drops, evicts and relocates."""
-        lo, hi = max(0, lo), min(hi, self._capacity)
-        if lo >= hi:
-            return [], [], []
-        kinds = self._kind[lo:hi]
-
-        def of(kind: int) -> list[int]:
-            return (np.flatnonzero(kinds == kind) + lo).tolist()
-
-        return of(FREE), of(EVICTABLE), of(LIVE)
-
-    def free_blocks_below(self, limit: int, k: int | None = None) -> list[int]:
-        """Free block ids under ``limit``, lowest first; only the ``k`` lowest if given.
-
-        A few of many free blocks come from a walk of the free heap (its cost
-        follows ``k``); otherwise one scan of the kind array, vectorized: a
-        walk step costs about ten times a sorted id (804 of 2,500 free: 0.6 ms
-        walking vs 0.2 sorting the free set in Python, 0.02 scanning).
-        """
-        if k is not None and 8 * k < self.num_free:
-            return self._free.lowest_below(limit, k)
-        found = np.flatnonzero(self._kind[: max(0, limit)] == FREE)
-        return (found if k is None else found[: max(0, k)]).tolist()
 
     def _check_id(self, block: Any) -> int:
         return check_int(block, "block id", lo=0, hi=self._capacity - 1)
@@ -189,20 +191,35 @@ class BlockAllocator:
     def allocate(self, n: int = 1) -> list[int]:
         """``n`` blocks, refcount 1, lowest free ids first, evicting LRU if needed.
 
-        Refused before any change when free + evictable < n.
-        """
+        Refused before any change when free + evictable < n (or when the
+        write-down sink refuses the victims)."""
         n = check_count(n, "allocate: n")
         if n > self.num_free + self.num_evictable:
             raise BlockAllocationError(n, self.num_free, self.num_evictable)
         short = n - self.num_free
         if short > 0:
-            self.evict_many(list(itertools.islice(self._lru, short)), notify=False)
+            self._evict_keys(self._victims(short))
         blocks = [self._free.pop() for _ in range(n)]
         self._refs[blocks] = 1
         self._kind[blocks] = LIVE
         self._num_live += n
-        self.notify_evicted(blocks)
         return blocks
+
+    def _victims(self, short: int) -> list[Hashable]:
+        """The least recently used keys whose evictable blocks free ``short`` blocks."""
+        keys: list[Hashable] = []
+        chosen: set[Hashable] = set()
+        freed = 0
+        for block in self._lru:
+            key = self._keys.key_of(block)
+            if key in chosen:
+                continue
+            chosen.add(key)
+            keys.append(key)
+            freed += sum(1 for b in self._keys.blocks_of(key) or () if self._kind[b] == EVICTABLE)
+            if freed >= short:
+                break
+        return keys
 
     def retain(self, block: int) -> None:
         """One more reference (a prefix hit); revives an evictable block."""
@@ -236,24 +253,12 @@ class BlockAllocator:
         if self._refs[block]:
             return
         self._num_live -= 1
-        if block in self._cached:
+        if self._keys.key_of(block) is not None:
             self._lru[block] = None
             self._kind[block] = EVICTABLE
         else:
             self._free.push(block)
             self._kind[block] = FREE
-
-    def set_cached(self, block: int, cached: bool = True) -> None:
-        """Mark a live block as holding a prefix-cached key (or not)."""
-        block = self._check_id(block)
-        if self._kind[block] != LIVE:
-            raise InvalidValueError(
-                f"block {block} is not live; only live blocks can be marked cached"
-            )
-        if cached:
-            self._cached.add(block)
-        else:
-            self._cached.discard(block)
 
     def refresh(self, block: int) -> None:
         """Move an evictable block to the most-recently-used end of the LRU.
@@ -265,51 +270,52 @@ class BlockAllocator:
             raise InvalidValueError(f"block {block} is not evictable; only evictable blocks age")
         self._lru.move_to_end(block)
 
-    def _evict(self, block: int) -> None:
-        """The state change of an eviction; its callback waits for the operation to end."""
-        del self._lru[block]
-        self._cached.discard(block)
-        self._free.push(block)
-        self._kind[block] = FREE
-        self._evicted.append(block)
+    def _with_dependents(self, keys: list[Hashable]) -> list[Hashable]:
+        """``keys`` and, after each, the key worthless without it when all of that
+        one's blocks are evictable (one held by a request stays: it ages later)."""
+        out: list[Hashable] = []
+        seen: set[Hashable] = set()
+        for key in keys:
+            if key in seen:
+                continue
+            seen.add(key)
+            out.append(key)
+            dep = self._keys.dependent_of(key)
+            blocks = self._keys.blocks_of(dep) if dep is not None else None
+            if dep not in seen and blocks and all(self._kind[b] == EVICTABLE for b in blocks):
+                seen.add(dep)
+                out.append(dep)
+        return out
 
-    @contextmanager
-    def deferred_callbacks(self) -> Iterator[None]:
-        """Hold ``on_evict`` callbacks while a larger operation (a boundary move)
-        completes; it calls :meth:`notify_evicted` with its result afterwards."""
-        self._holds += 1
-        try:
-            yield
-        finally:
-            self._holds -= 1
+    def _evict_keys(self, keys: list[Hashable]) -> list[Evicted]:
+        """Drop ``keys``: the sink sees them first, whole, while every byte is
+        intact; then their evictable blocks go free and their live ones (held by
+        a request) are simply no longer cached."""
+        keys = self._with_dependents(keys)
+        if not keys:
+            return []
+        victims = [
+            Evicted(key=k, blocks=self._keys.blocks_of(k) or (), tag=self._keys.tag_of(k))
+            for k in keys
+        ]
+        if self._write_down is not None:
+            self._write_down(victims)
+        for key in keys:
+            for b in self._keys.drop(key).blocks:
+                if self._kind[b] == EVICTABLE:
+                    del self._lru[b]
+                    self._free.push(b)
+                    self._kind[b] = FREE
+        return victims
 
-    def notify_evicted(self, result: Any) -> None:
-        """Run ``on_evict`` for each block the completed operation evicted.
+    def evict(self, block: int) -> list[Evicted]:
+        """Evict one specific evictable block now (and the rest of its key)."""
+        return self.evict_many([block])
 
-        Every callback runs even if one raises; failures are then raised as one
-        :class:`EvictionCallbackError` carrying ``result``.
-        """
-        if self._holds:
-            return  # the enclosing operation notifies when it completes
-        evicted, self._evicted = self._evicted, []
-        if self._on_evict is None:
-            return
-        errors: list[tuple[int, Exception]] = []
-        for b in evicted:
-            try:
-                self._on_evict(b)
-            except Exception as exc:  # collected: the operation already completed
-                errors.append((b, exc))
-        if errors:
-            raise EvictionCallbackError(result, errors)
-
-    def evict(self, block: int) -> None:
-        """Evict one specific evictable block now."""
-        self.evict_many([block])
-
-    def evict_many(self, blocks: list[int], *, notify: bool = True) -> None:
-        """Evict these evictable blocks now: all checked first, ``before_evict``
-        sees them together while their bytes are intact, then each is evicted."""
+    def evict_many(self, blocks: Sequence[int]) -> list[Evicted]:
+        """Evict these evictable blocks now, each with the whole key it holds: all
+        checked first, the write-down sink sees every victim together while its
+        bytes are intact, then each is evicted. Returns the keys dropped."""
         ids = [self._check_id(b) for b in blocks]
         bad = [b for b in ids if b not in self._lru]
         if bad or len(set(ids)) != len(ids):
@@ -317,79 +323,4 @@ class BlockAllocator:
                 f"evict: blocks must be distinct and evictable, got {ids[:8]}"
                 + (f" (block {bad[0]} is not evictable)" if bad else "")
             )
-        if ids and self._before_evict is not None:
-            self._before_evict(ids)
-        for b in ids:
-            self._evict(b)
-        if notify:
-            self.notify_evicted(None)
-
-    # -- moving the boundary -------------------------------------------------
-    def move_many(self, moves: Any) -> None:
-        """Give each live ``old`` block's references and cached mark to free block
-        ``new`` (the caller copies the bytes; ``old`` becomes free). ``moves``:
-        ``(old, new)`` pairs, as a list or a ``[k, 2]`` integer array. Checked
-        whole first: every source live, every target free and named once."""
-        if isinstance(moves, (np.ndarray, torch.Tensor)):
-            flat: Any = moves
-            if moves.ndim != 2 or moves.shape[1] != 2:
-                raise InvalidValueError(
-                    f"move_many: moves must be (old, new) pairs, got shape {tuple(moves.shape)}"
-                )
-        else:
-            moves = list(moves)
-            bad = [m for m in moves if not isinstance(m, (tuple, list)) or len(m) != 2]
-            if bad:
-                raise InvalidValueError(
-                    f"move_many: moves must be (old, new) pairs, got {bad[0]!r}"
-                )
-            flat = [v for pair in moves for v in pair]
-        ids = check_ids(flat, "move_many: block ids", lo=0, hi=self._capacity).reshape(-1, 2)
-        if ids.size == 0:
-            return
-        sources, targets = ids[:, 0].tolist(), ids[:, 1].tolist()
-        source_set, target_set = set(sources), set(targets)
-        if len(source_set) != len(sources):
-            raise InvalidValueError(f"move_many: a block moves once, got sources {sources[:8]}")
-        dead = self._kind[ids[:, 0]] != LIVE
-        if dead.any():
-            bad = sources[int(np.argmax(dead))]
-            raise InvalidValueError(f"block {bad} is not live; only live blocks move")
-        taken = ids[:, 1][self._kind[ids[:, 1]] != FREE].tolist()
-        if taken or len(target_set) != len(targets) or not target_set.isdisjoint(source_set):
-            raise InvalidValueError(
-                f"move_many: targets must be distinct free blocks, got {targets[:8]}"
-                + (f" (block {taken[0]} is not free)" if taken else "")
-            )
-        # Whole-set operations: a boundary move relocates thousands of blocks.
-        self._free.take_many(targets)
-        self._refs[ids[:, 1]] = self._refs[ids[:, 0]]
-        self._refs[ids[:, 0]] = 0
-        moved_cached = self._cached & source_set
-        if moved_cached:
-            remap = dict(zip(sources, targets, strict=True))
-            self._cached -= moved_cached
-            self._cached.update(remap[o] for o in moved_cached)
-        self._free.push_many(sources)
-        self._kind[ids[:, 1]] = LIVE
-        self._kind[ids[:, 0]] = FREE
-
-    def shrink(self, n: int) -> None:
-        """Give up the ``n`` highest ids; every one of them must be free."""
-        n = check_count(n, "BlockAllocator.shrink: n", hi=self._capacity)
-        new = self._capacity - n
-        blocked = (np.flatnonzero(self._kind[new:] != FREE) + new).tolist()
-        if blocked:
-            raise InvalidValueError(f"shrink by {n}: blocks {blocked[:8]} are not free")
-        self._free.take_range(new, self._capacity)
-        self._capacity = new
-        self._kind = self._kind[:new].copy()
-        self._refs = self._refs[:new].copy()
-
-    def grow(self, n: int) -> None:
-        """Add ``n`` ids above the current capacity, free."""
-        n = check_count(n, "BlockAllocator.grow: n")
-        self._free.push_many(list(range(self._capacity, self._capacity + n)))
-        self._capacity += n
-        self._kind = np.concatenate((self._kind, np.zeros(n, dtype=np.int8)))
-        self._refs = np.concatenate((self._refs, np.zeros(n, dtype=np.int64)))
+        return self._evict_keys([self._keys.key_of(b) for b in ids])

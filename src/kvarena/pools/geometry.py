@@ -17,6 +17,12 @@ from ..checks import check_bytes, check_count
 from ..errors import InvalidValueError
 
 
+def blocks_for(tokens: int, block_size: int) -> int:
+    """Blocks that hold ``tokens`` tokens, ``block_size`` to a block (the last one
+    partly filled): the one ceiling every count of blocks for tokens uses."""
+    return -(-check_count(tokens, "tokens") // check_count(block_size, "block_size", lo=1))
+
+
 @dataclass(frozen=True, kw_only=True)
 class PoolGeometry:
     """The byte plan of one unified buffer; a stride of 0 means "no such pool"."""

@@ -25,7 +25,7 @@ from ..layout import (
 )
 from ..layout.regions import align_up
 from ..models import ModelCache
-from .geometry import PoolGeometry
+from .geometry import PoolGeometry, blocks_for
 from .sizing import PoolBudgetError
 
 MAX_SEQS = 1 << 24
@@ -93,6 +93,10 @@ class CachePlan:
     def block_size(self) -> int:
         """Tokens per PAGE block."""
         return self.model.block_size
+
+    def blocks_for(self, tokens: int) -> int:
+        """Blocks that hold ``tokens`` tokens at this plan's block size."""
+        return blocks_for(tokens, self.block_size)
 
     @property
     def entries_per_req(self) -> int:

@@ -81,6 +81,13 @@ class StateAllocator:
         except (KeyError, TypeError):
             raise UnknownNameError(f"no request {request!r} holds state slots") from None
 
+    def held_by(self, request: Hashable) -> tuple[int, ...]:
+        """``request``'s slots, or () when it holds none."""
+        try:
+            return tuple(self._slots.get(request, ()))
+        except TypeError:
+            return ()
+
     def owner(self, slot: int) -> Hashable | None:
         """The request holding ``slot``, or None when the slot is free or outside the pool."""
         return self._owner.get(slot)

@@ -7,85 +7,32 @@ Kernels get per-layer views of both, made once over the whole buffer, so they
 stay valid whichever way the boundary moves; block and slot ids never change
 meaning, only which of them are in use.
 
-Moving the boundary relocates live entries as whole units, one contiguous
-copy each, issued as one batch; everything a move needs is checked before any
-byte or id changes, and a refused move leaves the cache exactly as it was.
+The boundary's moves live in :mod:`kvarena.pools.boundary`, the image
+accessors in :mod:`kvarena.pools.image_access`; both are mixed in here. Every
+request's ids are one :class:`~kvarena.pools.holdings.Holding` registered
+with the cache, which a move remaps in place.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
-from functools import cached_property
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 import torch
 
-from ..checkpoint import CheckpointSpec, PageUnits, restore, store
-from ..checks import check_bytes, check_choice, check_count, check_device, check_int
-from ..copy import CopyBatch, CopyStats, execute_batch
-from ..errors import Error, InvalidValueError
+from ..checks import check_choice, check_device, check_int
+from ..errors import InvalidValueError
 from ..layout import EntryMajorArena, LayerMajorArena
 from ..layout.regions import aligned_zeros
 from .blocks import BlockAllocator
+from .boundary import MovableBoundary
+from .holdings import Holding, Holdings
+from .image_access import ImageAccess
 from .plan import CachePlan
 from .states import StateAllocator
 
 
-class BoundaryMoveError(Error, RuntimeError):
-    """A boundary move that cannot be completed; nothing was changed."""
-
-    def __init__(self, message: str, *, needed: int, available: int) -> None:
-        self.needed, self.available = needed, available
-        super().__init__(message)
-
-
-def _check_move(op: str, n: object, limit: int, what: str) -> int:
-    """A slot count: not an int >= 0 is a bad value; one above ``limit`` a refused move."""
-    n = check_count(n, f"{op}: n")
-    if n > limit:
-        raise BoundaryMoveError(f"{op}({n}): only {limit} {what}", needed=n, available=limit)
-    return n
-
-
-@dataclass(frozen=True, kw_only=True)
-class BoundaryMove:
-    """What a move did: the new counts and the remaps an engine must apply."""
-
-    blocks_before: int
-    blocks_after: int
-    slots_before: int
-    slots_after: int
-    block_remap: dict[int, int]
-    slot_remap: dict[int, int]
-    dropped_blocks: tuple[int, ...]
-    evicted_blocks: tuple[int, ...]
-    copies: int
-    copied_bytes: int
-
-
-@dataclass(frozen=True)
-class _BlockReader:
-    """Blocks as the source of block images: live or cached ones may be read."""
-
-    blocks: BlockAllocator
-
-    def check_held(self, slots: object, what: str) -> np.ndarray:
-        return self.blocks.check_held(slots, f"{what} (blocks)", writing=False)
-
-
-@dataclass(frozen=True)
-class _BlockWriter:
-    """Blocks as the target of block images: only live ones may be written."""
-
-    blocks: BlockAllocator
-
-    def check_held(self, slots: object, what: str) -> np.ndarray:
-        return self.blocks.check_held(slots, f"{what} (blocks)", writing=True)
-
-
-class UnifiedCache:
+class UnifiedCache(ImageAccess, MovableBoundary):
     """PAGE blocks and STATE slots carved from one buffer on ``device``.
 
     Built from a :class:`~kvarena.pools.plan.CachePlan` only
@@ -103,8 +50,6 @@ class UnifiedCache:
         plan: CachePlan,
         device: torch.device | str,
         *,
-        on_evict: Callable[[int], None] | None = None,
-        before_evict: Callable[[list[int]], None] | None = None,
         page_layout: str = "entry_major",
     ) -> None:
         if not isinstance(plan, CachePlan):
@@ -163,27 +108,27 @@ class UnifiedCache:
                 self.page_fields, blocks, self.device, buf=self.buf[: self.block_bytes * blocks]
             )
             self.pages.fill_entries(slice(None))
-        self.blocks = BlockAllocator(blocks, on_evict=on_evict, before_evict=before_evict)
-        self._listeners: list[Callable[[BoundaryMove], None]] = []
+        self.blocks = BlockAllocator(blocks)
+        self.holdings = Holdings(self.slots)
+        self.moves = 0  # boundary moves so far: a holder of views over ids asks it
 
     @classmethod
     def from_plan(
-        cls,
-        plan: CachePlan,
-        device: torch.device | str,
-        *,
-        on_evict: Callable[[int], None] | None = None,
-        before_evict: Callable[[list[int]], None] | None = None,
-        page_layout: str = "entry_major",
+        cls, plan: CachePlan, device: torch.device | str, *, page_layout: str = "entry_major"
     ) -> UnifiedCache:
-        """The cache a plan promised: ``num_blocks == plan.blocks``, ``num_slots == plan.state_slots``.
+        """The cache a plan promised: ``num_blocks == plan.blocks``, ``num_slots == plan.state_slots``."""
+        return cls(plan, device, page_layout=page_layout)
 
-        ``on_evict(block)`` runs after each operation that evicted, per block;
-        ``before_evict(blocks)`` before it, while the victims still hold their
-        bytes (see :class:`BlockAllocator`)."""
-        return cls(
-            plan, device, on_evict=on_evict, before_evict=before_evict, page_layout=page_layout
-        )
+    # -- holdings --------------------------------------------------------------
+    def hold(self, request: Hashable = None, blocks: list[int] | None = None) -> Holding:
+        """The one record of the ids ``request`` holds (its blocks, in token order:
+        the list given, kept; its slots, asked of the STATE allocator), remapped
+        in place by every boundary move until :meth:`let_go`."""
+        return self.holdings.hold(request, blocks)
+
+    def let_go(self, holding: Holding) -> None:
+        """Stop following ``holding`` (its ids were given back)."""
+        self.holdings.let_go(holding)
 
     # -- geometry --------------------------------------------------------------
     @property
@@ -210,21 +155,6 @@ class UnifiedCache:
         """``[layers, total_slots, *shape]``: slots ``>= slots.first`` are the pool's."""
         return self.state.view(name)
 
-    def _block_pages(self, what: str) -> EntryMajorArena:
-        """The PAGE pool, for what needs each block as one contiguous entry
-        (block bytes, images, block copies); refused for a layer-major pool or
-        a cache without PAGE fields."""
-        if not self.page_fields or not isinstance(self.pages, EntryMajorArena):
-            raise InvalidValueError(
-                f"{what} needs an entry-major PAGE pool (a block is one contiguous entry); "
-                + (
-                    "this cache's is layer-major, with no contiguous block: use page_view"
-                    if self.page_fields
-                    else "this cache has no PAGE fields"
-                )
-            )
-        return self.pages
-
     def block_bytes_of(self, block: int) -> torch.Tensor:
         """Block ``block``'s field bytes (``block_bytes``); the id must be in the PAGE pool now."""
         pages = self._block_pages("block_bytes_of")
@@ -234,108 +164,6 @@ class UnifiedCache:
         """Slot ``slot``'s field bytes (``slot_bytes``); the id must be in the STATE pool now."""
         return self.state.entry(
             check_int(slot, "slot id", lo=self.slots.first, hi=self.total_slots - 1)
-        )
-
-    # -- checkpoint images -------------------------------------------------------
-    def checkpoint_spec(self, unit_bytes: int | None = None) -> CheckpointSpec:
-        """The image plan of this cache's state, in units of ``unit_bytes`` (default: a
-        whole block stride, so one image takes the fewest blocks)."""
-        unit = self.block_stride if unit_bytes is None else unit_bytes
-        key = check_bytes(unit, "unit_bytes", lo=1)
-        spec = self._specs.get(key)
-        if spec is None:
-            spec = self._specs[key] = CheckpointSpec.build(self.state_fields, key)
-        return spec
-
-    @cached_property
-    def _specs(self) -> dict[int, CheckpointSpec]:
-        return {}
-
-    def page_units(self, unit_bytes: int | None = None) -> PageUnits:
-        """The PAGE pool seen as image units: unit ``u`` is block ``u``'s first
-        ``unit_bytes`` bytes (default the whole block stride).
-
-        The units' liveness is the block allocator's, read at each copy, so the
-        same object stays true across boundary moves.
-        """
-        self._block_pages("image units")
-        unit = self.block_stride if unit_bytes is None else unit_bytes
-        unit = check_bytes(unit, "unit_bytes", lo=1)
-        if unit > self.block_stride:
-            raise InvalidValueError(
-                f"unit_bytes {unit} exceeds the block stride {self.block_stride}; a unit is one block"
-            )
-        return PageUnits(
-            buf=self.buf,
-            unit_bytes=unit,
-            unit_stride=self.block_stride,
-            num_units=self.max_blocks,
-            holder=self.blocks,
-        )
-
-    def store(
-        self, spec: CheckpointSpec, slots: Sequence[int], unit_lists: Sequence[Sequence[int]]
-    ) -> CopyStats:
-        """Copy each slot's checkpoint image into its units (blocks it holds live)."""
-        return store(
-            spec,
-            self.state,
-            slots,
-            self.page_units(spec.unit_bytes),
-            unit_lists,
-            slot_holder=self.slots,
-        )
-
-    def restore(
-        self, spec: CheckpointSpec, unit_lists: Sequence[Sequence[int]], slots: Sequence[int]
-    ) -> CopyStats:
-        """Copy each image back into a slot a request holds."""
-        return restore(
-            spec,
-            self.page_units(spec.unit_bytes),
-            unit_lists,
-            self.state,
-            slots,
-            slot_holder=self.slots,
-        )
-
-    def block_checkpoint_spec(self, unit_bytes: int | None = None) -> CheckpointSpec:
-        """The image plan of one KV block (its PAGE fields), in units of ``unit_bytes``
-        (default a whole block stride): what :meth:`store_blocks` writes."""
-        self._block_pages("block images")
-        unit = self.block_stride if unit_bytes is None else unit_bytes
-        key = -check_bytes(unit, "unit_bytes", lo=1)  # negative keys: PAGE specs
-        spec = self._specs.get(key)
-        if spec is None:
-            spec = self._specs[key] = CheckpointSpec.build(self.page_fields, -key)
-        return spec
-
-    def store_blocks(
-        self, spec: CheckpointSpec, blocks: Sequence[int], unit_lists: Sequence[Sequence[int]]
-    ) -> CopyStats:
-        """Copy each block's bytes (a live or cached block) into image units (blocks
-        held live): a KV block kept aside, e.g. before it is overwritten."""
-        return store(
-            spec,
-            self._block_pages("store_blocks"),
-            blocks,
-            self.page_units(spec.unit_bytes),
-            unit_lists,
-            slot_holder=_BlockReader(self.blocks),
-        )
-
-    def restore_blocks(
-        self, spec: CheckpointSpec, unit_lists: Sequence[Sequence[int]], blocks: Sequence[int]
-    ) -> CopyStats:
-        """Copy block images back into live blocks."""
-        pages = self._block_pages("restore_blocks")
-        return restore(
-            spec,
-            self.page_units(spec.unit_bytes),
-            unit_lists,
-            pages,
-            blocks,
-            slot_holder=_BlockWriter(self.blocks),
         )
 
     # -- requests --------------------------------------------------------------
@@ -459,202 +287,5 @@ class UnifiedCache:
             )
         self._copy_entries(s, d, 0, self.block_stride, self.block_bytes)
 
-    def _copy_entries(
-        self, src: np.ndarray, dst: np.ndarray, base: int, stride: int, nbytes: int
-    ) -> CopyStats:
-        """Entry ``src[i]`` into entry ``dst[i]`` of a pool at ``base`` with ``stride``,
-        ``nbytes`` of each, as one described batch (evenly spaced entries are one copy)."""
-        return execute_batch(
-            CopyBatch(base + src * stride, base + dst * stride, np.full(src.size, nbytes)),
-            self.buf,
-            self.buf,
-        )
-
     def _rows(self, base: int, stride: int, count: int) -> torch.Tensor:
         return self.buf[base : base + stride * count].view(count, stride)
-
-    def _fixed(self) -> None:
-        if self.page_layout == "layer_major":
-            raise BoundaryMoveError(
-                "the PAGE region is layer-major, so its blocks cannot move: the boundary is "
-                "fixed for this cache (use page_layout='entry_major' for a movable boundary)",
-                needed=0,
-                available=0,
-            )
-        if not self.state_fields:
-            raise BoundaryMoveError(
-                "this cache has no STATE pool, so there is no boundary to move",
-                needed=0,
-                available=0,
-            )
-
-    def _copy(self, pairs: np.ndarray, stride: int, base: int) -> tuple[int, int]:
-        """Relocate whole strides (not just the fields' bytes: an image unit may use a
-        block's tail) as ONE described batch, the checkpoints' machinery: runs
-        consecutive on both sides coalesce and evenly spaced moves are one
-        strided copy. Sources lie in the released range and
-        targets outside it, so no copy reads bytes another one writes (the batch
-        validation checks it again)."""
-        stats = self._copy_entries(pairs[:, 0], pairs[:, 1], base, stride, stride)
-        return stats.ops, stats.nbytes
-
-    def add_move_listener(self, listener: Callable[[BoundaryMove], None]) -> None:
-        """Call ``listener(move)`` after every completed boundary move (after the
-        eviction callbacks), so whoever keeps block or slot ids (a prefix cache)
-        follows the remaps itself."""
-        if not callable(listener):
-            raise InvalidValueError(f"a move listener must be callable, got {listener!r}")
-        self._listeners.append(listener)
-
-    def _moved(self, move: BoundaryMove) -> None:
-        for listener in self._listeners:
-            listener(move)
-
-    # -- the movable boundary --------------------------------------------------
-    def plan_grow_state(self, n: int) -> tuple[int, list[int], list[int], list[int]]:
-        """(new block count, free going, evictable going, live going) for growing by n."""
-        n = _check_move("grow_state", n, self.slots.first, "slots remain below the STATE pool")
-        new_blocks = min(self.blocks.capacity, self.geometry.blocks_below(self.slots.first - n))
-        free, evictable, live = self.blocks.partition(new_blocks, self.blocks.capacity)
-        return new_blocks, free, evictable, live
-
-    def grow_state(self, n: int) -> BoundaryMove:
-        """Give ``n`` more slots to STATE: blocks under them are dropped if free,
-        evicted if evictable, relocated below the new boundary if live."""
-        self._fixed()
-        new_blocks, free, evictable, live = self.plan_grow_state(n)
-        # Free blocks below the new boundary: all free ones but those going
-        # (evictions above it do not add to them). Only the lowest few are named.
-        free_below = self.blocks.num_free - len(free)
-        room_free = self.blocks.free_blocks_below(new_blocks, len(live))
-        room_evict = (
-            [b for b in self.blocks.evictable_blocks() if b < new_blocks]  # LRU first
-            if len(live) > free_below
-            else []
-        )
-        if len(live) > free_below + len(room_evict):
-            raise BoundaryMoveError(
-                f"grow_state({n}): {len(live)} live blocks sit above the new boundary (block "
-                f"{new_blocks}) but only {free_below} free and {len(room_evict)} evictable blocks "
-                "lie below it",
-                needed=len(live),
-                available=free_below + len(room_evict),
-            )
-        before = (self.blocks.capacity, self.slots.capacity)
-        evicted = list(evictable)
-        # Eviction callbacks run once the move is complete (see BlockAllocator).
-        with self.blocks.deferred_callbacks():
-            targets = room_free[: len(live)]
-            taken = room_evict[: len(live) - len(targets)]
-            # One batch, before any byte moves: before_evict sees every victim intact.
-            self.blocks.evict_many([*evictable, *taken])
-            evicted.extend(taken)
-            targets.extend(taken)
-            targets.sort()
-            pairs = np.column_stack((live, targets)).astype(np.int64).reshape(-1, 2)
-            ops, copied = self._copy(pairs, self.block_stride, 0)
-            self.blocks.move_many(pairs)
-            self.blocks.shrink(self.blocks.capacity - new_blocks)
-            self.slots.grow(n)
-        move = BoundaryMove(
-            blocks_before=before[0],
-            blocks_after=self.blocks.capacity,
-            slots_before=before[1],
-            slots_after=self.slots.capacity,
-            block_remap=dict(zip(live, targets, strict=True)),
-            slot_remap={},
-            dropped_blocks=tuple(free),
-            evicted_blocks=tuple(evicted),
-            copies=ops,
-            copied_bytes=copied,
-        )
-        try:
-            self.blocks.notify_evicted(move)
-        finally:
-            self._moved(move)
-        return move
-
-    def shrink_state(self, n: int) -> BoundaryMove:
-        """Give ``n`` slots back to PAGE: live states in them move to free higher slots."""
-        self._fixed()
-        n = _check_move("shrink_state", n, self.slots.capacity, "slots are in the STATE pool")
-        first = self.slots.first
-        released = range(first, first + n)
-        live = [s for s in released if not self.slots.is_free(s)]
-        room = [s for s in range(first + n, self.slots.total) if self.slots.is_free(s)]
-        if len(live) > len(room):
-            raise BoundaryMoveError(
-                f"shrink_state({n}): {len(live)} live states sit in the released slots but only "
-                f"{len(room)} free slots remain above them",
-                needed=len(live),
-                available=len(room),
-            )
-        before = (self.blocks.capacity, self.slots.capacity)
-        # The highest free slots take them, paired in ascending order: a run of
-        # states keeps its order (a request's consecutive slots stay ascending)
-        # and evenly spaced moves stay one strided copy.
-        targets = sorted(sorted(room, reverse=True)[: len(live)])
-        moves = list(zip(live, targets, strict=True))
-        pairs = np.array(moves, dtype=np.int64).reshape(-1, 2)
-        ops, copied = self._copy(pairs, self.slot_stride, self.slot_base)
-        for old, new in moves:
-            self.slots.move(old, new)
-        self.slots.shrink(n)
-        old_blocks = self.blocks.capacity
-        self.blocks.grow(self.geometry.blocks_below(self.slots.first) - old_blocks)
-        self.pages.fill_entries(slice(old_blocks, self.blocks.capacity))
-        move = BoundaryMove(
-            blocks_before=before[0],
-            blocks_after=self.blocks.capacity,
-            slots_before=before[1],
-            slots_after=self.slots.capacity,
-            block_remap={},
-            slot_remap=dict(moves),
-            dropped_blocks=(),
-            evicted_blocks=(),
-            copies=ops,
-            copied_bytes=copied,
-        )
-        self._moved(move)
-        return move
-
-    # -- policy ------------------------------------------------------------------
-    def rebalance(self, *, waiting_requests: int, blocks_needed: int) -> BoundaryMove | None:
-        """Move the boundary toward current demand, or return None if no move helps.
-
-        Slots short for waiting requests: grow STATE as far as the ladder
-        (free -> evict -> relocate) allows while keeping ``blocks_needed``
-        blocks obtainable. Blocks short: shrink STATE by the free slots it
-        can spare. Never raises for lack of room; it moves what it can. A
-        cache whose boundary cannot move (no STATE or no PAGE pool, a
-        layer-major PAGE region) has no move that helps: None.
-        """
-        waiting_requests = check_count(waiting_requests, "rebalance: waiting_requests")
-        blocks_needed = check_count(blocks_needed, "rebalance: blocks_needed")
-        if self.page_layout == "layer_major" or not self.state_fields or not self.page_fields:
-            return None
-        slot_deficit = waiting_requests * self.slots.entries_per_req - self.slots.num_free
-        obtainable = self.blocks.num_free + self.blocks.num_evictable
-        if slot_deficit > 0:
-            # The largest n <= deficit that keeps blocks_needed obtainable and relocatable.
-            for n in range(min(slot_deficit, self.slots.first), 0, -1):
-                kept = min(self.blocks.capacity, self.geometry.blocks_below(self.slots.first - n))
-                # Blocks going are either dropped or take a free block below:
-                # free + evictable shrinks by exactly the blocks given up.
-                if obtainable - (self.blocks.capacity - kept) < blocks_needed:
-                    continue
-                try:
-                    return self.grow_state(n)
-                except BoundaryMoveError:
-                    continue
-            return None
-        block_deficit = blocks_needed - obtainable
-        if block_deficit > 0:
-            per_slot = self.slot_stride / self.block_stride
-            want = min(math.ceil(block_deficit / per_slot) + 1, self.slots.num_free)
-            for n in range(want, 0, -1):
-                try:
-                    return self.shrink_state(n)
-                except BoundaryMoveError:
-                    continue
-        return None

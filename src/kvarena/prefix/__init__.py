@@ -1,8 +1,10 @@
 """The prefix cache: keys, the lookup contract, checkpoint policy, one LRU."""
 
-from .cache import Admission, Image, ImageState, PrefixCache, PrefixHit, PrefixMetrics
+from .cache import PrefixCache
 from .keys import Namespace, block_keys
+from .lookup import TierFinds, locate_in_tiers, resume_boundary
 from .policy import CheckpointPolicy
+from .records import Admission, Image, ImageState, PrefixHit, PrefixMetrics, image_key
 
 __all__ = [
     "Admission",
@@ -13,5 +15,9 @@ __all__ = [
     "PrefixCache",
     "PrefixHit",
     "PrefixMetrics",
+    "TierFinds",
     "block_keys",
+    "image_key",
+    "locate_in_tiers",
+    "resume_boundary",
 ]

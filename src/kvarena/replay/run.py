@@ -40,8 +40,8 @@ from ..errors import InvalidValueError
 from ..models import ModelCache
 from ..pools import BlockAllocationError, StateAllocationError, plan_cache
 from ..prefix import CheckpointPolicy, PrefixCache
-from ..prefix.cache import Admission
 from ..prefix.keys import Namespace
+from ..prefix.records import Admission
 from ..tiers import TierStack
 from ..tiers.image import image_bytes
 from .timeline import Sample

@@ -1,5 +1,5 @@
-"""Harnesses for tests, the demo and benchmarks (not part of an engine's road).
+"""Harnesses for tests and benchmarks (the library never imports them).
 
-``kvarena.testing.loopback`` runs a prefill and a decode side in two local
-processes and drives them over pipes; the data path is NIXL's.
+``kvarena.testing.redis_server`` starts a real ``redis-server`` on a free
+localhost port for a test or a benchmark.
 """

@@ -17,19 +17,15 @@ layers hold no tensors of their own:
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache
 
 from ...errors import InvalidValueError
 from ...pools import BlockTable
-from .layout import LINEAR, NONE, PAGED, RING, HfLayout
-
-if TYPE_CHECKING:
-    from .pool import KvarenaPool
-
 from .layers import LinearLayer, NoneLayer, PagedLayer, RingLayer
+from .layout import LINEAR, NONE, PAGED, RING, HfLayout
 from .rollback import _Replay
 from .rows import Rows
 
@@ -68,12 +64,10 @@ class KvarenaCache(Cache):
     """
 
     def __init__(
-        self, pool: KvarenaPool, rows: Rows, tokens: int, started: bool, model: Any = None
+        self, layout: HfLayout, rows: Rows, tokens: int, started: bool, model: Any = None
     ) -> None:
-        self.pool = pool
         self.rows = rows
         self.recording = False
-        layout: HfLayout = pool.layout
         layers: list[Any] = []
         for i, (kind, g) in enumerate(zip(layout.kinds, layout.group, strict=True)):
             if kind == PAGED:
@@ -109,6 +103,14 @@ class KvarenaCache(Cache):
             self._replay.close()
             self._replay = None
         self.rows.released = True
+
+    def follow(self) -> None:
+        """The pool moved the boundary: remake the rows' views and point the
+        linear layers at their (possibly relocated) slots again."""
+        self.rows.follow()
+        for layer in self.layers:
+            if isinstance(layer, LinearLayer):
+                layer.attach()
 
     @property
     def released(self) -> bool:

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from ...checks import check_count, check_device
+from ...checks import check_count, check_device, check_int
 from ...errors import InvalidValueError
-from ...pools import BlockTable, CachePlan, plan_cache
+from ...pools import BlockTable, BoundaryMove, CachePlan, Holding, plan_cache
 from ...prefix import CheckpointPolicy, PrefixCache
 from .cache import KvarenaCache
 from .layout import HfLayout, hf_layout
@@ -81,7 +81,7 @@ class KvarenaPool:
         self.cache = prefix.cache
         self._ids = itertools.count()
         self._prompts: dict[Hashable, int] = {}  # admitted request -> prompt tokens
-        self._live: set[int] = set()  # ids of caches not yet released
+        self._live: dict[int, KvarenaCache] = {}  # caches handed out, not yet released
 
     @classmethod
     def from_config(
@@ -116,10 +116,10 @@ class KvarenaPool:
         return self.cache.device
 
     # -- caches ----------------------------------------------------------------------
-    def _rows(
-        self, requests: list[Hashable], tables: list[BlockTable], slots: list[tuple[int, ...]]
-    ) -> Rows:
-        return Rows(self.cache, requests, tables, slots)
+    def _rows(self, holdings: list[Holding]) -> Rows:
+        """Rows over the requests' holdings, a block table over each with PAGE fields."""
+        tables = [BlockTable(self.cache, h) for h in holdings] if self.cache.page_fields else []
+        return Rows(self.cache, holdings, tables)
 
     def new_cache(self, batch_size: int, *, model: Any = None) -> KvarenaCache:
         """An empty cache for ``batch_size`` new requests: each row gets a block
@@ -131,15 +131,16 @@ class KvarenaPool:
         on release)."""
         n = check_count(batch_size, "batch_size", lo=1, hi=self.plan.max_seqs)
         requests: list[Hashable] = [("hf", next(self._ids)) for _ in range(n)]
-        slots = self.cache.allocate_states(requests) if self.cache.state_fields else []
-        tables = [BlockTable(self.cache) for _ in requests] if self.cache.page_fields else []
-        rows = self._rows(requests, tables, slots)
+        if self.cache.state_fields:
+            self.cache.allocate_states(requests)
+        holdings = [self.cache.hold(r) for r in requests]
         try:
-            cache = KvarenaCache(self, rows, 0, False, model=model)
+            cache = KvarenaCache(self.layout, self._rows(holdings), 0, False, model=model)
         except BaseException:
-            for r in requests:
-                if slots:
-                    self.cache.free_state(r)
+            for h in holdings:
+                if self.cache.state_fields:
+                    self.cache.free_state(h.request)
+                self.cache.let_go(h)
             raise
         return self._track(cache)
 
@@ -158,9 +159,10 @@ class KvarenaPool:
         request: Hashable = ("hf", next(self._ids))
         adm = self.prefix.admit(request, tokens)
         hit = adm.hit.tokens
-        tables = [BlockTable(self.cache, adm.blocks, tokens=hit)] if self.cache.page_fields else []
-        rows = self._rows([request], tables, [adm.slots] if adm.slots else [])
-        cache = self._track(KvarenaCache(self, rows, hit, hit > 0))
+        rows = self._rows([adm.holding])
+        for table in rows.tables:
+            table.tokens = hit
+        cache = self._track(KvarenaCache(self.layout, rows, hit, hit > 0))
         self._prompts[request] = len(tokens)
         bs, done = self.cache.block_size, hit
         try:
@@ -203,24 +205,60 @@ class KvarenaPool:
         (:meth:`kvarena.DecodeReceiver.take`), holding ``tokens`` computed tokens.
         The pool frees them on release."""
         n = check_count(tokens, "adopt: tokens", lo=1)
-        tables = [BlockTable(self.cache, list(blocks), tokens=n)] if self.cache.page_fields else []
+        if self.cache.page_fields:
+            self.cache.blocks.check_held(blocks, "adopt: blocks", writing=True)
+            check_count(n, "adopt: tokens", lo=1, hi=len(blocks) * self.cache.block_size)
         if self.cache.state_fields:
-            if tuple(self.cache.slots.slots_of(owner)) != tuple(slots):
+            if tuple(self.cache.slots.held_by(owner)) != tuple(slots):
                 raise InvalidValueError(f"adopt: {owner!r} does not hold slots {tuple(slots)}")
-        rows = self._rows([owner], tables, [tuple(slots)] if slots else [])
-        return self._track(KvarenaCache(self, rows, n, True))
+        rows = self._rows([self.cache.hold(owner, list(blocks))])
+        for table in rows.tables:
+            table.tokens = n
+        return self._track(KvarenaCache(self.layout, rows, n, True))
 
     def _track(self, cache: KvarenaCache) -> KvarenaCache:
-        self._live.add(id(cache))
+        self._live[id(cache)] = cache
         return cache
+
+    # -- the boundary, moved under live caches ----------------------------------------
+    def _moving(self) -> None:
+        """Before a move: every live cache's working copies go into their slots."""
+        for cache in self._live.values():
+            cache.sync()
+
+    def _moved(self, move: BoundaryMove | None) -> BoundaryMove | None:
+        """After a move: every live cache remakes its views from the remapped ids."""
+        if move is not None:
+            for cache in self._live.values():
+                cache.follow()
+        return move
+
+    def move_boundary(self, slots: int) -> BoundaryMove:
+        """Give ``slots`` more slots to STATE (``slots > 0``, relocating live blocks)
+        or back to PAGE (``slots < 0``, relocating live states), under the caches
+        in use: their blocks and slots move as whole entries and every cache
+        goes on where it was (tokens identical to a cache that never moved)."""
+        n = check_int(slots, "move_boundary: slots")
+        self._moving()
+        move = self.cache.grow_state(n) if n >= 0 else self.cache.shrink_state(-n)
+        self._moved(move)
+        return move
+
+    def rebalance(self, *, waiting_requests: int, blocks_needed: int) -> BoundaryMove | None:
+        """The cache's rebalance policy (:meth:`UnifiedCache.rebalance`), under the
+        caches in use as :meth:`move_boundary`."""
+        self._moving()
+        return self._moved(
+            self.prefix.rebalance(waiting_requests=waiting_requests, blocks_needed=blocks_needed)
+        )
 
     def release(self, cache: KvarenaCache) -> None:
         """Give back every block and slot of ``cache``; the computed blocks of an
         admitted prompt stay in the prefix cache for later prompts."""
-        if not isinstance(cache, KvarenaCache) or cache.pool is not self:
-            raise InvalidValueError("release: not a KvarenaCache of this pool")
-        if cache.released:
+        if isinstance(cache, KvarenaCache) and cache.released:
             raise InvalidValueError("release: this cache was released already")
+        if not isinstance(cache, KvarenaCache) or self._live.get(id(cache)) is not cache:
+            raise InvalidValueError("release: not a KvarenaCache of this pool")
         cache.sync()
         cache.close()  # every later use of it refuses; then its blocks and slots go back
         rows = cache.rows
@@ -233,9 +271,10 @@ class KvarenaPool:
                 continue
             if rows.tables:
                 rows.tables[r].release()
-            if rows.slots:
+            if rows.has_slots:
                 self.cache.free_state(request)
-        self._live.discard(id(cache))
+            self.cache.let_go(rows.holdings[r])
+        self._live.pop(id(cache), None)
 
     @property
     def live_caches(self) -> int:

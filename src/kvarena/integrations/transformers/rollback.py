@@ -4,15 +4,21 @@ during a draft's verification, replayed over the accepted tokens."""
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from ...errors import InvalidValueError
 from .layers import LinearLayer, _cropped
+from .rows import Rows
 
-if TYPE_CHECKING:
-    from .cache import KvarenaCache
+
+class _Recording(Protocol):
+    """What the replay reads of the cache it serves (the cache owns the replay)."""
+
+    layers: list[Any]
+    rows: Rows
+    recording: bool
 
 
 def linear_mixers(model: Any, layers: set[int]) -> dict[int, Any]:
@@ -52,7 +58,7 @@ class _Replay:
     stopped there. Hooks sit on the model's own mixers and are removed on
     release."""
 
-    def __init__(self, cache: KvarenaCache, model: Any) -> None:
+    def __init__(self, cache: _Recording, model: Any) -> None:
         self.cache = cache
         self.linear = {
             layer.layer_idx: layer for layer in cache.layers if isinstance(layer, LinearLayer)

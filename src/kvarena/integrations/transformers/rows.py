@@ -8,23 +8,27 @@ from collections.abc import Hashable
 import torch
 
 from ...errors import InvalidValueError
-from ...pools import BlockTable, UnifiedCache
+from ...pools import BlockTable, Holding, UnifiedCache
 
 
 class Rows:
-    """The batch's requests, shared by every layer of one cache."""
+    """The batch's requests, shared by every layer of one cache.
+
+    Each row is one request's :class:`~kvarena.pools.Holding` (the record a
+    boundary move remaps in place) and, with PAGE fields, its block table over
+    that holding. Views and index tensors made from the ids are the rows' own
+    and go stale when the boundary moves: :meth:`follow` remakes them, and a
+    use after a move not followed is refused (never served from old ids)."""
 
     def __init__(
-        self,
-        cache: UnifiedCache,
-        requests: list[Hashable],
-        tables: list[BlockTable],
-        slots: list[tuple[int, ...]],
+        self, cache: UnifiedCache, holdings: list[Holding], tables: list[BlockTable]
     ) -> None:
         self.cache = cache
-        self.requests = requests
+        self.holdings = holdings
+        self.requests: list[Hashable] = [h.request for h in holdings]
         self.tables = tables
-        self.slots = slots
+        self.has_slots = bool(cache.state_fields)
+        self._moves = cache.moves
         self._states: dict[str, torch.Tensor] = {}
         self._copies: set[str] = set()  # fields held as working copies
         self._index: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -37,17 +41,39 @@ class Rows:
         self._wrote: dict[int, int] = {}  # window end -> paged layers that wrote it
         # Each row's first rollback entry, where a crop finds the state from
         # before the last forward (None: the pool keeps no rollback entries).
-        self.rollback_index = (
-            torch.tensor([g[1] for g in slots], device=cache.device)
-            if slots and len(slots[0]) > 1
-            else None
-        )
+        self.rollback_index = self._rollback_index()
+
+    @property
+    def slots(self) -> list[tuple[int, ...]]:
+        """Each row's slots (state, then rollback copies), asked of its holding; [] with
+        no STATE fields."""
+        return [h.slots for h in self.holdings] if self.has_slots else []
+
+    def _rollback_index(self) -> torch.Tensor | None:
+        slots = self.slots
+        if not slots or len(slots[0]) < 2:
+            return None
+        return torch.tensor([g[1] for g in slots], device=self.cache.device)
+
+    def follow(self) -> None:
+        """The boundary moved (the slots' bytes and the holdings were remapped,
+        working copies synced before): remake every view and index from the ids."""
+        self.reload()
+        self.changed()
+        self.rollback_index = self._rollback_index()
+        self._moves = self.cache.moves
 
     def check_live(self) -> None:
         if self.released:
             raise InvalidValueError(
                 "this KvarenaCache was released to its pool: its blocks and slots may belong "
                 "to another cache now; make a new cache (pool.new_cache or pool.prefill)"
+            )
+        if self._moves != self.cache.moves:
+            raise InvalidValueError(
+                "the cache's boundary moved under this KvarenaCache and it was not told: "
+                "move the boundary through its pool (KvarenaPool.move_boundary or "
+                "KvarenaPool.rebalance), which remakes every live cache's views"
             )
 
     def wrote(self, end: int) -> None:

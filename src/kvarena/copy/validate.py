@@ -1,0 +1,126 @@
+"""Checking a described batch before any byte moves.
+
+Every span inside its buffer, no two destination spans overlapping, and no
+source span overlapping a destination span when both live in one storage
+(reading one byte twice is fine; reading a byte the batch writes is a race).
+A refused batch writes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import InvalidValueError
+from ..layout.regions import check_byte_buffer
+from ..spans import coalesce
+from .plan import CopyBatch
+
+
+class CopyBoundsError(InvalidValueError):
+    """A batch addresses bytes outside its buffers, or overlaps itself."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CopyStats:
+    """What an execution issued: spans, bytes, copy calls and the path taken."""
+
+    spans: int
+    nbytes: int
+    ops: int
+    path: str
+
+
+def _check_disjoint(s: np.ndarray, lengths: np.ndarray, what: str) -> None:
+    """Refuse two spans (non-empty, sorted by start ``s``) that overlap."""
+    e = s + lengths
+    bad = np.nonzero(s[1:] < e[:-1])[0]
+    if bad.size:
+        i = int(bad[0])
+        raise CopyBoundsError(
+            f"{what}: spans [{int(s[i])}, {int(e[i])}) and [{int(s[i + 1])}, {int(e[i + 1])}) overlap"
+        )
+
+
+def _check_reads_miss_writes(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> None:
+    """Refuse a source span that overlaps any destination span (one storage;
+    spans non-empty, sorted by destination).
+
+    Destinations are disjoint (checked first), so sorted by start their ends
+    ascend too: the only destination that can overlap ``[a, b)`` is the last
+    one starting before ``b``.
+    """
+    if src.size == 0:
+        return
+    src_end, dst_end = src + length, dst + length
+    if int(src_end.max()) <= int(dst[0]) or int(dst_end[-1]) <= int(src.min()):
+        return  # all reads on one side of all writes (units below, slots above)
+    last = np.searchsorted(dst, src_end, side="left") - 1
+    hit = (last >= 0) & (dst_end[np.maximum(last, 0)] > src)
+    if hit.any():
+        i = int(np.nonzero(hit)[0][0])
+        j = int(last[i])
+        raise CopyBoundsError(
+            f"copy batch reads [{int(src[i])}, {int(src_end[i])}) where it also writes "
+            f"[{int(dst[j])}, {int(dst_end[j])}) (source and destination share one storage)"
+        )
+
+
+def validate_batch(batch: CopyBatch, src_buf: torch.Tensor, dst_buf: torch.Tensor) -> None:
+    """Refuse a batch that would read or write outside its buffers, or race itself."""
+    _checked_spans(batch, src_buf, dst_buf)
+
+
+def _checked_spans(
+    batch: CopyBatch, src_buf: torch.Tensor, dst_buf: torch.Tensor
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The batch's non-empty spans, coalesced and so sorted by destination,
+    once every check has passed.
+
+    Overlaps are looked for among the COALESCED spans: a merged span covers
+    exactly the bytes of the spans it joins on each side, and spans it joins
+    tile its range without overlapping, so two spans overlap (or a span reads
+    what one writes) in the batch exactly when they do after merging; the
+    sorts behind the checks then run over a few long spans, not thousands.
+    """
+    check_byte_buffer(src_buf, "copy source buffer")
+    check_byte_buffer(dst_buf, "copy destination buffer")
+    if src_buf.device != dst_buf.device:
+        raise InvalidValueError(
+            f"copy buffers live on {src_buf.device} and {dst_buf.device}; one device"
+        )
+    n = batch.num_spans
+    if not (batch.src.shape == batch.dst.shape == batch.length.shape == (n,)):
+        raise InvalidValueError("copy batch arrays must be 1-D of one length")
+    if n == 0:
+        return batch.src, batch.dst, batch.length
+    if batch.length.min() < 0:
+        raise CopyBoundsError(f"copy batch holds a negative length {int(batch.length.min())}")
+    for name, starts, buf in (("source", batch.src, src_buf), ("destination", batch.dst, dst_buf)):
+        size = buf.numel()
+        # Each term is bounded before the sum, so start + length cannot wrap int64.
+        if int(starts.min()) < 0 or int(starts.max()) > size or int(batch.length.max()) > size:
+            raise CopyBoundsError(
+                f"copy batch {name} spans start in [{int(starts.min())}, {int(starts.max())}] "
+                f"with lengths up to {int(batch.length.max())}, but the {name} buffer holds "
+                f"[0, {size})"
+            )
+        hi = int((starts.astype(np.int64) + batch.length.astype(np.int64)).max())
+        if hi > size:
+            raise CopyBoundsError(
+                f"copy batch {name} spans reach byte {hi} but the {name} buffer holds [0, {size})"
+            )
+    keep = batch.length > 0
+    if keep.all():
+        src, dst, length = coalesce(batch.src, batch.dst, batch.length)
+    else:
+        src, dst, length = coalesce(batch.src[keep], batch.dst[keep], batch.length[keep])
+    _check_disjoint(dst, length, "copy batch destination")
+    if src_buf.untyped_storage().data_ptr() == dst_buf.untyped_storage().data_ptr():
+        # Reading one byte twice is fine (one state into two images); reading
+        # a byte another span of the batch writes is a race.
+        shift = src_buf.storage_offset() - dst_buf.storage_offset()
+        _check_reads_miss_writes(src + shift, dst, length)
+    return src, dst, length

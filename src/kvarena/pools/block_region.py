@@ -1,0 +1,123 @@
+"""The block allocator's id range as the boundary changes it (a mixin of ``BlockAllocator``).
+
+A boundary move asks which blocks of a range are free, evictable and live,
+hands live blocks' references and keys to free ones below (the caller copies
+the bytes), then gives up or gains the ids at the top.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..checks import check_count, check_ids
+from ..errors import InvalidValueError
+from .cached_keys import CachedKeys
+from .free_ids import FreeIds
+
+FREE, LIVE, EVICTABLE = 0, 1, 2
+"""The kinds of block a :class:`~kvarena.pools.blocks.BlockAllocator` records in its kind array."""
+
+
+class BlockRegion:
+    """Range queries and moves over the allocator's ids."""
+
+    _capacity: int
+    _free: FreeIds
+    _kind: np.ndarray
+    _refs: np.ndarray
+    _keys: CachedKeys
+
+    def partition(self, lo: int, hi: int) -> tuple[list[int], list[int], list[int]]:
+        """(free, evictable, live) block ids in ``[lo, hi)``, each lowest first:
+        what a boundary move over that range drops, evicts and relocates."""
+        lo, hi = max(0, lo), min(hi, self._capacity)
+        if lo >= hi:
+            return [], [], []
+        kinds = self._kind[lo:hi]
+
+        def of(kind: int) -> list[int]:
+            return (np.flatnonzero(kinds == kind) + lo).tolist()
+
+        return of(FREE), of(EVICTABLE), of(LIVE)
+
+    def free_blocks_below(self, limit: int, k: int | None = None) -> list[int]:
+        """Free block ids under ``limit``, lowest first; only the ``k`` lowest if given.
+
+        A few of many free blocks come from a walk of the free heap (its cost
+        follows ``k``); otherwise one scan of the kind array, vectorized: a
+        walk step costs about ten times a sorted id (804 of 2,500 free: 0.6 ms
+        walking vs 0.2 sorting the free set in Python, 0.02 scanning).
+        """
+        if k is not None and 8 * k < len(self._free):
+            return self._free.lowest_below(limit, k)
+        found = np.flatnonzero(self._kind[: max(0, limit)] == FREE)
+        return (found if k is None else found[: max(0, k)]).tolist()
+
+    def move_many(self, moves: Any) -> None:
+        """Give each live ``old`` block's references and cached mark to free block
+        ``new`` (the caller copies the bytes; ``old`` becomes free). ``moves``:
+        ``(old, new)`` pairs, as a list or a ``[k, 2]`` integer array. Checked
+        whole first: every source live, every target free and named once."""
+        if isinstance(moves, (np.ndarray, torch.Tensor)):
+            flat: Any = moves
+            if moves.ndim != 2 or moves.shape[1] != 2:
+                raise InvalidValueError(
+                    f"move_many: moves must be (old, new) pairs, got shape {tuple(moves.shape)}"
+                )
+        else:
+            moves = list(moves)
+            bad = [m for m in moves if not isinstance(m, (tuple, list)) or len(m) != 2]
+            if bad:
+                raise InvalidValueError(
+                    f"move_many: moves must be (old, new) pairs, got {bad[0]!r}"
+                )
+            flat = [v for pair in moves for v in pair]
+        ids = check_ids(flat, "move_many: block ids", lo=0, hi=self._capacity).reshape(-1, 2)
+        if ids.size == 0:
+            return
+        sources, targets = ids[:, 0].tolist(), ids[:, 1].tolist()
+        source_set, target_set = set(sources), set(targets)
+        if len(source_set) != len(sources):
+            raise InvalidValueError(f"move_many: a block moves once, got sources {sources[:8]}")
+        dead = self._kind[ids[:, 0]] != LIVE
+        if dead.any():
+            bad = sources[int(np.argmax(dead))]
+            raise InvalidValueError(f"block {bad} is not live; only live blocks move")
+        taken = ids[:, 1][self._kind[ids[:, 1]] != FREE].tolist()
+        if taken or len(target_set) != len(targets) or not target_set.isdisjoint(source_set):
+            raise InvalidValueError(
+                f"move_many: targets must be distinct free blocks, got {targets[:8]}"
+                + (f" (block {taken[0]} is not free)" if taken else "")
+            )
+        # Whole-set operations: a boundary move relocates thousands of blocks.
+        self._free.take_many(targets)
+        self._refs[ids[:, 1]] = self._refs[ids[:, 0]]
+        self._refs[ids[:, 0]] = 0
+        if len(self._keys):
+            self._keys.remap(dict(zip(sources, targets, strict=True)))
+        self._free.push_many(sources)
+        self._kind[ids[:, 1]] = LIVE
+        self._kind[ids[:, 0]] = FREE
+
+    def shrink(self, n: int) -> None:
+        """Give up the ``n`` highest ids; every one of them must be free."""
+        n = check_count(n, "BlockAllocator.shrink: n", hi=self._capacity)
+        new = self._capacity - n
+        blocked = (np.flatnonzero(self._kind[new:] != FREE) + new).tolist()
+        if blocked:
+            raise InvalidValueError(f"shrink by {n}: blocks {blocked[:8]} are not free")
+        self._free.take_range(new, self._capacity)
+        self._capacity = new
+        self._kind = self._kind[:new].copy()
+        self._refs = self._refs[:new].copy()
+
+    def grow(self, n: int) -> None:
+        """Add ``n`` ids above the current capacity, free."""
+        n = check_count(n, "BlockAllocator.grow: n")
+        self._free.push_many(list(range(self._capacity, self._capacity + n)))
+        self._capacity += n
+        self._kind = np.concatenate((self._kind, np.zeros(n, dtype=np.int8)))
+        self._refs = np.concatenate((self._refs, np.zeros(n, dtype=np.int64)))

@@ -1,0 +1,99 @@
+"""The lookup contract, pure: which boundary every layer group can resume from.
+
+Given what each level holds — the device's cached KV and images, and what
+the tiers below hold — the answer is the longest prefix EVERY group can
+resume from:
+
+- a full-attention group (every paged layer: one kvarena block holds all of
+  them) needs every block up to the boundary;
+- a state group needs a READY image taken exactly at that boundary. Sliding
+  windows are such state here: kvarena keeps a window as a per-request ring,
+  so "the blocks of the last window" are the ring's bytes in the image.
+
+The groups' answers are combined by repeating until none shrinks; no
+boundary that satisfies every group means 0, never a partial restore. Nothing
+here touches a device cache: the holdings are asked through predicates, so
+an engine that keeps its own device cache (a connector) uses the same
+contract and the same tier walk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..tiers import TierStack
+from ..tiers.image import ImageKind, object_name
+
+
+def resume_boundary(cand: int, has_state: bool, image_at: Callable[[int], bool]) -> int:
+    """The largest boundary ``<= cand`` (in blocks) that every group can resume
+    from, given that KV is held up to ``cand`` and ``image_at(b)`` says whether
+    some level holds a state image at boundary ``b``."""
+    while True:
+        new = cand
+        if has_state:
+            while new > 0 and not image_at(new):
+                new -= 1
+        if new == cand:
+            return cand
+        cand = new
+
+
+@dataclass(frozen=True, kw_only=True)
+class TierFinds:
+    """What the tiers add to the device's answer: the KV run's new end, the
+    tier serving each block the device lacks, and each boundary's image tier."""
+
+    kv_end: int
+    kv: dict[int, int]  # block index -> tier index
+    state: dict[int, int]  # boundary -> tier index
+
+
+def locate_in_tiers(
+    tiers: TierStack,
+    keys: list[bytes],
+    *,
+    kv_end: int,
+    limit: int,
+    has_kv: bool,
+    has_state: bool,
+    device_kv: Callable[[bytes], bool],
+    device_image: Callable[[int], bool],
+    skip: frozenset[str] = frozenset(),
+) -> TierFinds:
+    """Extend the device's KV run (``kv_end`` blocks) with blocks the tiers
+    hold, then find the boundaries up to it whose image a tier holds.
+
+    KV is probed in windows that double while every block is found (32, 64,
+    128...): a prompt that misses costs one small probe per tier, not one name
+    per block of the prompt; a long hit costs log2(its length) probes. Names in
+    ``skip`` (objects that failed their checks) count as absent."""
+    full = kv_end
+    tier_kv: dict[int, int] = {}
+    tier_state: dict[int, int] = {}
+    if has_kv:
+        window = 32
+        while full < limit:
+            todo = range(full, min(limit, full + window))
+            wanted = [i for i in todo if not device_kv(keys[i])]
+            names = [object_name(ImageKind.KV_BLOCK, keys[i]) for i in wanted]
+            for i, name, where in zip(wanted, names, tiers.locate(names), strict=True):
+                if where is not None and name not in skip:
+                    tier_kv[i] = where
+            start = full
+            while full < limit and (full in tier_kv or device_kv(keys[full])):
+                full += 1
+            if full < start + len(todo):
+                break  # a gap: the run ends here
+            window *= 2
+    for i in [i for i in tier_kv if i >= full]:
+        del tier_kv[i]
+    top = full if has_kv else limit
+    if has_state and top:
+        at = [b for b in range(1, top + 1) if not device_image(b)]
+        names = [object_name(ImageKind.STATE, keys[b - 1]) for b in at]
+        for b, name, where in zip(at, names, tiers.locate(names), strict=True):
+            if where is not None and name not in skip:
+                tier_state[b] = where
+    return TierFinds(kv_end=full, kv=tier_kv, state=tier_state)

@@ -1,0 +1,152 @@
+"""The floors of the package: who may import whom, module sizes, no second books.
+
+Read from the source (``ast``), so a new module is held to the same rules the
+day it is written: imports go down the floors or sideways inside one
+subpackage, never up and never in a circle; no module in ``src/`` runs over
+400 lines; the pools and the prefix cache hold no weak references and the
+prefix cache no book of blocks (the block pool owns which block holds which
+key)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+SRC = pathlib.Path(__file__).resolve().parent.parent / "src" / "kvarena"
+
+# Bottom to top. A subpackage may import from its own floor's neighbours only
+# where listed in SIDEWAYS, and from any floor below.
+FLOORS: list[set[str]] = [
+    {"errors"},
+    {"checks", "locking"},
+    {"layout", "spans"},
+    {"copy", "models"},
+    {"checkpoint"},
+    {"pools"},
+    {"tiers", "transfer"},
+    {"prefix"},
+    {"integrations", "replay", "report", "testing"},
+    {"pictures", "demo"},
+    {"cli"},
+    {"__init__", "__main__"},
+]
+SIDEWAYS: set[tuple[str, str]] = set()
+
+
+def _floor(unit: str) -> int:
+    for i, floor in enumerate(FLOORS):
+        if unit in floor:
+            return i
+    raise AssertionError(f"kvarena.{unit} is on no floor: add it to FLOORS")
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for f in sorted(SRC.rglob("*.py")):
+        parts = f.relative_to(SRC.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return out
+
+
+def _imports(module: str, path: pathlib.Path) -> set[str]:
+    """The kvarena modules ``module`` imports (relative imports resolved)."""
+    is_pkg = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if is_pkg else module.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.startswith("kvarena"):
+                found.add(target)
+                found.update(f"{target}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("kvarena"))
+    return found
+
+
+def _unit(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+MODULES = _modules()
+GRAPH = {m: {t for t in _imports(m, p) if t in MODULES and t != m} for m, p in MODULES.items()}
+
+
+def test_every_import_goes_down_the_floors():
+    up = []
+    for m, targets in GRAPH.items():
+        for t in targets:
+            a, b = _unit(m), _unit(t)
+            if a != b and _floor(b) >= _floor(a) and (a, b) not in SIDEWAYS:
+                up.append(f"{m} -> {t}")
+    assert not up, "imports up or sideways across floors:\n" + "\n".join(sorted(up))
+
+
+def test_no_import_circle():
+    """No circle among modules, a package's __init__ aside (it only re-exports)."""
+    graph = {
+        m: {t for t in ts if not MODULES[t].name == "__init__.py"}
+        for m, ts in GRAPH.items()
+        if MODULES[m].name != "__init__.py"
+    }
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        path.append(m)
+        for t in sorted(graph.get(m, ())):
+            if state.get(t) == 1:
+                raise AssertionError("import circle: " + " -> ".join([*path[path.index(t) :], t]))
+            if t not in state:
+                visit(t)
+        path.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_the_library_never_imports_its_test_harness():
+    bad = [
+        m
+        for m, ts in GRAPH.items()
+        if _unit(m) != "testing" and any(_unit(t) == "testing" for t in ts)
+    ]
+    assert not bad
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_modules_stay_under_400_lines(module):
+    lines = MODULES[module].read_text().count("\n")
+    assert lines <= 400, f"{module} has {lines} lines; split it by responsibility"
+
+
+def test_pools_and_prefix_hold_no_weak_references_and_no_callbacks_up():
+    for m, p in MODULES.items():
+        if _unit(m) in ("pools", "prefix"):
+            text = p.read_text()
+            assert "weakref" not in text, m
+            for word in ("on_evict", "before_evict", "move_listener", "notify_evicted"):
+                assert word not in text, f"{m} names {word}"
+
+
+def test_the_prefix_cache_keeps_no_book_of_blocks():
+    """No dict from keys to blocks or back in the prefix cache: it asks the pool."""
+    for m, p in MODULES.items():
+        if _unit(m) != "prefix":
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Attribute):
+                ann = ast.unparse(node.annotation)
+                assert not ("dict[bytes, int]" in ann or "dict[int, bytes]" in ann), (
+                    f"{m}: self.{node.target.attr}: {ann}"
+                )
