@@ -261,3 +261,20 @@ def test_a_budget_refusal_survives_a_trip_between_processes():
         info.value.max_fitting_seqs,
         str(info.value),
     )
+
+
+@given(tokens=st.integers(0, 1 << 40), block_size=st.integers(1, 1 << 12))
+def test_blocks_for_is_the_least_number_of_blocks_holding_the_tokens(tokens, block_size):
+    from kvarena.pools import blocks_for
+
+    n = blocks_for(tokens, block_size)
+    assert n * block_size >= tokens and (n - 1) * block_size < tokens or n == tokens == 0
+
+
+def test_blocks_for_refuses_what_is_not_a_count():
+    from kvarena import InvalidValueError
+    from kvarena.pools import blocks_for
+
+    for tokens, block_size in ((-1, 16), (1.5, 16), (True, 16), (4, 0), (4, "16")):
+        with pytest.raises(InvalidValueError):
+            blocks_for(tokens, block_size)

@@ -119,7 +119,7 @@ def _doors():
     import kvarena as kv
     from kvarena import copy as C
     from kvarena import layout as L
-    from kvarena.pools import BlockAllocator, EntryClass, PoolKind, StateAllocator, plan_pools
+    from kvarena.pools import BlockAllocator, StateAllocator
     from kvarena.report import plan_report
 
     F = kv.EntryField
@@ -169,8 +169,6 @@ def _doors():
         "execute path": lambda: C.execute_batch(C.CopyBatch([0], [0], [1]), z, z, path="x"),
         "state allocator huge": lambda: StateAllocator(2**70, 1),
         "block allocator huge": lambda: BlockAllocator(2**40),
-        "entry class huge": lambda: EntryClass(pool=PoolKind.PAGE, name="p", entry_bytes=2**70),
-        "plan_pools str": lambda: plan_pools("ab", 100, 1),
         "from_fields block size": lambda: kv.ModelCache.from_fields(f, [], block_size=0),
         "fingerprint None": lambda: kv.layout_fingerprint(None),
         "report context": lambda: plan_report(p, context_tokens=-1),

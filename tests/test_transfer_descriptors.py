@@ -96,7 +96,8 @@ def test_a_peer_geometry_is_checked_before_use():
     for change, words in (
         ({"block_stride": g.block_bytes - 256}, "blocks would overlap"),
         ({"slot_stride": 1}, "slots would overlap"),
-        ({"num_blocks": 10**9}, "blocks do not fit"),
+        ({"num_blocks": 10**9}, "exceeds max_blocks"),
+        ({"max_blocks": 10**9, "num_blocks": 10**9}, "blocks do not fit"),
         ({"first_slot": g.total_slots + 1}, "first_slot"),
         ({"size": -1}, "geometry size"),
         ({"block_bytes": "1024"}, "geometry block_bytes"),
@@ -109,6 +110,17 @@ def test_a_peer_geometry_is_checked_before_use():
     with pytest.raises(LayoutMismatchError, match="expected the fields"):
         CacheGeometry.from_dict([1, 2])
     assert CacheGeometry.from_dict(good) == g
+
+
+def test_the_geometry_carries_the_plans_max_blocks():
+    """One max_blocks: the plan's PoolGeometry, whether the budget is a multiple of
+    the STATE alignment or not (the peer never recomputes it from the size)."""
+    for extra in (0, 1, 4095, 4097):
+        plan = plan_for(PAGE, STATE, (4 << 20) + extra, 4)
+        cache = UnifiedCache.from_plan(plan, "cpu")
+        g = CacheGeometry.of(cache)
+        assert g.max_blocks == plan.geometry.max_blocks == cache.max_blocks
+        assert CacheGeometry.from_dict(g.to_dict()).max_blocks == g.max_blocks
 
 
 def test_descriptor_ids_are_integers():

@@ -18,6 +18,7 @@ import torch
 from ..checks import check_count
 from ..errors import InvalidValueError
 from .blocks import BlockAllocationError
+from .geometry import blocks_for
 from .holdings import Holding
 from .unified import UnifiedCache
 
@@ -69,7 +70,7 @@ class BlockTable:
     def reserve(self, tokens: int) -> list[int]:
         """Hold blocks for ``tokens`` tokens in all; the new blocks (all or nothing)."""
         tokens = check_count(tokens, "BlockTable.reserve: tokens")
-        need = -(-tokens // self.block_size) - len(self.blocks)
+        need = blocks_for(tokens, self.block_size) - len(self.blocks)
         if need <= 0:
             return []
         new = self.cache.blocks.allocate(need)
@@ -89,7 +90,9 @@ class BlockTable:
             if alloc.refcount(b) == 1 and not alloc.is_cached(b):
                 return []
         touched = (
-            range(start // bs, min(len(self.blocks), -(-end // bs))) if end > start else range(0)
+            range(start // bs, min(len(self.blocks), blocks_for(end, bs)))
+            if end > start
+            else range(0)
         )
         # Only blocks already held can be shared; the ones reserved now are new.
         shared = [
@@ -99,7 +102,7 @@ class BlockTable:
         ]
         # All or nothing: the reserve and the copies' blocks are counted before
         # either takes one, so a refusal leaves the table and the pool as they were.
-        wanted = max(0, -(-end // bs) - len(self.blocks)) + len(shared)
+        wanted = max(0, blocks_for(end, bs) - len(self.blocks)) + len(shared)
         if wanted > alloc.num_free + alloc.num_evictable:
             raise BlockAllocationError(wanted, alloc.num_free, alloc.num_evictable)
         self.reserve(end)
@@ -126,7 +129,7 @@ class BlockTable:
     def truncate(self, tokens: int) -> list[int]:
         """Keep the first ``tokens`` tokens; the blocks past them are released."""
         tokens = check_count(tokens, "BlockTable.truncate: tokens", hi=self.tokens)
-        keep = -(-tokens // self.block_size)
+        keep = blocks_for(tokens, self.block_size)
         gone = self.blocks[keep:]
         del self.blocks[keep:]
         for b in reversed(gone):

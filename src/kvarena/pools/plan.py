@@ -26,10 +26,42 @@ from ..layout import (
 from ..layout.regions import align_up
 from ..models import ModelCache
 from .geometry import PoolGeometry, blocks_for
-from .sizing import PoolBudgetError
 
 MAX_SEQS = 1 << 24
 """Requests in flight beyond this are refused as nonsense (no server runs 16M at once)."""
+
+
+class PoolBudgetError(InvalidValueError):
+    """The STATE floor does not fit the budget; carries the numbers."""
+
+    def __init__(
+        self,
+        needed: int,
+        available: int,
+        entries: dict[str, int],
+        max_fitting_seqs: int,
+    ) -> None:
+        self.needed = needed
+        self.available = available
+        self.entries = entries
+        self.max_fitting_seqs = max_fitting_seqs
+        self._args = (needed, available, entries, max_fitting_seqs)
+        # With clamp=True only "not even one" is ever raised, so the advice to
+        # pass it is given exactly when it would help.
+        if max_fitting_seqs < 1:
+            advice = "not even one request fits; raise the budget"
+        else:
+            advice = (
+                f"at most max_num_seqs={max_fitting_seqs} fits (pass clamp=True to plan at that)"
+            )
+        super().__init__(
+            f"the pools need {needed:,} bytes ({entries}) but the budget is {available:,}; "
+            + advice
+        )
+
+    def __reduce__(self) -> tuple:
+        # Rebuilt from its numbers, so it survives a trip between processes.
+        return (type(self), self._args)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -38,7 +38,7 @@ import torch
 from ..checks import check_bytes
 from ..errors import InvalidValueError
 from ..models import ModelCache
-from ..pools import BlockAllocationError, StateAllocationError, plan_cache
+from ..pools import BlockAllocationError, StateAllocationError, blocks_for, plan_cache
 from ..prefix import CheckpointPolicy, PrefixCache
 from ..prefix.keys import Namespace
 from ..prefix.records import Admission
@@ -211,7 +211,7 @@ class _Replay:
                 if attempt:
                     return None
                 slots_short = isinstance(exc, StateAllocationError)
-                need = -(-(req.tokens.size + req.output_tokens) // self.bs)
+                need = blocks_for(req.tokens.size + req.output_tokens, self.bs)
                 move = self.pc.rebalance(waiting_requests=int(slots_short), blocks_needed=need)
                 if move is None:
                     return None

@@ -26,6 +26,7 @@ class CacheGeometry:
     block_bytes: int
     block_stride: int
     num_blocks: int
+    max_blocks: int  # block ids the buffer can ever hold: the plan's PoolGeometry.max_blocks
     slot_bytes: int
     slot_stride: int
     slot_base: int
@@ -42,6 +43,7 @@ class CacheGeometry:
             block_bytes=cache.block_bytes,
             block_stride=cache.block_stride,
             num_blocks=cache.num_blocks,
+            max_blocks=cache.geometry.max_blocks,
             slot_bytes=cache.slot_bytes,
             slot_stride=cache.slot_stride,
             slot_base=cache.slot_base,
@@ -60,6 +62,7 @@ class CacheGeometry:
                 "block_bytes",
                 "block_stride",
                 "num_blocks",
+                "max_blocks",
                 "slot_bytes",
                 "slot_stride",
                 "slot_base",
@@ -80,8 +83,10 @@ class CacheGeometry:
                 f"slot_stride {self.slot_stride} is below slot_bytes {self.slot_bytes} "
                 "(slots would overlap)"
             )
-        if self.num_blocks and self.num_blocks * self.block_stride > self.size:
-            problems.append(f"{self.num_blocks} blocks do not fit the region of {self.size} bytes")
+        if self.num_blocks > self.max_blocks:
+            problems.append(f"num_blocks {self.num_blocks} exceeds max_blocks {self.max_blocks}")
+        if self.max_blocks and self.max_blocks * self.block_stride > self.size:
+            problems.append(f"{self.max_blocks} blocks do not fit the region of {self.size} bytes")
         if self.slot_base + self.total_slots * self.slot_stride > self.size:
             problems.append(f"{self.total_slots} slots do not fit the region of {self.size} bytes")
         if self.first_slot > self.total_slots:
@@ -128,8 +133,3 @@ class CacheGeometry:
     def slot_offset(self, slot):  # int or integer array
         """Byte offset of slot ``slot`` from ``base``."""
         return self.slot_base + slot * self.slot_stride
-
-    @property
-    def max_blocks(self) -> int:
-        """Block ids the registered buffer can ever hold (the boundary only moves within it)."""
-        return self.size // self.block_stride

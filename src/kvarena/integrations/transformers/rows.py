@@ -141,7 +141,7 @@ class Rows:
         """The rows' first ``ceil(tokens / block_size)`` blocks, row after row, as
         one index tensor, and that count: a read gathers whole blocks (one
         contiguous run per block and layer), not single tokens."""
-        n = -(-tokens // self.cache.block_size)
+        n = self.cache.plan.blocks_for(tokens)
         key = (-1, n)
         got = self._index.get(key)
         if got is None:
