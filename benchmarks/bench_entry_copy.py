@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from _timing import cache_memory, filled, plain_copy, side_by_side
 
-from kvarena import EntryMajorArena, entry_bytes_for
 from kvarena.copy import CopyBatch, execute_batch
+from kvarena.layout import EntryMajorArena, entry_bytes_for
 from kvarena.models import model_cache
 
 LAYOUTS = ("qwen3-next-80b-a3b", "mamba2-2.7b", "deepseek-v4-flash")

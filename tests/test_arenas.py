@@ -6,8 +6,8 @@ from conftest import field_lists, random_fill_, tensor_bytes
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvarena import (
-    EntryField,
+from kvarena import EntryField
+from kvarena.layout import (
     EntryMajorArena,
     LayerMajorArena,
     SplitEntryMajorArena,
@@ -276,7 +276,8 @@ def test_carve_layer_major_places_groups_by_plan_regions():
 
 @given(field_lists(max_size=5), st.integers(1, 3))
 def test_min_slot_stride_is_the_smallest_legal_stride(fields, entries):
-    from kvarena import layout_fingerprint, min_slot_stride
+    from kvarena import layout_fingerprint
+    from kvarena.layout import min_slot_stride
 
     stride = min_slot_stride(fields)
     eb, align = entry_bytes_for(fields), strictest_alignment(fields)

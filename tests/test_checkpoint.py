@@ -6,14 +6,9 @@ from conftest import field_lists, random_fill_, tensor_bytes
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvarena import (
-    EntryField,
-    EntryMajorArena,
-    LayoutMismatchError,
-    field_extents,
-    min_slot_stride,
-)
+from kvarena import EntryField, LayoutMismatchError
 from kvarena.checkpoint import CheckpointMismatchError, CheckpointSpec, PageUnits, restore, store
+from kvarena.layout import EntryMajorArena, field_extents, min_slot_stride
 
 CPU = torch.device("cpu")
 

@@ -5,9 +5,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvarena import entry_bytes_for, layout_fingerprint, model_cache, plan_cache
+from kvarena import layout_fingerprint, model_cache, plan_cache
 from kvarena.cli import app
 from kvarena.demo import DemoConfig, run_demo, state_fields
+from kvarena.layout import entry_bytes_for
 from kvarena.models import PRESETS
 from kvarena.transfer import nixl_available
 

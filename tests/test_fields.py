@@ -8,16 +8,14 @@ import torch
 from conftest import field_lists
 from hypothesis import given
 
-from kvarena import (
+from kvarena import EntryField, describe, layout_fingerprint
+from kvarena.layout import (
     ALIGNMENT,
-    EntryField,
     align_up,
     checkpoint_ranges_for,
-    describe,
     entry_bytes_for,
     field_extents,
     layout_encoding,
-    layout_fingerprint,
     layout_rows,
 )
 

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvarena import EntryMajorArena, align_up, strictest_alignment
 from kvarena.checkpoint import CheckpointSpec, PageUnits, restore, store
 from kvarena.copy import describe_batch, execute_batch, plan_segmented_copy
 from kvarena.copy.executor import triton_available
+from kvarena.layout import EntryMajorArena, align_up, strictest_alignment
 from kvarena.models import model_cache
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -268,7 +268,7 @@ def test_blocks_for_is_the_least_number_of_blocks_holding_the_tokens(tokens, blo
     from kvarena.pools import blocks_for
 
     n = blocks_for(tokens, block_size)
-    assert n * block_size >= tokens and (n - 1) * block_size < tokens or n == tokens == 0
+    assert (n * block_size >= tokens and (n - 1) * block_size < tokens) or n == tokens == 0
 
 
 def test_blocks_for_refuses_what_is_not_a_count():

@@ -6,7 +6,8 @@ from conftest import field_lists
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvarena import EntryField, PlanePlanningError, entry_bytes_for, plan_field_planes, plane_rows
+from kvarena import EntryField
+from kvarena.layout import PlanePlanningError, entry_bytes_for, plan_field_planes, plane_rows
 
 
 def enumerate_planes(fields, widths):

@@ -3,7 +3,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvarena import ALIGNMENT, align_up, carve, plan_regions
+from kvarena.layout import ALIGNMENT, align_up, carve, plan_regions
 
 sizes_st = st.lists(st.integers(0, 5000), max_size=8)
 

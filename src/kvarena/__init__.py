@@ -11,17 +11,15 @@ The front door is the road an engine builder walks::
 
 Everything else lives in its subpackage: ``kvarena.layout`` (declarations,
 the walk, arenas), ``kvarena.copy`` (segmented copy plans and their
-execution), ``kvarena.pools`` (sizing, allocators), ``kvarena.prefix`` (keys,
+execution), ``kvarena.pools`` (the plan, allocators, the movable boundary), ``kvarena.prefix`` (keys,
 policies, the prefix cache), ``kvarena.tiers`` (host, disk and Redis tiers
 below the device, one checksummed image format), ``kvarena.transfer``
-(prefill -> decode on NIXL). The layout core of the design brief is also
-reachable here by name (``kvarena.EntryMajorArena``...), resolved lazily.
+(prefill -> decode on NIXL). The layout core of the design brief is
+``kvarena.layout`` (``kvarena.layout.EntryMajorArena``...): the front door
+below is the whole of what ``kvarena`` itself serves, each name typed.
 """
 
 from __future__ import annotations
-
-import importlib
-from typing import Any
 
 from .checkpoint import CheckpointMismatchError, CheckpointSpec, PageUnits, restore, store
 from .errors import Error, InvalidValueError, LayoutMismatchError
@@ -77,12 +75,3 @@ __all__ = [
     "restore",
     "store",
 ]
-
-
-# The design brief's layout core keeps its kvarena.<name> spelling without
-# crowding the front door: any name of kvarena.layout resolves on first use.
-def __getattr__(name: str) -> Any:
-    layout = importlib.import_module(".layout", __name__)
-    if name in layout.__all__:
-        return getattr(layout, name)
-    raise AttributeError(f"module 'kvarena' has no attribute {name!r}")
