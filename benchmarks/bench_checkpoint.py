@@ -110,7 +110,7 @@ def bench(
     t = side_by_side(
         {
             "kv": kv_store,
-            "restore": lambda: cache.restore(spec, units, back),
+            "restore": lambda: cache.restore(spec, back, units),
             "loop": loop_store,
             "mem": lambda: plain_copy(flat_b, flat_a),
         },

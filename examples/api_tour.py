@@ -23,7 +23,7 @@ units = cache.blocks.allocate(spec.units_per_image)
 cache.store(spec, [slots[0]], [units])  # one batch: many slots, many unit lists
 move = cache.grow_state(2)  # more requests in flight: STATE takes PAGE's top
 units = [move.block_remap.get(u, u) for u in units]  # ids that moved, follow them
-cache.restore(spec, [units], [cache.allocate_state("req-1")[0]])
+cache.restore(spec, [cache.allocate_state("req-1")[0]], [units])
 
 # --- A hand-written layout walks the same road ---------------------------------
 fields = [

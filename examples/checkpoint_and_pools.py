@@ -39,7 +39,7 @@ spec = cache.checkpoint_spec()  # units of one block stride each
 units = cache.blocks.allocate(spec.units_per_image)
 cache.store(spec, [slots[0]], [units])
 other = cache.allocate_state("req-1")
-cache.restore(spec, [units], [other[0]])
+cache.restore(spec, [other[0]], [units])
 assert torch.equal(
     cache.state_view("recurrent_state")[:, other[0]],
     cache.state_view("recurrent_state")[:, slots[0]],

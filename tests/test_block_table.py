@@ -165,7 +165,7 @@ def test_kv_blocks_store_and_restore_by_bytes():
         units = [c.blocks.allocate(spec.units_per_image) for _ in src]
         c.store_blocks(spec, src, units)
         dst = c.blocks.allocate(3)
-        c.restore_blocks(spec, units, dst)
+        c.restore_blocks(spec, dst, units)
         for b, want in zip(dst, before, strict=True):  # every field byte (pads aside)
             assert torch.equal(c.page_view("k")[:, b], want)
         for b in [*dst, *(u for us in units for u in us)]:
@@ -176,4 +176,4 @@ def test_kv_blocks_store_and_restore_by_bytes():
     with pytest.raises(kvarena.InvalidValueError, match="free"):
         c.store_blocks(spec, [src[0]], units)
     with pytest.raises(kvarena.InvalidValueError, match="free"):
-        c.restore_blocks(spec, units, [src[0]])
+        c.restore_blocks(spec, [src[0]], units)

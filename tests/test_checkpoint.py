@@ -55,7 +55,7 @@ def test_store_restore_round_trip(fields, unit_bytes, batch, seed):
     # Restore into other slots of a fresh arena whose dropped fields hold a pattern.
     dst = _arena(fields, batch + 1, seed + 1)
     before = {f.name: dst.view(f.name).clone() for f in fields}
-    restore(spec, pages, units, dst, [c + 1 for c in range(batch)])
+    restore(spec, dst, [c + 1 for c in range(batch)], pages, units)
     for f in fields:
         for c in range(batch):
             got = tensor_bytes(dst.view(f.name)[:, c + 1])

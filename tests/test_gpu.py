@@ -67,7 +67,7 @@ def test_cuda_checkpoint_round_trip():
     units = [list(range(c, n, 8)) for c in range(8)]
     store(spec, state, list(range(8)), pages, units)
     back = EntryMajorArena(fields, 8, dev, slot_stride=stride)
-    restore(spec, pages, units, back, list(range(8)))
+    restore(spec, back, list(range(8)), pages, units)
     for f in fields:
         if f.in_checkpoint:
             assert torch.equal(

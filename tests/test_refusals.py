@@ -76,7 +76,7 @@ def operations(c: UnifiedCache, spec):
         "block_write": lambda x: c.block_bytes_of(x).fill_(7),
         "slot_write": lambda x: c.slot_bytes_of(x).fill_(9),
         "store": lambda x: c.store(spec, x[0], x[1]),
-        "restore": lambda x: c.restore(spec, x[1], x[0]),
+        "restore": lambda x: c.restore(spec, x[0], x[1]),
         "rebalance": lambda x: c.rebalance(waiting_requests=x, blocks_needed=x),
         "page_units": lambda x: c.page_units(x),
     }
@@ -155,7 +155,7 @@ def _doors():
         "store slots str": lambda: c.store(spec, "ab", [[0]]),
         "store units None": lambda: c.store(spec, [top], None),
         "store units nested": lambda: c.store(spec, [top], [[[0]]]),
-        "restore units dict": lambda: c.restore(spec, [{}], [top]),
+        "restore units dict": lambda: c.restore(spec, [top], [{}]),
         "allocate str": lambda: c.blocks.allocate("3"),
         "allocate huge": lambda: c.blocks.allocate(2**70),
         "arena entries huge": lambda: L.EntryMajorArena(f, 10**12, "cpu"),

@@ -276,17 +276,17 @@ def test_checkpoint_liveness_follows_the_allocators_across_moves():
     c.shrink_state(2)
     before = c.buf.clone()
     with pytest.raises(ValueError, match=r"out of range; legal"):
-        c.restore(spec, units, [low[0]])  # a slot the STATE pool no longer owns
+        c.restore(spec, [low[0]], units)  # a slot the STATE pool no longer owns
     freed = c.free_state(c.slots.requests[0])[0]  # in the pool, held by no one
     with pytest.raises(ValueError, match="is free; only slots a request holds"):
-        c.restore(spec, units, [freed])
+        c.restore(spec, [freed], units)
     assert torch.equal(c.buf, before)
     # Grow again: a request on a slot won from PAGE can be stored from and restored into.
     c.grow_state(3)
     while c.slots.num_free:
         gained = c.allocate_state(("new", c.slots.num_free))[0]
     assert gained == c.slots.first  # the lowest slot, won from PAGE by the grow
-    c.restore(spec, units, [gained])
+    c.restore(spec, [gained], units)
     o, n = spec.ranges[0]
     assert (c.slot_bytes_of(gained)[o : o + n] == 7).all()
     c.store(spec, [gained], units)
@@ -295,7 +295,7 @@ def test_checkpoint_liveness_follows_the_allocators_across_moves():
     with pytest.raises(ValueError, match="is free; it must be live"):
         c.store(spec, [gained], units)
     with pytest.raises(ValueError, match="is free; it must be live or evictable"):
-        c.restore(spec, units, [gained])
+        c.restore(spec, [gained], units)
 
 
 def test_relocation_keeps_every_byte_of_an_image_in_a_block_tail():
@@ -324,7 +324,7 @@ def test_relocation_keeps_every_byte_of_an_image_in_a_block_tail():
     moved = [move.block_remap.get(u, u) for u in units]
     assert moved != units  # they had to move
     cache.state_view("ssm")[:, slot].zero_()
-    cache.restore(spec, [moved], [slot])
+    cache.restore(spec, [slot], [moved])
     expect = torch.arange(6000, dtype=torch.int64).view(2, 3000) % 253
     assert torch.equal(cache.state_view("ssm")[:, slot].to(torch.int64), expect)
     assert move.copied_bytes == len(move.block_remap) * cache.block_stride
@@ -398,7 +398,7 @@ def test_a_raw_store_over_the_cache_state_is_refused():
     with pytest.raises(ValueError, match=r"use cache\.store"):
         store(spec, c.state, [slot], c.page_units(), [units])
     with pytest.raises(ValueError, match=r"use cache\.store"):
-        restore(spec, c.page_units(), [units], c.state, [slot])
+        restore(spec, c.state, [slot], c.page_units(), [units])
     assert torch.equal(c.buf, before)
     # The fills were written on the plan's slots all the same.
     assert (c.state_view("score")[0, c.slots.first :] == -math.inf).all()

@@ -214,7 +214,7 @@ class Walk:
             return
         img = self.rng.choice(self.images)
         s = self.rng.choice(self.requests[self.rng.choice(sorted(self.requests))])
-        self.c.restore(img["spec"], [img["units"]], [s])
+        self.c.restore(img["spec"], [s], [img["units"]])
         at, pos = self.slot_at(s), 0
         for o, n in img["spec"].ranges:
             self.shadow[at + o : at + o + n] = img["bytes"][pos : pos + n]

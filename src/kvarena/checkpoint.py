@@ -234,14 +234,15 @@ def store(
 
 def restore(
     spec: CheckpointSpec,
-    pages: PageUnits,
-    unit_lists: Sequence[Sequence[int]],
     state: EntryMajorArena,
     slots: Sequence[int],
+    pages: PageUnits,
+    unit_lists: Sequence[Sequence[int]],
     *,
     slot_holder: SlotHolder | None = None,
 ) -> CopyStats:
-    """Copy each image in ``unit_lists[c]`` back into ``slots[c]``.
+    """Copy each image in ``unit_lists[c]`` back into ``slots[c]`` (the arguments in
+    :func:`store`'s order: the state side, then the units).
 
     Only the checkpoint ranges are written: fields with ``in_checkpoint=False``
     keep whatever the slot holds.

@@ -219,7 +219,7 @@ def _unified_checks(
     units = [cache.blocks.allocate(spec.units_per_image) for _ in slots]
     stored = cache.store(spec, slots, units)
     cache.slot_bytes_of(slots[0]).fill_(0x5A)
-    cache.restore(spec, units[:1], slots[:1])
+    cache.restore(spec, slots[:1], units[:1])
     ranges = spec.ranges
     ckpt_ok = all(
         torch.equal(cache.slot_bytes_of(s)[o : o + n], b[o : o + n])
@@ -250,7 +250,7 @@ def _unified_checks(
     # The images moved with their blocks: restoring the second one after the
     # move still gives back the bytes saved before it.
     cache.slot_bytes_of(slots[1]).fill_(0xA5)
-    cache.restore(spec, units[1:], slots[1:])
+    cache.restore(spec, slots[1:], units[1:])
     image_ok = all(
         torch.equal(cache.slot_bytes_of(slots[1])[o : o + n], before[1][o : o + n])
         for o, n in ranges

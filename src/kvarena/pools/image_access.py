@@ -123,15 +123,16 @@ class ImageAccess:
         )
 
     def restore(
-        self, spec: CheckpointSpec, unit_lists: Sequence[Sequence[int]], slots: Sequence[int]
+        self, spec: CheckpointSpec, slots: Sequence[int], unit_lists: Sequence[Sequence[int]]
     ) -> CopyStats:
-        """Copy each image back into a slot a request holds."""
+        """Copy each image ``unit_lists[c]`` back into ``slots[c]``, a slot a request
+        holds (the arguments in :meth:`store`'s order: slots, then their units)."""
         return restore(
             spec,
-            self.page_units(spec.unit_bytes),
-            unit_lists,
             self.state,
             slots,
+            self.page_units(spec.unit_bytes),
+            unit_lists,
             slot_holder=self.slots,
         )
 
@@ -161,15 +162,15 @@ class ImageAccess:
         )
 
     def restore_blocks(
-        self, spec: CheckpointSpec, unit_lists: Sequence[Sequence[int]], blocks: Sequence[int]
+        self, spec: CheckpointSpec, blocks: Sequence[int], unit_lists: Sequence[Sequence[int]]
     ) -> CopyStats:
-        """Copy block images back into live blocks."""
+        """Copy block images ``unit_lists[c]`` back into live blocks ``blocks[c]``."""
         pages = self._block_pages("restore_blocks")
         return restore(
             spec,
-            self.page_units(spec.unit_bytes),
-            unit_lists,
             pages,
             blocks,
+            self.page_units(spec.unit_bytes),
+            unit_lists,
             slot_holder=_BlockWriter(self.blocks),
         )

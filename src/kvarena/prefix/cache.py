@@ -254,7 +254,7 @@ class PrefixCache(TierSide):
         slots = self.cache.allocate_state(request) if self.has_state else ()
         holding = self.cache.hold(request, self._take_hit_blocks(keys, hit, new, payloads))
         if hit.image is not None and self.spec is not None:
-            self.cache.restore(self.spec, [units], [slots[0]])
+            self.cache.restore(self.spec, [slots[0]], [units])
             for u in units:
                 pool.release(u)  # restored: the image ages in the LRU again
         elif hit.image_source is not None and self.spec is not None:  # from a tier
