@@ -68,8 +68,8 @@ def bench(
     plan = plan_cache(model, budget_bytes=budget, max_seqs=2 * requests, clamp=False)
     cache = UnifiedCache.from_plan(plan, device)
     spec = cache.checkpoint_spec(unit_bytes)
-    slots = [cache.allocate_state(("src", r))[0] for r in range(requests)]
-    back = [cache.allocate_state(("dst", r))[0] for r in range(requests)]
+    slots = [cache.allocate_slots(("src", r))[0] for r in range(requests)]
+    back = [cache.allocate_slots(("dst", r))[0] for r in range(requests)]
     gen = torch.Generator().manual_seed(0)
     for f in fields:
         v = cache.state_view(f.name)

@@ -1,7 +1,7 @@
 """Copy N request states from one set of slots to another, three ways, side by side.
 
 1. kvarena: every entry as one span, the N spans one described batch
-   (``execute_batch``: the road ``UnifiedCache.copy_slots`` and ``fork_state``
+   (``execute_batch``: the road ``UnifiedCache.copy_slots`` and ``fork_slots``
    take; entries evenly spaced on both sides move as one strided copy).
 2. per-layer-per-field: separate ``[layers, slots, *shape]`` tensors per field,
    as engines allocate today, copied one (layer, field) slice per request.

@@ -16,14 +16,14 @@ assert (cache.num_blocks, cache.num_slots) == (plan.blocks, plan.state_slots)
 k_cache = cache.page_view("k")  # [12, max_blocks, 16, 2, 256]: what paged attention takes
 ssm = cache.state_view("recurrent_state")  # [36, total_slots, 4, 128, 128]
 blocks = cache.blocks.allocate(8)  # a request's KV blocks (refcounted)
-slots = cache.allocate_state("req-0")  # its state and its rollback copy: 2 slots
+slots = cache.allocate_slots("req-0")  # its state and its rollback copy: 2 slots
 
 spec = cache.checkpoint_spec()  # the state's image, in units of one block stride
 units = cache.blocks.allocate(spec.units_per_image)
 cache.store(spec, [slots[0]], [units])  # one batch: many slots, many unit lists
 move = cache.grow_state(2)  # more requests in flight: STATE takes PAGE's top
 units = [move.block_remap.get(u, u) for u in units]  # ids that moved, follow them
-cache.restore(spec, [cache.allocate_state("req-1")[0]], [units])
+cache.restore(spec, [cache.allocate_slots("req-1")[0]], [units])
 
 # --- A hand-written layout walks the same road ---------------------------------
 fields = [

@@ -30,7 +30,7 @@ cache = kv.UnifiedCache.from_plan(plan, "cpu")
 assert (cache.num_blocks, cache.num_slots) == (plan.blocks, plan.state_slots)
 k_cache = cache.page_view("k")  # [12, max_blocks, 16, 1, 256], valid across moves
 blocks = cache.blocks.allocate(4)
-slots = cache.allocate_state("req-0")  # the state and one rollback copy, top-most
+slots = cache.allocate_slots("req-0")  # the state and one rollback copy, top-most
 move = cache.grow_state(4)  # more requests in flight: STATE takes PAGE's top
 assert not move.block_remap  # the top blocks were free, nothing had to move
 
@@ -38,7 +38,7 @@ assert not move.block_remap  # the top blocks were free, nothing had to move
 spec = cache.checkpoint_spec()  # units of one block stride each
 units = cache.blocks.allocate(spec.units_per_image)
 cache.store(spec, [slots[0]], [units])
-other = cache.allocate_state("req-1")
+other = cache.allocate_slots("req-1")
 cache.restore(spec, [other[0]], [units])
 assert torch.equal(
     cache.state_view("recurrent_state")[:, other[0]],

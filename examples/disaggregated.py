@@ -49,7 +49,7 @@ def prefill_main(endpoint: str, result) -> None:
 
     cache = kv.UnifiedCache.from_plan(PLAN, "cpu")
     blocks = cache.blocks.allocate(8)  # a 128-token prompt's KV
-    slot = cache.allocate_state("req-0")[0]
+    slot = cache.allocate_slots("req-0")[0]
     for i, b in enumerate(blocks):
         cache.block_bytes_of(b).copy_(pattern(i, cache.block_bytes))
     cache.slot_bytes_of(slot).copy_(pattern(99, cache.slot_bytes))

@@ -55,14 +55,14 @@ def test_allocate_batch_takes_one_ascending_run_when_one_exists(total, per_req, 
                     assert [g[e] for g in groups] == list(range(top + e * n, top + (e + 1) * n))
             held.extend(names)
         elif held:
-            s.free(held.pop(0))
+            s.release(held.pop(0))
     owned = [x for x in range(total) if not s.is_free(x)]
     assert len(owned) == len(held) * per_req
 
 
 def test_state_rows_are_views_and_gather_scatter_round_trip():
     c = _cache()
-    a, b, d = c.allocate_states(["a", "b", "d"])
+    a, b, d = c.allocate_slots_batch(["a", "b", "d"])
     rows = c.state_rows("conv", [a[0], b[0], d[0]])
     assert rows is not None and rows.shape == (2, 3, 5, 3)
     rows.fill_(1.5)  # writes through to the slots' bytes
@@ -77,14 +77,14 @@ def test_state_rows_are_views_and_gather_scatter_round_trip():
     assert torch.equal(c.state_view("rec")[:, a[0]], new[:, 1])
     with pytest.raises(kvarena.InvalidValueError, match="shape"):
         c.scatter_states("rec", [a[0]], new)
-    c.free_state("d")
+    c.release_slots("d")
     with pytest.raises(kvarena.InvalidValueError, match="free"):
         c.gather_states("rec", [d[0]])
 
 
 def test_copy_slots_moves_whole_entries_even_as_a_permutation():
     c = _cache()
-    groups = c.allocate_states(["a", "b", "c"])
+    groups = c.allocate_slots_batch(["a", "b", "c"])
     slots = [g[0] for g in groups]
     for s in slots:
         c.state.entry(s).copy_(torch.randint(0, 256, (c.slot_bytes,), dtype=torch.uint8))
@@ -93,7 +93,7 @@ def test_copy_slots_moves_whole_entries_even_as_a_permutation():
     c.copy_slots(order, slots)
     for dst, src in zip(slots, order, strict=True):
         assert torch.equal(c.state.entry(dst), before[src])
-    f = c.fork_state("a", "a2")
+    f = c.fork_slots("a", "a2")
     assert torch.equal(c.state.entry(f[0]), c.state.entry(slots[0]))
     with pytest.raises(kvarena.InvalidValueError, match="pair one to one"):
         c.copy_slots(slots, slots[:1])

@@ -156,9 +156,9 @@ def test_scattered_slots_fall_back_to_copies(models, family):
     model = _model(models, family)
     pool = _pool(model, max_seqs=6)
     c = pool.cache
-    hold = c.allocate_states([("x", i) for i in range(c.num_slots)])
+    hold = c.allocate_slots_batch([("x", i) for i in range(c.num_slots)])
     for i in range(0, c.num_slots, 2):
-        c.free_state(("x", i))  # every other slot free: no two consecutive
+        c.release_slots(("x", i))  # every other slot free: no two consecutive
     ids, mask = _prompts(2, 21, seed=9, pad=3)
     want = _reference(model, ids, mask, max_new_tokens=NEW, do_sample=False)
     cache = pool.new_cache(2)
@@ -171,7 +171,7 @@ def test_scattered_slots_fall_back_to_copies(models, family):
     assert torch.equal(c.gather_states(name, slots), cache.rows.state(name))
     pool.release(cache)
     for i in range(1, len(hold), 2):
-        c.free_state(("x", i))
+        c.release_slots(("x", i))
     _all_back(pool)
 
 

@@ -78,7 +78,7 @@ def test_moves_both_ways_mid_generate_are_token_identical(models, family, how):
     filler = c.blocks.allocate(c.blocks.num_free - room)
     crowd = [("crowd", i) for i in range(c.slots.num_free - batch)]
     for r in crowd:
-        c.allocate_state(r)
+        c.allocate_slots(r)
     if how == "new_cache":
         cache = pool.new_cache(batch)
         prompt = ids
@@ -102,7 +102,7 @@ def test_moves_both_ways_mid_generate_are_token_identical(models, family, how):
 
     def shrink():
         for r in crowd:
-            c.free_state(r)
+            c.release_slots(r)
         slots = [s for group in cache.slots for s in group]
         move = pool.move_boundary(-(max(slots) - c.slots.first + 1))
         assert set(slots) <= set(move.slot_remap), "the move relocates the cache's slots"

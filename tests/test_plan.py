@@ -126,7 +126,7 @@ def test_page_only_and_state_only_models():
     assert (cache.num_blocks, cache.num_slots) == (llama.blocks, 0) == ((1 << 30) // 2097152, 0)
     assert not cache.has_state
     with pytest.raises(ValueError, match="keeps no per-request state"):
-        cache.allocate_state("r")
+        cache.allocate_slots("r")
     with pytest.raises(RuntimeError, match="no STATE pool"):
         cache.grow_state(1)
     mamba = plan_cache(
@@ -134,7 +134,7 @@ def test_page_only_and_state_only_models():
     )
     cache = UnifiedCache.from_plan(mamba, "cpu")
     assert (cache.num_blocks, cache.num_slots) == (0, 4)
-    slots = [cache.allocate_state(r)[0] for r in range(4)]
+    slots = [cache.allocate_slots(r)[0] for r in range(4)]
     assert len(set(slots)) == 4
     # The unused budget is room for more requests: STATE grows into it.
     move = cache.grow_state(3)

@@ -69,8 +69,8 @@ def operations(c: UnifiedCache, spec):
         "evict": lambda x: c.blocks.evict(x),
         "refresh": lambda x: c.blocks.refresh(x),
         "pin": lambda x: c.blocks.pin(x, "pin"),
-        "allocate_state": lambda r: c.allocate_state(r),
-        "free_state": lambda r: c.free_state(r),
+        "allocate_slots": lambda r: c.allocate_slots(r),
+        "release_slots": lambda r: c.release_slots(r),
         "grow_state": lambda n: c.grow_state(n),
         "shrink_state": lambda n: c.shrink_state(n),
         "block_write": lambda x: c.block_bytes_of(x).fill_(7),
@@ -83,8 +83,8 @@ def operations(c: UnifiedCache, spec):
 
 
 ARGS = {
-    "allocate_state": REQUESTS,
-    "free_state": REQUESTS,
+    "allocate_slots": REQUESTS,
+    "release_slots": REQUESTS,
     "store": st.tuples(IDS, st.lists(IDS, max_size=3)),
     "restore": st.tuples(IDS, st.lists(IDS, max_size=3)),
     "pin": IDS,

@@ -259,7 +259,7 @@ def test_pinning_is_all_or_nothing():
     cache = UnifiedCache.from_plan(random_spec(5), "cpu")
     live = cache.blocks.allocate(3)
     cache.blocks.release(live[2])  # one source block is no longer held
-    slot = cache.allocate_state("r")[0]
+    slot = cache.allocate_slots("r")[0]
     sender = PrefillSender(f"pin-test-{os.getpid()}", cache)
     try:
         geometry = CacheGeometry.of(cache)

@@ -69,12 +69,12 @@ def test_grow_relocates_live_blocks_one_copy_each_and_keeps_bytes():
     assert move.copies <= len(move.block_remap)  # one copy per block at most (runs coalesce)
     assert c.page_view("k").data_ptr() == k_before.data_ptr()  # views stay valid
     # A request on a slot won from PAGE starts from the fills, padding zero.
-    slot = c.allocate_state("new")[0]
+    slot = c.allocate_slots("new")[0]
     assert c.slots.first <= slot and c.slots.is_free(slot) is False
-    c.free_state("new")
+    c.release_slots("new")
     c.slot_bytes_of(c.slots.first).fill_(0xEE)  # stale bytes in a free slot
     while c.slots.num_free:
-        last = c.allocate_state(("r", c.slots.num_free))[0]
+        last = c.allocate_slots(("r", c.slots.num_free))[0]
     assert last == c.slots.first
     assert (c.state_view("score")[0, last] == -math.inf).all()
     raw = c.slot_bytes_of(last)
@@ -97,13 +97,13 @@ def test_evenly_spaced_relocations_are_one_copy():
         assert (c.block_bytes_of(new) == old % 251).all() and c.blocks.refcount(new) == 1
     news = [move.block_remap[o] for o in sorted(move.block_remap)]
     assert news == sorted(news)  # the blocks keep their order
-    reqs = [c.allocate_state(r)[0] for r in range(c.slots.num_free)]
+    reqs = [c.allocate_slots(r)[0] for r in range(c.slots.num_free)]
     for r, slot in enumerate(reqs):
         c.slot_bytes_of(slot).fill_(r + 1)
     first = c.slots.first
     for r, slot in enumerate(reqs):
         if slot >= first + 4 or (slot - first) % 2:  # live: first, first + 2
-            c.free_state(r)
+            c.release_slots(r)
     move = c.shrink_state(4)
     assert sorted(move.slot_remap) == [first, first + 2] and move.copies == 1
     olds = sorted(move.slot_remap)
@@ -115,11 +115,11 @@ def test_evenly_spaced_relocations_are_one_copy():
 
 def test_shrink_relocates_live_states_upward_and_keeps_bytes():
     c = make(state_slots=6)
-    reqs = [c.allocate_state(r)[0] for r in range(6)]  # fills top-down
+    reqs = [c.allocate_slots(r)[0] for r in range(6)]  # fills top-down
     for r, s in enumerate(reqs):
         c.slot_bytes_of(s).fill_(r + 1)
-    c.free_state(0)
-    c.free_state(1)  # the two topmost are free now
+    c.release_slots(0)
+    c.release_slots(1)  # the two topmost are free now
     first = c.slots.first
     move = c.shrink_state(2)
     assert set(move.slot_remap) == {first, first + 1}
@@ -137,7 +137,7 @@ def test_shrink_relocates_live_states_upward_and_keeps_bytes():
 def test_refused_moves_change_nothing():
     c = make()
     c.blocks.allocate(c.num_blocks)
-    c.allocate_state("a")
+    c.allocate_slots("a")
     before = c.buf.clone()
     with pytest.raises(BoundaryMoveError, match="live blocks sit above") as info:
         c.grow_state(1)
@@ -145,7 +145,7 @@ def test_refused_moves_change_nothing():
     with pytest.raises(BoundaryMoveError, match="only 4 slots are in the STATE pool"):
         c.shrink_state(5)
     for r in "bcd":
-        c.allocate_state(r)
+        c.allocate_slots(r)
     with pytest.raises(
         BoundaryMoveError, match="4 live states sit in the released slots but only 0"
     ):
@@ -187,7 +187,7 @@ def test_rebalance_follows_demand():
     c = make()
     blocks = c.blocks.allocate(20)
     for r in range(4):
-        c.allocate_state(r)  # every slot busy
+        c.allocate_slots(r)  # every slot busy
     move = c.rebalance(waiting_requests=3, blocks_needed=10)
     assert move is not None and move.slots_after == 4 + 3 and not move.block_remap
     assert c.blocks.num_free >= 10
@@ -197,7 +197,7 @@ def test_rebalance_follows_demand():
     for b in blocks:
         c.blocks.release(b)
     for r in range(4):
-        c.free_state(r)
+        c.release_slots(r)
     move = c.rebalance(waiting_requests=0, blocks_needed=c.num_blocks + 5)
     assert move is not None and move.blocks_after >= move.blocks_before + 5
 
@@ -234,7 +234,7 @@ def test_state_allocator_groups_topmost_first():
     s = StateAllocator(total=10, live=6, entries_per_req=2)
     # Top-most first; a request's own slots ascend (its live state lowest).
     assert s.allocate("a") == (8, 9) and s.allocate("b") == (6, 7)
-    s.free("a")
+    s.release("a")
     assert s.allocate("c") == (8, 9)
     with pytest.raises(ValueError, match="already holds"):
         s.allocate("c")
@@ -264,7 +264,7 @@ def test_checkpoint_liveness_follows_the_allocators_across_moves():
     spec = c.checkpoint_spec()
     units = [c.blocks.allocate(spec.units_per_image)]
     for r in range(4):
-        c.allocate_state(r)
+        c.allocate_slots(r)
     src = c.slots.slots_of(0)[0]
     c.slot_bytes_of(src).fill_(7)
     c.store(spec, [src], units)
@@ -272,19 +272,19 @@ def test_checkpoint_liveness_follows_the_allocators_across_moves():
     low = sorted(c.slots.slots_of(r)[0] for r in range(4))[:2]
     for r in range(4):
         if c.slots.slots_of(r)[0] in low:
-            c.free_state(r)
+            c.release_slots(r)
     c.shrink_state(2)
     before = c.buf.clone()
     with pytest.raises(ValueError, match=r"out of range; legal"):
         c.restore(spec, [low[0]], units)  # a slot the STATE pool no longer owns
-    freed = c.free_state(c.slots.requests[0])[0]  # in the pool, held by no one
+    freed = c.release_slots(c.slots.requests[0])[0]  # in the pool, held by no one
     with pytest.raises(ValueError, match="is free; only slots a request holds"):
         c.restore(spec, [freed], units)
     assert torch.equal(c.buf, before)
     # Grow again: a request on a slot won from PAGE can be stored from and restored into.
     c.grow_state(3)
     while c.slots.num_free:
-        gained = c.allocate_state(("new", c.slots.num_free))[0]
+        gained = c.allocate_slots(("new", c.slots.num_free))[0]
     assert gained == c.slots.first  # the lowest slot, won from PAGE by the grow
     c.restore(spec, [gained], units)
     o, n = spec.ranges[0]
@@ -310,7 +310,7 @@ def test_relocation_keeps_every_byte_of_an_image_in_a_block_tail():
     assert cache.block_stride == 2048 and cache.block_bytes == 1280
     spec = cache.checkpoint_spec()
     assert spec.unit_bytes == 2048
-    slot = cache.allocate_state("a")[0]
+    slot = cache.allocate_slots("a")[0]
     cache.state_view("ssm")[:, slot].copy_(
         torch.arange(6000, dtype=torch.int64).view(2, 3000) % 253
     )
@@ -334,9 +334,9 @@ def test_request_ids_that_read_as_free_are_refused():
     c = make()
     before = (c.slots.num_free, c.buf.clone())
     with pytest.raises(ValueError, match="request id None"):
-        c.allocate_state(None)
+        c.allocate_slots(None)
     with pytest.raises(ValueError, match="not hashable"):
-        c.allocate_state(["r"])
+        c.allocate_slots(["r"])
     assert c.slots.num_free == before[0] and torch.equal(c.buf, before[1])
 
 
@@ -392,7 +392,7 @@ def test_a_raw_store_over_the_cache_state_is_refused():
 
     c = make()
     spec = c.checkpoint_spec()
-    slot = c.allocate_state("a")[0]
+    slot = c.allocate_slots("a")[0]
     units = c.blocks.allocate(spec.units_per_image)
     before = c.buf.clone()
     with pytest.raises(ValueError, match=r"use cache\.store"):

@@ -122,16 +122,16 @@ class UnifiedCacheMachine(RuleBasedStateMachine):
         # fragmentation that makes a STATE shrink relocate states.
         if self.requests:
             req = max(self.requests, key=lambda r: max(self.requests[r]))
-            self.cache.free_state(req)
+            self.cache.release_slots(req)
             del self.requests[req]
 
     @rule(seed=st.integers(0, 2**30))
-    def allocate_state(self, seed):
+    def allocate_slots(self, seed):
         if self.cache.slots.num_free < self.cache.slots.entries_per_req:
             return
         req = self.next
         self.next += 1
-        slots = self.cache.allocate_state(req)
+        slots = self.cache.allocate_slots(req)
         self.requests[req] = {}
         for i, s in enumerate(slots):
             self.cache.slot_bytes_of(s).copy_(pattern(seed + i, self.cache.slot_bytes))
@@ -141,14 +141,14 @@ class UnifiedCacheMachine(RuleBasedStateMachine):
     def fill_state(self, seed):
         # Requests down to the lowest slot, so that a later shrink finds live states.
         while self.cache.slots.num_free >= self.cache.slots.entries_per_req:
-            self.allocate_state(seed)
+            self.allocate_slots(seed)
             seed += 7
 
     @rule(data=st.data())
-    def free_state(self, data):
+    def release_slots(self, data):
         if self.requests:
             req = data.draw(st.sampled_from(sorted(self.requests)))
-            freed = self.cache.free_state(req)
+            freed = self.cache.release_slots(req)
             assert set(freed) == set(self.requests.pop(req))
 
     def _move(self, fn, n):

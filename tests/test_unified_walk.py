@@ -173,7 +173,7 @@ class Walk:
             return
         r = self.next_request
         self.next_request += 1
-        slots = self.c.allocate_state(r)
+        slots = self.c.allocate_slots(r)
         self.requests[r] = list(slots)
         for s in slots:
             self.slot_reset(s)
@@ -188,7 +188,7 @@ class Walk:
     def step_free_state(self) -> None:
         if self.requests:
             r = self.rng.choice(sorted(self.requests))
-            assert list(self.c.free_state(r)) == self.requests.pop(r)
+            assert list(self.c.release_slots(r)) == self.requests.pop(r)
 
     def step_store(self) -> None:
         if not self.requests:

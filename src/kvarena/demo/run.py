@@ -212,7 +212,7 @@ def _unified_checks(
     # Checkpoint two live states into PAGE units, wipe one, restore it.
     spec = cache.checkpoint_spec()
     owners = ["ckpt-a", "ckpt-b"]
-    slots = [cache.allocate_state(r)[0] for r in owners]
+    slots = [cache.allocate_slots(r)[0] for r in owners]
     for s in slots:
         _pattern_(cache.slot_bytes_of(s), gen)
     before = [cache.slot_bytes_of(s).clone() for s in slots]
@@ -240,7 +240,7 @@ def _unified_checks(
     for b in blocks[1::2]:
         seeds[b] = int(torch.randint(0, 256, (1,), generator=gen))
         cache.block_bytes_of(b).fill_(seeds[b])
-    reqs = {r: cache.allocate_state(r)[0] for r in range(cache.slots.num_free)}
+    reqs = {r: cache.allocate_slots(r)[0] for r in range(cache.slots.num_free)}
     for r, slot in reqs.items():
         cache.slot_bytes_of(slot).fill_(r + 1)
     grow = cache.grow_state(6)
@@ -257,9 +257,9 @@ def _unified_checks(
     )
     # Fill the slots won from PAGE, then finish the original (topmost) requests:
     # the live states now sit at the bottom, where a shrink releases slots.
-    extra = {r: cache.allocate_state(r)[0] for r in range(100, 100 + cache.slots.num_free)}
+    extra = {r: cache.allocate_slots(r)[0] for r in range(100, 100 + cache.slots.num_free)}
     for done in [*reqs, *owners]:
-        cache.free_state(done)
+        cache.release_slots(done)
     for r, slot in extra.items():
         cache.slot_bytes_of(slot).fill_(r % 251)
     shrink = cache.shrink_state(len(reqs) + len(owners))

@@ -165,7 +165,7 @@ class StateAllocator:
             prev = s
         return None
 
-    def free(self, request: Hashable) -> tuple[int, ...]:
+    def release(self, request: Hashable) -> tuple[int, ...]:
         slots = self.slots_of(request)
         del self._slots[request]
         for s in slots:

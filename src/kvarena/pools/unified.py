@@ -167,7 +167,7 @@ class UnifiedCache(ImageAccess, MovableBoundary):
         )
 
     # -- requests --------------------------------------------------------------
-    def allocate_state(self, request: Hashable) -> tuple[int, ...]:
+    def allocate_slots(self, request: Hashable) -> tuple[int, ...]:
         """Slots for a new request, reset to the fields' fills (padding zero).
 
         Slots are reset here, when they are handed out, rather than when they
@@ -185,8 +185,8 @@ class UnifiedCache(ImageAccess, MovableBoundary):
             self.state.fill_entries(s)
         return slots
 
-    def allocate_states(self, requests: Sequence[Hashable]) -> list[tuple[int, ...]]:
-        """Slots for a batch of new requests, reset like :meth:`allocate_state`:
+    def allocate_slots_batch(self, requests: Sequence[Hashable]) -> list[tuple[int, ...]]:
+        """Slots for a batch of new requests, reset like :meth:`allocate_slots`:
         one run of consecutive ascending slots where the free slots hold one, so
         :meth:`state_rows` can give the batch's states as one strided view."""
         if not self.state_fields:
@@ -201,8 +201,8 @@ class UnifiedCache(ImageAccess, MovableBoundary):
                 self.state.fill_entries(s)
         return groups
 
-    def free_state(self, request: Hashable) -> tuple[int, ...]:
-        return self.slots.free(request)
+    def release_slots(self, request: Hashable) -> tuple[int, ...]:
+        return self.slots.release(request)
 
     def state_rows(self, name: str, slots: Sequence[int]) -> torch.Tensor | None:
         """``[layers, len(slots), *shape]`` of field ``name`` as a VIEW into the
@@ -267,7 +267,7 @@ class UnifiedCache(ImageAccess, MovableBoundary):
             return
         self._copy_entries(s, d, self.slot_base, self.slot_stride, self.slot_bytes)
 
-    def fork_state(self, request: Hashable, new_request: Hashable) -> tuple[int, ...]:
+    def fork_slots(self, request: Hashable, new_request: Hashable) -> tuple[int, ...]:
         """Slots for ``new_request`` holding a copy of ``request``'s states (every
         entry, rollback copies included), e.g. a beam or a parallel sample."""
         src = self.slots.slots_of(request)

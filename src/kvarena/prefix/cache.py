@@ -251,7 +251,7 @@ class PrefixCache(TierSide):
         for b in [*device_blocks, *units]:
             pool.retain(b)
         new = pool.allocate(total - len(device_blocks))
-        slots = self.cache.allocate_state(request) if self.has_state else ()
+        slots = self.cache.allocate_slots(request) if self.has_state else ()
         holding = self.cache.hold(request, self._take_hit_blocks(keys, hit, new, payloads))
         if hit.image is not None and self.spec is not None:
             self.cache.restore(self.spec, [slots[0]], [units])
@@ -373,7 +373,7 @@ class PrefixCache(TierSide):
             if img.state is ImageState.READY:
                 self._release_image(img)  # (a COPYING one is released when it is READY)
         if adm.slots:
-            self.cache.free_state(request)
+            self.cache.release_slots(request)
         self.cache.let_go(adm.holding)
 
     # -- boundary moves ----------------------------------------------------------------

@@ -97,7 +97,7 @@ class _Side:
     def fill(self, request: str, num_blocks: int, seed: int) -> dict:
         """Allocate and pattern a request's blocks and first state slot."""
         blocks = self.cache.blocks.allocate(num_blocks)
-        slots = list(self.cache.allocate_state(request)[:1])
+        slots = list(self.cache.allocate_slots(request)[:1])
         for i, b in enumerate(blocks):
             self.cache.block_bytes_of(b).copy_(_pattern(seed + i, self.cache.block_bytes))
         for s in slots:

@@ -114,7 +114,7 @@ class DecodeReceiver(NixlEndpoint):
         try:
             if with_state is None:
                 with_state = bool(self.cache.state_fields)
-            slots = self.cache.allocate_state(owner) if with_state else ()
+            slots = self.cache.allocate_slots(owner) if with_state else ()
         except Exception:
             for b in blocks:
                 self.cache.blocks.release(b)
@@ -181,7 +181,7 @@ class DecodeReceiver(NixlEndpoint):
         for b in p.blocks:
             self.cache.blocks.release(b)
         if p.slots:
-            self.cache.free_state(p.owner)
+            self.cache.release_slots(p.owner)
 
     def _release(self, transfer: int) -> Hashable | None:
         """Free a quarantined allocation: no write of its transfer can land now."""
@@ -293,7 +293,7 @@ class DecodeReceiver(NixlEndpoint):
     def take(self, request: Hashable) -> tuple[list[int], tuple[int, ...], Hashable]:
         """The engine takes a ready request over: ``(blocks, slots, owner)`` are
         now its to free (``cache.blocks.release`` each block,
-        ``cache.free_state(owner)``); the receiver forgets them."""
+        ``cache.release_slots(owner)``); the receiver forgets them."""
         try:
             p = self.ready.pop(request)
         except KeyError:

@@ -132,14 +132,14 @@ class KvarenaPool:
         n = check_count(batch_size, "batch_size", lo=1, hi=self.plan.max_seqs)
         requests: list[Hashable] = [("hf", next(self._ids)) for _ in range(n)]
         if self.cache.state_fields:
-            self.cache.allocate_states(requests)
+            self.cache.allocate_slots_batch(requests)
         holdings = [self.cache.hold(r) for r in requests]
         try:
             cache = KvarenaCache(self.layout, self._rows(holdings), 0, False, model=model)
         except BaseException:
             for h in holdings:
                 if self.cache.state_fields:
-                    self.cache.free_state(h.request)
+                    self.cache.release_slots(h.request)
                 self.cache.let_go(h)
             raise
         return self._track(cache)
@@ -272,7 +272,7 @@ class KvarenaPool:
             if rows.tables:
                 rows.tables[r].release()
             if rows.has_slots:
-                self.cache.free_state(request)
+                self.cache.release_slots(request)
             self.cache.let_go(rows.holdings[r])
         self._live.pop(id(cache), None)
 
