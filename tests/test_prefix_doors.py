@@ -137,6 +137,6 @@ def test_a_policy_that_is_not_a_policy_is_refused(policy):
 
 
 def test_the_default_policy_is_taken_only_for_none():
-    assert isinstance(make(policy=None).policy, CheckpointPolicy)
+    assert make(policy=None).policy == CheckpointPolicy()
     assert make(policy=CheckpointPolicy(end=False, branch=True)).policy.end is False
     json.dumps(make().metrics.to_dict())

@@ -219,9 +219,12 @@ def test_an_offer_nobody_pulls_expires_and_unpins(pair):
     prefill, decode, _ = pair
     connect_pair(prefill, decode)
     prefill.call("fill", "stale", 3, 1)
-    prefill.call("offer", "stale", 0.5)
-    time.sleep(0.7)
-    assert prefill.call("offers")["released"] == ["stale"]
+    prefill.call("offer", "stale", 0.001)  # expired once the sender next looks
+    deadline = time.monotonic() + 20  # a bound for a broken build, not a race
+    while "stale" not in (offers := prefill.call("offers"))["released"]:
+        assert time.monotonic() < deadline, offers
+        time.sleep(0.01)
+    assert offers["released"] == ["stale"] and offers["offered"] == []
     assert prefill.call("refcounts", "stale") == [1, 1, 1]
 
 
@@ -435,15 +438,16 @@ def _drain_stream(decode, srcs: dict, fate: str) -> dict:
     return outcome
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_a_prefill_killed_mid_stream(pair, seed):
-    """Kill -9 of the prefill at a random point of a stream of requests: every
+@pytest.mark.parametrize("point", ["before", "posted", "after"])
+def test_a_prefill_killed_mid_stream(pair, point):
+    """Kill -9 of the prefill at a chosen point of a stream of requests: every
     request is byte-exact or failed (typed), nothing leaks once the dead peer is
-    dropped, and the decode side serves a restarted prefill."""
-    rng = random.Random(seed)
+    dropped, and the decode side serves a restarted prefill. Killed before the
+    fated request was posted it must fail, after its ship returned it must be
+    ready; killed while it may be in flight, either outcome is checked whole."""
     prefill, decode, spec = pair
     peer, prefill_name = connect_pair(prefill, decode)
-    n, kill_at = 6, rng.randrange(6)
+    n, kill_at = 6, 3
     srcs = {}
     for i in range(n):
         request = f"s{i}"
@@ -452,14 +456,20 @@ def test_a_prefill_killed_mid_stream(pair, seed):
         if i < kill_at:
             prefill.call("ship", peer, request, dst, 30.0)
             continue
-        prefill.post("ship", peer, request, dst, 30.0)  # in flight, or not yet, or done
-        time.sleep(rng.choice([0, 0, 1e-4, 1e-3]))  # varies the point; asserts nothing
+        if point == "posted":
+            prefill.post("ship", peer, request, dst, 30.0)  # in flight, or not yet, or done
+        elif point == "after":
+            prefill.call("ship", peer, request, dst, 30.0)
         prefill.kill()
         break
     fate = f"s{kill_at}"
     outcome = _drain_stream(decode, {r: s for r, s in srcs.items() if r <= fate}, fate)
     assert all(outcome[f"s{i}"] == "ready" for i in range(kill_at))
-    if outcome[fate] == "failed":
+    want = {"before": {"failed"}, "after": {"ready"}, "posted": {"ready", "failed"}}[point]
+    assert outcome[fate] in want, (point, outcome[fate])
+    if outcome[fate] == "ready":  # byte-exact (checked by the drain); nothing quarantined
+        assert decode.call("stats")["quarantined"] == []
+    else:
         assert decode.call("stats")["quarantined"] == [fate]
         assert decode.call("drop_peer", prefill_name) == [fate]  # the process is gone
     for request, state in outcome.items():
@@ -552,26 +562,6 @@ def test_a_sender_stopped_past_the_deadline_and_resumed(pair):
     decode.call("finish", "B")
     stats = decode.call("stats")
     assert stats["live_blocks"] == 0 and stats["live_slots"] == 0
-
-
-def test_an_idle_or_waiting_agent_costs_under_5_percent_of_a_core(pair):
-    prefill, decode, _ = pair
-    _, prefill_name = connect_pair(prefill, decode)
-
-    def cpu_share(proc, run) -> float:
-        cpu, wall = proc.cpu_seconds(), time.monotonic()
-        run()
-        return (proc.cpu_seconds() - cpu) / (time.monotonic() - wall)
-
-    assert cpu_share(decode, lambda: time.sleep(1.5)) < 0.05  # idle
-    assert cpu_share(prefill, lambda: time.sleep(1.5)) < 0.05
-    decode.call("expect", "never", 2, 3600.0, prefill_name)
-
-    def waiting() -> None:
-        with pytest.raises(HarnessError, match="TransferTimeout"):
-            decode.call("wait", "never", 1.5)
-
-    assert cpu_share(decode, waiting) < 0.05
 
 
 def test_many_writes_in_flight_are_each_byte_exact(pair):

@@ -1,0 +1,106 @@
+"""The lookup contract and the tier walk without a device cache (``kvarena.prefix.lookup``)."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvarena.prefix import locate_in_tiers, resume_boundary
+from kvarena.tiers import TierStack
+from kvarena.tiers.host import HostTier
+from kvarena.tiers.image import ImageKind, encode
+
+
+@given(
+    cand=st.integers(0, 40),
+    has_state=st.booleans(),
+    images=st.sets(st.integers(1, 40)),
+)
+def test_resume_boundary_is_the_largest_boundary_with_an_image(cand, has_state, images):
+    got = resume_boundary(cand, has_state, lambda b: b in images)
+    if not has_state:
+        assert got == cand
+    else:
+        want = max([b for b in images if b <= cand], default=0)
+        assert got == want  # exact: neither longer (no image there) nor shorter
+
+
+KEYS = [bytes([i]) * 16 for i in range(1, 80)]
+NS = b'{"model":"t"}'
+
+
+def _stack(kv: set[int], state: set[int]) -> TierStack:
+    stack = TierStack([HostTier(1 << 20, unit_bytes=512)])
+    objects = [
+        encode(
+            kind=ImageKind.KV_BLOCK,
+            namespace=NS,
+            key=KEYS[i],
+            start=i * 16,
+            end=(i + 1) * 16,
+            payload=None,
+            payload_bytes=64,
+        )
+        for i in sorted(kv)
+    ] + [
+        encode(
+            kind=ImageKind.STATE,
+            namespace=NS,
+            key=KEYS[b - 1],
+            start=0,
+            end=b * 16,
+            payload=None,
+            payload_bytes=64,
+        )
+        for b in sorted(state)
+    ]
+    stack.write_back(objects)
+    return stack
+
+
+@given(
+    device=st.integers(0, 70),
+    tier_kv=st.sets(st.integers(0, 78), max_size=60),
+    tier_state=st.sets(st.integers(1, 79), max_size=20),
+    limit=st.integers(0, 79),
+)
+def test_the_tier_walk_finds_exactly_what_the_tiers_hold(device, tier_kv, tier_state, limit):
+    """The KV run extends through every block the device or a tier holds, stops at
+    the first gap, and every boundary up to it whose image a tier holds is found."""
+    device = min(device, limit)
+    stack = _stack(tier_kv, tier_state)
+    on_device = set(KEYS[:device])
+    finds = locate_in_tiers(
+        stack,
+        KEYS,
+        kv_end=device,
+        limit=limit,
+        has_kv=True,
+        has_state=True,
+        device_kv=lambda key: key in on_device,
+        device_image=lambda b: False,
+    )
+    end = device
+    while end < limit and end in tier_kv:
+        end += 1
+    assert finds.kv_end == end
+    assert set(finds.kv) == set(range(device, end)) and set(finds.kv.values()) <= {0}
+    assert set(finds.state) == {b for b in tier_state if 1 <= b <= end}
+
+
+def test_names_that_failed_their_checks_count_as_absent():
+    stack = _stack({0, 1, 2, 3}, {2, 4})
+    from kvarena.tiers.image import object_name
+
+    finds = locate_in_tiers(
+        stack,
+        KEYS,
+        kv_end=0,
+        limit=10,
+        has_kv=True,
+        has_state=True,
+        device_kv=lambda key: False,
+        device_image=lambda b: False,
+        skip=frozenset({object_name(ImageKind.KV_BLOCK, KEYS[2])}),
+    )
+    assert finds.kv_end == 2 and set(finds.state) == {2}
