@@ -80,3 +80,30 @@ def test_refusals():
     with pytest.raises(InvalidValueError, match="must be a Holding"):
         BlockTable(c, [1, 2])
     assert h.slots == ()  # no slots taken: the allocator's book says so
+
+
+def test_a_fixed_holding_refuses_every_move_that_would_relocate_it():
+    """Ids a peer writes by address (a transfer in flight) never move under it."""
+    from kvarena.pools import BoundaryMoveError
+
+    c, holding, filler, crowd = crowded_cache()
+    holding.fixed = True
+    for b in filler:
+        c.blocks.release(b)
+    for r in crowd:
+        c.release_slots(r)
+    k = 1
+    while c.geometry.blocks_below(c.slots.first - k) > min(holding.blocks):
+        k += 1
+    before = (c.buf.clone(), list(holding.blocks), holding.slots, c.blocks.capacity, c.moves)
+    with pytest.raises(BoundaryMoveError, match="being written by a peer"):
+        c.grow_state(k)
+    slot = holding.slots[0]
+    with pytest.raises(BoundaryMoveError, match="being written by a peer"):
+        c.shrink_state(slot - c.slots.first + 1)
+    assert torch.equal(c.buf, before[0])
+    assert (list(holding.blocks), holding.slots, c.blocks.capacity, c.moves) == before[1:]
+    assert c.rebalance(waiting_requests=0, blocks_needed=0) is None
+    holding.fixed = False  # landed: now it moves like any other
+    move = c.grow_state(k)
+    assert set(before[1]) <= set(move.block_remap)

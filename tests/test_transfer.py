@@ -687,6 +687,32 @@ def test_a_decode_side_stopped_mid_stream_and_resumed(pair):
     assert [prefill.call("refcounts", n) for n in names] == [[1, 1, 1]] * 3
 
 
+def test_an_expected_request_is_fixed_until_it_lands():
+    """Destinations a peer writes by address are a fixed holding: a boundary move
+    that would relocate them is refused while the request is pending."""
+    from kvarena import BoundaryMoveError, DecodeReceiver, UnifiedCache
+
+    cache = UnifiedCache.from_plan(random_spec(5), "cpu")
+    if not cache.state_fields or not cache.page_fields:
+        pytest.skip("needs both pools")
+    filler = cache.blocks.allocate(cache.blocks.num_free - 2)
+    receiver = DecodeReceiver(f"fixed-test-{os.getpid()}", cache)
+    try:
+        dst = receiver.expect("r", 2, timeout_s=60.0)
+        for b in filler:
+            cache.blocks.release(b)
+        k = 1
+        while cache.geometry.blocks_below(cache.slots.first - k) > min(dst["blocks"]):
+            k += 1
+        if k > cache.slots.first:
+            pytest.skip("the layout leaves no room to move below the request")
+        with pytest.raises(BoundaryMoveError, match="being written by a peer"):
+            cache.grow_state(k)
+        assert [h.fixed for h in cache.holdings] == [True]
+    finally:
+        receiver.close()
+
+
 def test_expect_checks_its_peer_before_allocating():
     from kvarena import DecodeReceiver, InvalidValueError, UnifiedCache
 

@@ -133,6 +133,15 @@ class MovableBoundary:
             if len(live) > free_below
             else []
         )
+        pinned = sorted(self.holdings.fixed_blocks().intersection(live))
+        if pinned:
+            raise BoundaryMoveError(
+                f"grow_state({n}): blocks {pinned[:8]} above the new boundary (block "
+                f"{new_blocks}) are being written by a peer (a transfer in flight); they "
+                "cannot move until it lands or is released",
+                needed=len(pinned),
+                available=0,
+            )
         if len(live) > free_below + len(room_evict):
             raise BoundaryMoveError(
                 f"grow_state({n}): {len(live)} live blocks sit above the new boundary (block "
@@ -178,6 +187,14 @@ class MovableBoundary:
         first = self.slots.first
         released = range(first, first + n)
         live = [s for s in released if not self.slots.is_free(s)]
+        pinned = sorted(self.holdings.fixed_slots().intersection(live))
+        if pinned:
+            raise BoundaryMoveError(
+                f"shrink_state({n}): slots {pinned[:8]} are being written by a peer (a "
+                "transfer in flight); they cannot move until it lands or is released",
+                needed=len(pinned),
+                available=0,
+            )
         room = [s for s in range(first + n, self.slots.total) if self.slots.is_free(s)]
         if len(live) > len(room):
             raise BoundaryMoveError(

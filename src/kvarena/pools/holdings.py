@@ -22,10 +22,15 @@ from .states import StateAllocator
 class Holding:
     """The blocks (token order) and slots one request holds."""
 
-    def __init__(self, request: Hashable, blocks: list[int], states: StateAllocator) -> None:
+    def __init__(
+        self, request: Hashable, blocks: list[int], states: StateAllocator, fixed: bool = False
+    ) -> None:
         self.request = request
         self.blocks = blocks
         self._states = states
+        # A peer may be writing these ids by address (a transfer in flight): a
+        # boundary move that would relocate them is refused, never done under it.
+        self.fixed = fixed
 
     @property
     def slots(self) -> tuple[int, ...]:
@@ -49,16 +54,20 @@ class Holdings:
     def __iter__(self):  # type: ignore[no-untyped-def]
         return iter(list(self._live.values()))
 
-    def hold(self, request: Hashable = None, blocks: list[int] | None = None) -> Holding:
+    def hold(
+        self, request: Hashable = None, blocks: list[int] | None = None, *, fixed: bool = False
+    ) -> Holding:
         """A new registered holding for ``request`` over ``blocks`` (the list is
-        kept, not copied: it is the record's)."""
+        kept, not copied: it is the record's); ``fixed``: its ids must not move."""
         if blocks is None:
             blocks = []
         elif not isinstance(blocks, list):
             raise InvalidValueError(
                 f"a holding's blocks must be a list, got {type(blocks).__name__}"
             )
-        holding = Holding(request, blocks, self._states)
+        if not isinstance(fixed, bool):
+            raise InvalidValueError(f"fixed must be a bool, got {fixed!r}")
+        holding = Holding(request, blocks, self._states, fixed)
         self._live[id(holding)] = holding
         return holding
 
@@ -66,6 +75,14 @@ class Holdings:
         """Stop remapping ``holding`` (its ids were given back)."""
         if self._live.pop(id(holding), None) is None:
             raise InvalidValueError(f"{holding!r} is not held in this cache")
+
+    def fixed_blocks(self) -> set[int]:
+        """Blocks no move may relocate (a peer may be writing them)."""
+        return {b for h in self._live.values() if h.fixed for b in h.blocks}
+
+    def fixed_slots(self) -> set[int]:
+        """Slots no move may relocate."""
+        return {s for h in self._live.values() if h.fixed for s in h.slots}
 
     def remap_blocks(self, remap: dict[int, int]) -> None:
         """Every holding's relocated blocks, in place (the lists are shared)."""

@@ -120,11 +120,15 @@ class UnifiedCache(ImageAccess, MovableBoundary):
         return cls(plan, device, page_layout=page_layout)
 
     # -- holdings --------------------------------------------------------------
-    def hold(self, request: Hashable = None, blocks: list[int] | None = None) -> Holding:
+    def hold(
+        self, request: Hashable = None, blocks: list[int] | None = None, *, fixed: bool = False
+    ) -> Holding:
         """The one record of the ids ``request`` holds (its blocks, in token order:
         the list given, kept; its slots, asked of the STATE allocator), remapped
-        in place by every boundary move until :meth:`let_go`."""
-        return self.holdings.hold(request, blocks)
+        in place by every boundary move until :meth:`let_go`. ``fixed=True``
+        while a peer may write its ids by address: a move that would relocate
+        them is refused."""
+        return self.holdings.hold(request, blocks, fixed=fixed)
 
     def let_go(self, holding: Holding) -> None:
         """Stop following ``holding`` (its ids were given back)."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from ..checks import check_timeout
 from ..errors import InvalidValueError
-from ..pools import UnifiedCache
+from ..pools import Holding, UnifiedCache
 from .descriptors import plan_request
 from .endpoint import (
     EVENT_HISTORY,
@@ -46,6 +46,7 @@ class _Pending:
     transfer: int = 0  # this attempt's id: its notifications must carry it
     peer: str | None = None  # who will write it, where known
     owner: Hashable = None  # the slot allocator's owner key: (request, transfer)
+    holding: Holding | None = None  # the ids as the cache's one record (``blocks`` is its list)
 
 
 @dataclass
@@ -120,8 +121,11 @@ class DecodeReceiver(NixlEndpoint):
                 self.cache.blocks.release(b)
             raise
         self._next_transfer += 1
+        # Fixed while the peer may write them: a boundary move must not relocate
+        # ids whose bytes arrive by address.
+        holding = self.cache.hold(owner, blocks, fixed=True)
         self._pending[request] = _Pending(
-            blocks, tuple(slots), time.monotonic() + timeout_s, transfer, peer, owner
+            blocks, tuple(slots), time.monotonic() + timeout_s, transfer, peer, owner, holding
         )
         # The request's first slot receives the shipped state; rollback copies stay local.
         return {
@@ -172,16 +176,25 @@ class DecodeReceiver(NixlEndpoint):
             self.failed.append((request, str(exc)))
             raise
         del self._quarantine[p.transfer]
+        self._landed(p)
         self.ready[request] = p
         return ShipResult(
             request=request, descriptors=plan.count, nbytes=plan.nbytes, seconds=seconds
         )
+
+    def _landed(self, p: _Pending) -> None:
+        """Every byte of ``p`` is here: its ids may move with the boundary now."""
+        if p.holding is not None:
+            p.holding.fixed = False
 
     def _free(self, p: _Pending) -> None:
         for b in p.blocks:
             self.cache.blocks.release(b)
         if p.slots:
             self.cache.release_slots(p.owner)
+        if p.holding is not None:
+            self.cache.let_go(p.holding)
+            p.holding = None
 
     def _release(self, transfer: int) -> Hashable | None:
         """Free a quarantined allocation: no write of its transfer can land now."""
@@ -215,6 +228,7 @@ class DecodeReceiver(NixlEndpoint):
                     continue
                 del self._pending[request]
                 if kind == "w":
+                    self._landed(p)
                     self.ready[request] = p
                     events.ready.append(request)
                 else:  # the sender gave up and nothing of its write can land: free now
@@ -298,7 +312,9 @@ class DecodeReceiver(NixlEndpoint):
             p = self.ready.pop(request)
         except KeyError:
             raise InvalidValueError(f"request {request!r} is not ready") from None
-        return p.blocks, p.slots, p.owner
+        if p.holding is not None:
+            self.cache.let_go(p.holding)  # the engine holds them from here, in its own record
+        return list(p.blocks), self.cache.slots.held_by(p.owner), p.owner
 
     def held_pending(self) -> list[_Pending]:
         """Allocations a peer may still write: awaited requests and quarantined ones."""
