@@ -10,7 +10,7 @@ import torch
 from ..layout import EntryField
 from .config import MAX_LAYERS, ConfigReader
 from .options import ModelCache, ServingOptions
-from .shapes import _block, _head_dim, _kv_dtype, _kv_fields, _kv_heads, _model, _model_dtype
+from .shapes import _block, _kv_dtype, _kv_fields, _kv_heads, _model, _model_dtype, head_dim
 
 _ATTENTION_KINDS = ("full_attention", "sliding_attention")
 """The layer kinds an attention-only config's ``layer_types`` may name."""
@@ -41,7 +41,7 @@ def _gqa(name: str, c: ConfigReader, o: ServingOptions) -> ModelCache:
     block = _block(o, 16)
     kv = _kv_dtype(o, _model_dtype(c, o))
     heads = _kv_heads(c.integer("num_key_value_heads"), o.tp)
-    page = _kv_fields(layers, block, heads, _head_dim(c), kv)
+    page = _kv_fields(layers, block, heads, head_dim(c), kv)
     sliding = _sliding_layers(c, layers)
     notes: tuple[str, ...] = ()
     if sliding:
@@ -108,17 +108,17 @@ def _windowed(
         full = _global_layers(t, layers, local)
         rings = layers - full
         heads = _kv_heads(t.integer("num_key_value_heads"), o.tp)
-        head_dim = _head_dim(t)
+        dim = head_dim(t)
         block = _block(o, 16)
         kv = _kv_dtype(o, _model_dtype(root, o))
-        page = _kv_fields(full, block, heads, head_dim, kv)
+        page = _kv_fields(full, block, heads, dim, kv)
         notes: tuple[str, ...] = ()
         state: list[EntryField] = []
         if rings:
             window = t.integer(local.window)
             state = [
-                EntryField("k_window", rings, (window, heads, head_dim), kv),
-                EntryField("v_window", rings, (window, heads, head_dim), kv),
+                EntryField("k_window", rings, (window, heads, dim), kv),
+                EntryField("v_window", rings, (window, heads, dim), kv),
             ]
             notes = (
                 f"{rings} {local.label} layers keep a {window}-token K/V ring per request; "

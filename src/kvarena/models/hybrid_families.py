@@ -13,7 +13,6 @@ from .shapes import (
     _attention_pages,
     _block,
     _config_dtype,
-    _head_dim,
     _kv_dtype,
     _kv_fields,
     _kv_heads,
@@ -24,6 +23,8 @@ from .shapes import (
     _split,
     _ssm_dtype,
     _state_dtype,
+    gdn_conv_channels,
+    head_dim,
 )
 
 _LINEAR_KINDS = ("full_attention", "linear_attention")
@@ -52,12 +53,16 @@ def _qwen3_next(name: str, root: ConfigReader, o: ServingOptions) -> ModelCache:
         attn,
         block,
         _kv_heads(c.integer("num_key_value_heads"), o.tp),
-        _head_dim(c),
+        head_dim(c),
         _kv_dtype(o, model),
     )
     nk, nv = c.integer("linear_num_key_heads"), c.integer("linear_num_value_heads")
     dk, dv = c.integer("linear_key_head_dim"), c.integer("linear_value_head_dim")
-    conv_dim = _split(2 * nk * dk + nv * dv, o.tp, "GDN conv dim")
+    conv_dim = _split(
+        gdn_conv_channels(key_heads=nk, key_dim=dk, value_heads=nv, value_dim=dv),
+        o.tp,
+        "GDN conv dim",
+    )
     kernel = c.integer("linear_conv_kernel_dim", lo=2)
     state = [
         EntryField("conv_state", gdn, (kernel - 1, conv_dim), model),

@@ -139,11 +139,22 @@ def _attention_pages(
     if not layers:
         return []
     heads = _kv_heads(c.integer("num_key_value_heads"), o.tp)
-    return _kv_fields(layers, block, heads, _head_dim(c), _kv_dtype(o, model))
+    return _kv_fields(layers, block, heads, head_dim(c), _kv_dtype(o, model))
 
 
 def _per_layer(fields: list[EntryField]) -> int:
     return sum(f.bytes_per_layer for f in fields)
+
+
+def mamba2_conv_channels(*, heads: int, head_dim: int, groups: int, state: int) -> int:
+    """Channels of a Mamba2 conv state: the heads' inner channels and each group's B and C."""
+    return heads * head_dim + 2 * groups * state
+
+
+def gdn_conv_channels(*, key_heads: int, key_dim: int, value_heads: int, value_dim: int) -> int:
+    """Channels of a Gated DeltaNet conv state (Qwen3-Next): q and k over the key
+    heads, v over the value heads."""
+    return 2 * key_heads * key_dim + value_heads * value_dim
 
 
 def _mamba2_fields(
@@ -174,8 +185,11 @@ def _mamba2_fields(
                 "(only a single group is replicated over the ranks)"
             )
         groups = tp
-    intermediate = heads * head_dim
-    conv_dim = _split(intermediate + 2 * groups * state, tp, "mamba conv dim")
+    conv_dim = _split(
+        mamba2_conv_channels(heads=heads, head_dim=head_dim, groups=groups, state=state),
+        tp,
+        "mamba conv dim",
+    )
     return [
         EntryField("conv_state", layers, (kernel - 1, conv_dim), conv_dtype),
         EntryField(
@@ -217,7 +231,7 @@ def _model(
 # -- families --------------------------------------------------------------------
 
 
-def _head_dim(c: ConfigReader) -> int:
+def head_dim(c: ConfigReader) -> int:
     """``head_dim`` when the config names it, else hidden size over attention heads."""
     if c.has("head_dim"):
         return c.integer("head_dim")

@@ -35,7 +35,13 @@ from ...errors import InvalidValueError
 from ...layout import EntryField
 from ...models import ModelCache, ServingOptions
 from ...models.config import MAX_DIM, ConfigReader, UnknownModelError
-from ...models.shapes import MAMBA2_NEMOTRON_FIELDS, MAMBA2_PREFIXED_FIELDS
+from ...models.shapes import (
+    MAMBA2_NEMOTRON_FIELDS,
+    MAMBA2_PREFIXED_FIELDS,
+    gdn_conv_channels,
+    head_dim,
+    mamba2_conv_channels,
+)
 
 PAGED, RING, LINEAR, NONE = "paged", "ring", "linear", "none"
 _KIND_OF = {
@@ -65,9 +71,8 @@ class LinearStates:
 def _qwen3_next(c: ConfigReader) -> LinearStates:
     nk, nv = c.integer("linear_num_key_heads"), c.integer("linear_num_value_heads")
     dk, dv = c.integer("linear_key_head_dim"), c.integer("linear_value_head_dim")
-    return LinearStates(
-        (2 * nk * dk + nv * dv, c.integer("linear_conv_kernel_dim", lo=2)), (nv, dk, dv)
-    )
+    channels = gdn_conv_channels(key_heads=nk, key_dim=dk, value_heads=nv, value_dim=dv)
+    return LinearStates((channels, c.integer("linear_conv_kernel_dim", lo=2)), (nv, dk, dv))
 
 
 def _mamba2_like(
@@ -77,7 +82,7 @@ def _mamba2_like(
 
     def states(c: ConfigReader) -> LinearStates:
         h, d, n = c.integer(heads), c.integer(head_dim), c.integer(state)
-        channels = h * d + 2 * c.integer(groups) * n
+        channels = mamba2_conv_channels(heads=h, head_dim=d, groups=c.integer(groups), state=n)
         return LinearStates((channels, c.integer(kernel, lo=2)), (h, d, n))
 
     return states
@@ -124,15 +129,7 @@ def _kv_shapes(model_type: str, c: ConfigReader) -> tuple[tuple[int, int], tuple
         if c.has("num_key_value_heads")
         else c.integer("num_attention_heads")
     )
-    if c.has("head_dim"):
-        dim = c.integer("head_dim")
-    else:
-        hidden, q_heads = c.integer("hidden_size"), c.integer("num_attention_heads")
-        if hidden % q_heads:
-            raise UnknownModelError(
-                f"{c.where}: hidden_size {hidden} is not a multiple of num_attention_heads {q_heads}"
-            )
-        dim = hidden // q_heads
+    dim = head_dim(c)
     return (heads, dim), (heads, dim)
 
 
