@@ -706,11 +706,48 @@ def test_an_expected_request_is_fixed_until_it_lands():
             k += 1
         if k > cache.slots.first:
             pytest.skip("the layout leaves no room to move below the request")
-        with pytest.raises(BoundaryMoveError, match="being written by a peer"):
+        with pytest.raises(BoundaryMoveError, match="read or written by a peer"):
             cache.grow_state(k)
         assert [h.fixed for h in cache.holdings] == [True]
     finally:
         receiver.close()
+
+
+def test_offered_sources_are_fixed_until_released():
+    """Blocks and slots a peer may READ by address (an offer) never move under it;
+    once the offer is gone they move like any others."""
+    from kvarena import BoundaryMoveError, PrefillSender, UnifiedCache
+
+    cache = UnifiedCache.from_plan(random_spec(5), "cpu")
+    if not cache.state_fields or not cache.page_fields:
+        pytest.skip("needs both pools")
+    filler = cache.blocks.allocate(cache.blocks.num_free - 2)
+    blocks = cache.blocks.allocate(2)
+    slots = cache.allocate_slots("r")
+    sender = PrefillSender(f"offer-fixed-{os.getpid()}", cache)
+    try:
+        offer = sender.offer("r", blocks, slots[:1], timeout_s=0.001)
+        assert offer["blocks"] == blocks
+        for b in filler:
+            cache.blocks.release(b)
+        k = 1
+        while cache.geometry.blocks_below(cache.slots.first - k) > min(blocks):
+            k += 1
+        if k > cache.slots.first:
+            pytest.skip("the layout leaves no room to move below the request")
+        before = cache.buf.clone()
+        with pytest.raises(BoundaryMoveError, match="read or written by a peer"):
+            cache.grow_state(k)
+        assert torch.equal(cache.buf, before) and cache.moves == 0
+        deadline = time.monotonic() + 20  # expired at once; a bound for a broken build
+        while "r" not in sender.released:
+            assert time.monotonic() < deadline
+            sender.poll()
+        assert len(cache.holdings) == 0 and [cache.blocks.refcount(b) for b in blocks] == [1, 1]
+        cache.grow_state(k)  # the sources are the engine's alone again: they move
+        assert cache.moves == 1
+    finally:
+        sender.close()
 
 
 def test_expect_checks_its_peer_before_allocating():

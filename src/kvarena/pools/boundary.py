@@ -137,7 +137,7 @@ class MovableBoundary:
         if pinned:
             raise BoundaryMoveError(
                 f"grow_state({n}): blocks {pinned[:8]} above the new boundary (block "
-                f"{new_blocks}) are being written by a peer (a transfer in flight); they "
+                f"{new_blocks}) are read or written by a peer by address (a transfer in flight); they "
                 "cannot move until it lands or is released",
                 needed=len(pinned),
                 available=0,
@@ -190,7 +190,7 @@ class MovableBoundary:
         pinned = sorted(self.holdings.fixed_slots().intersection(live))
         if pinned:
             raise BoundaryMoveError(
-                f"shrink_state({n}): slots {pinned[:8]} are being written by a peer (a "
+                f"shrink_state({n}): slots {pinned[:8]} are read or written by a peer by address (a "
                 "transfer in flight); they cannot move until it lands or is released",
                 needed=len(pinned),
                 available=0,

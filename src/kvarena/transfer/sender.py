@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ..checks import check_int, check_timeout
 from ..errors import Error, InvalidValueError
-from ..pools import UnifiedCache
+from ..pools import Holding, UnifiedCache
 from .descriptors import plan_request
 from .endpoint import WAIT_BACKOFF_MAX_S, NixlEndpoint, ShipResult, Xfer
 from .geometry import CacheGeometry
@@ -21,7 +21,7 @@ class Shipment:
     """A WRITE posted by :meth:`PrefillSender.post`; :meth:`PrefillSender.check` drives it."""
 
     xfer: Xfer
-    pins: list[int]
+    pins: list[Holding]  # the pinned sources, fixed until no byte of the WRITE can move
     result: ShipResult
     done: bool = False
 
@@ -38,8 +38,8 @@ class PrefillSender(NixlEndpoint):
     def __init__(self, name: str, cache: UnifiedCache) -> None:
         super().__init__(name, cache)
         self._offers: dict[
-            Hashable, tuple[list[int], float]
-        ] = {}  # request -> (pinned blocks, deadline)
+            Hashable, tuple[list[Holding], float]
+        ] = {}  # request -> (pinned sources, deadline)
         self.released: list[Hashable] = []  # offers whose pins are gone: pulled or expired
 
     def ship(
@@ -106,8 +106,7 @@ class PrefillSender(NixlEndpoint):
             plan = plan_request(
                 self.geometry(), dst_geometry, src_blocks, dst_blocks, src_slots, dst_slots
             )
-            self.cache.slots.check_held(src_slots, "ship: source slots")
-            pins = self.cache.blocks.pin(src_blocks, "ship: source blocks")
+            pins = self._pin(src_blocks, src_slots, "ship")
         except Error:
             # Refused before a byte moved (a layout mismatch, bad ids): the receiver
             # need not hold the allocation until its deadline.
@@ -149,9 +148,22 @@ class PrefillSender(NixlEndpoint):
         shipment.result = dataclasses.replace(shipment.result, seconds=shipment.xfer.seconds)
         return True
 
-    def _unpin(self, pins: list[int]) -> None:
-        for b in pins:
+    def _pin(self, blocks: Sequence[int], slots: Sequence[int], what: str) -> list[Holding]:
+        """One more reference on each source block, and the sources as fixed holdings:
+        a peer reads or writes them by address, so no boundary move may relocate
+        them until :meth:`_unpin`. All or nothing: checked before anything is taken."""
+        slot_ids = self.cache.slots.check_held(slots, f"{what}: source slots").tolist()
+        pins = self.cache.blocks.pin(blocks, f"{what}: source blocks")
+        owners = list(dict.fromkeys(self.cache.slots.owner(s) for s in slot_ids))
+        return [self.cache.hold(None, pins, fixed=True)] + [
+            self.cache.hold(owner, [], fixed=True) for owner in owners
+        ]
+
+    def _unpin(self, pins: list[Holding]) -> None:
+        for b in pins[0].blocks:
             self.cache.blocks.release(b)
+        for holding in pins:
+            self.cache.let_go(holding)
 
     def abort(self, peer: str, request: Hashable, transfer: int) -> None:
         """Tell ``peer`` that ``transfer`` will not be written (a request the prefill
@@ -178,9 +190,13 @@ class PrefillSender(NixlEndpoint):
         if request in self._offers:
             raise InvalidValueError(f"request {request!r} is already offered")
         slot_ids = self.cache.slots.check_held(slots, "offer: slots").tolist()
-        pins = self.cache.blocks.pin(blocks, "offer: blocks")
+        pins = self._pin(blocks, slot_ids, "offer")
         self._offers[request] = (pins, time.monotonic() + timeout_s)
-        return {"blocks": pins, "slots": slot_ids, "geometry": self.geometry().to_dict()}
+        return {
+            "blocks": list(pins[0].blocks),
+            "slots": slot_ids,
+            "geometry": self.geometry().to_dict(),
+        }
 
     def poll(self) -> list[Hashable]:
         """Release the pins of offers the peer has read, or that expired; return them."""
@@ -195,8 +211,7 @@ class PrefillSender(NixlEndpoint):
         now = time.monotonic()
         done += [r for r, (_, deadline) in self._offers.items() if now > deadline and r not in done]
         for request in done:
-            for b in self._offers.pop(request)[0]:
-                self.cache.blocks.release(b)
+            self._unpin(self._offers.pop(request)[0])
         self.released.extend(done)
         return done
 
