@@ -1,25 +1,22 @@
 """A prefix cache that reuses both the KV blocks and the recurrent state of a prefix.
 
 KV blocks are shared by reference count; a state is never shared in place: a
-checkpoint image (the state's checkpoint ranges, stored into PAGE blocks of
-the same pool by :meth:`UnifiedCache.store`) is copied into the new request's
-own slot. A lookup answers with the contract of :mod:`kvarena.prefix.lookup`
-over the device and, with tiers below it (:mod:`kvarena.tiers`), over the
-union of the levels. A tier object is checked in full (checksum, namespace,
-key, span, length) before a byte of it is copied; one that fails is deleted,
-counted, and the answer is recomputed without it. A hit is at most
-``len(tokens) - 1`` tokens (something must be computed to produce logits).
-KV matched past the answer is reported as lost, and (branch policy) marks the
-boundary where the next request to compute through it keeps an image.
+checkpoint image (its checkpoint ranges stored into PAGE blocks of the same
+pool) is copied into the new request's own slot. A lookup answers with the
+contract of :mod:`kvarena.prefix.lookup` over the device and the tiers below
+it; a tier object is checked in full before a byte of it is copied, and one
+that fails is deleted, counted, and the answer recomputed without it. A hit
+is at most ``len(tokens) - 1`` tokens. KV matched past the answer is lost,
+and (branch policy) marks where the next request computing through it keeps
+an image.
 
-The prefix cache keeps no book of blocks. The block pool owns which block
-holds which key: a KV block under its chained key, an image's units under
-:func:`~kvarena.prefix.records.image_key` (declared worthless without the KV
-block ending at its boundary, so evicting that block evicts the image). The
-pool's one LRU ages both; its write-down sink (:class:`~.tiering.WriteDown`)
-writes every victim to the tiers while its bytes are intact. A boundary move
-relocates keys inside the pool and remaps each request's holding in place,
-so nothing here follows it.
+The prefix cache keeps no book of blocks: the block pool owns which block
+holds which key (a KV block its chained key, an image's units
+:func:`~kvarena.prefix.records.image_key`, worthless without the KV block
+ending at its boundary). The pool's one LRU ages both; its write-down sink
+(:class:`~.tiering.WriteDown`) writes each victim to the tiers while its
+bytes are intact; a boundary move relocates keys inside the pool and remaps
+each request's holding in place, so nothing here follows it.
 """
 
 from __future__ import annotations
@@ -37,6 +34,7 @@ from ..pools import BlockAllocationError, BoundaryMove, CachePlan, StateAllocati
 from ..pools.unified import UnifiedCache
 from ..tiers import Tier, TierStack
 from ..tiers.image import ImageKind, object_name
+from .grain import DivergenceGrain
 from .keys import Namespace, as_tokens, block_keys
 from .lookup import TierFinds, locate_in_tiers, resume_boundary
 from .policy import CheckpointPolicy
@@ -99,6 +97,7 @@ class PrefixCache(TierSide):
             metrics=self.metrics,
         )
         self.pool.set_write_down(self._write_down)
+        self.grain = DivergenceGrain(plan.block_size)  # where prompts part, for ``learn``
         self._copying: dict[bytes, Image] = {}  # images whose bytes are still being written
         self._wanted: set[bytes] = set()  # branch points
         self._running: dict[Hashable, Admission] = {}
@@ -106,7 +105,7 @@ class PrefixCache(TierSide):
 
     # -- queries ---------------------------------------------------------------------
     def keys(self, tokens: object, extra: Sequence[object] = ()) -> list[bytes]:
-        return block_keys(self.root, as_tokens(tokens), self.block_size, extra)
+        return block_keys(self.root, as_tokens(tokens), self.block_size, extra)  # chained
 
     @property
     @synchronized
@@ -118,9 +117,7 @@ class PrefixCache(TierSide):
     @synchronized
     def images(self) -> int:
         """READY images the pool holds."""
-        return sum(
-            1 for k in self.pool.keys() if isinstance(k, tuple) and k[1] not in self._copying
-        )
+        return sum(isinstance(k, tuple) and k[1] not in self._copying for k in self.pool.keys())
 
     @synchronized
     def running(self, request: Hashable) -> Admission:
@@ -287,7 +284,13 @@ class PrefixCache(TierSide):
         if not (self.has_state and self.spec is not None and self.enabled):
             return []
         h = hit.tokens // self.block_size
-        checkpoints = self.policy.boundaries(tok.size, self.block_size, h)
+        matched = hit.matched_kv_tokens // self.block_size
+        limit = min(len(keys), max(0, (tok.size - 1) // self.block_size))
+        if self.has_kv and 0 < matched < limit:  # the shared KV ended inside the prompt
+            self.grain.observe(matched * self.block_size)
+        checkpoints = self.policy.boundaries(
+            tok.size, self.block_size, h, self.grain.grain() if self.policy.learn else 0
+        )
         if self.policy.branch:
             if hit.lost_tokens:
                 self._wanted.add(keys[hit.matched_kv_tokens // self.block_size - 1])
@@ -309,7 +312,7 @@ class PrefixCache(TierSide):
         if self.has_state and self.cache.slots.num_free < self.cache.slots.entries_per_req:
             raise StateAllocationError(self.cache.slots.entries_per_req, self.cache.slots.num_free)
 
-    # -- a request computes ------------------------------------------------------------
+    # -- a request computes, then finishes ----------------------------------------------
     @synchronized
     def commit(self, request: Hashable, tokens: int) -> None:
         """The request has computed its first ``tokens`` prompt tokens: register the
@@ -376,7 +379,6 @@ class PrefixCache(TierSide):
             self.cache.release_slots(request)
         self.cache.let_go(adm.holding)
 
-    # -- boundary moves ----------------------------------------------------------------
     @synchronized
     def rebalance(self, *, waiting_requests: int, blocks_needed: int) -> BoundaryMove | None:
         """Move the cache's boundary toward demand (keys and holdings follow inside it)."""

@@ -8,6 +8,10 @@ matching KV but no image, so the next request to compute through it keeps
 one there. The last rule is what lets a shared system prompt followed by
 unique suffixes hit at all: the end-of-prompt images of earlier requests lie
 past the shared part, and only a checkpoint AT the shared boundary serves it.
+
+A fifth rule, ``learn``, is ``end:N`` with N learned from the trace itself:
+the grain on which prompts were seen to diverge
+(:class:`~kvarena.prefix.grain.DivergenceGrain`), so no one has to know it.
 """
 
 from __future__ import annotations
@@ -24,9 +28,10 @@ class CheckpointPolicy:
     end_align_tokens: int = 0
     interval_tokens: int = 0
     branch: bool = True
+    learn: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("end", "branch"):
+        for name in ("end", "branch", "learn"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise InvalidValueError(
@@ -34,19 +39,23 @@ class CheckpointPolicy:
                 )
         check_count(self.interval_tokens, "CheckpointPolicy: interval_tokens")
         check_count(self.end_align_tokens, "CheckpointPolicy: end_align_tokens")
-        if not (self.end or self.end_align_tokens or self.interval_tokens or self.branch):
+        if not (
+            self.end or self.end_align_tokens or self.interval_tokens or self.branch or self.learn
+        ):
             raise InvalidValueError(
-                "CheckpointPolicy keeps no checkpoint at all; enable end, interval or branch"
+                "CheckpointPolicy keeps no checkpoint at all; enable end, interval, branch or learn"
             )
 
     @classmethod
     def parse(cls, text: str) -> CheckpointPolicy:
-        """``"end"``, ``"end:512"``, ``"interval:4096"``, ``"branch"``, combined with commas."""
+        """``"end"``, ``"end:512"``, ``"interval:4096"``, ``"branch"``, ``"learn"``,
+        combined with commas."""
         if not isinstance(text, str) or not text.strip():
             raise InvalidValueError(
-                f"checkpoint policy {text!r}: use end, end:N, interval:N, branch (comma-separated)"
+                f"checkpoint policy {text!r}: use end, end:N, interval:N, branch, learn "
+                "(comma-separated)"
             )
-        end = branch = False
+        end = branch = learn = False
         interval = align = 0
         for part in (p.strip() for p in text.split(",")):
             name, _, number = part.partition(":")
@@ -54,6 +63,8 @@ class CheckpointPolicy:
                 end = True
             elif part == "branch":
                 branch = True
+            elif part == "learn":
+                learn = True
             elif (
                 name in ("end", "interval")
                 and number.isascii()  # str.isdigit() also takes "５１２" and "²"
@@ -67,9 +78,11 @@ class CheckpointPolicy:
             else:
                 raise InvalidValueError(
                     f"checkpoint policy part {part!r} unknown; legal: end, end:N, interval:N "
-                    "(N tokens, 1..16777216), branch"
+                    "(N tokens, 1..16777216), branch, learn"
                 )
-        return cls(end=end, end_align_tokens=align, interval_tokens=interval, branch=branch)
+        return cls(
+            end=end, end_align_tokens=align, interval_tokens=interval, branch=branch, learn=learn
+        )
 
     def describe(self) -> str:
         parts = ["end"] if self.end else []
@@ -79,6 +92,8 @@ class CheckpointPolicy:
             parts.append(f"interval:{self.interval_tokens}")
         if self.branch:
             parts.append("branch")
+        if self.learn:
+            parts.append("learn")
         return ",".join(parts)
 
     def check_block_size(self, block_size: int) -> None:
@@ -89,11 +104,19 @@ class CheckpointPolicy:
                     "tokens: images lie on block boundaries"
                 )
 
-    def boundaries(self, prompt_tokens: int, block_size: int, hit_blocks: int) -> list[int]:
-        """Block counts past the hit at which the end and interval rules keep an image."""
+    def boundaries(
+        self, prompt_tokens: int, block_size: int, hit_blocks: int, learned_grain: int = 0
+    ) -> list[int]:
+        """Block counts past the hit at which the end, interval and learn rules keep an
+        image (``learned_grain``: the divergence grain in tokens, for ``learn``)."""
         full = prompt_tokens // block_size
         out = set()
-        if self.end and full > hit_blocks:
+        learned = self.learn and learned_grain > block_size
+        if learned:
+            out.add(prompt_tokens // learned_grain * learned_grain // block_size)
+        # Once a grain is learned the prompt's own end lies inside the piece the next
+        # prompt changes: its image would never be read, so ``learn`` replaces ``end``.
+        if self.end and full > hit_blocks and not learned:
             out.add(full)
         if self.end_align_tokens:
             out.add(prompt_tokens // self.end_align_tokens * self.end_align_tokens // block_size)
