@@ -43,7 +43,10 @@ def replay(
     state_dtype: StateDtype = "auto",
     spec_tokens: SpecTokens = 0,
     checkpoint: Annotated[
-        str, typer.Option(help="where states are kept: end, end:N, interval:N, branch (combined)")
+        str,
+        typer.Option(
+            help="where states are kept: end, end:N, interval:N, branch, learn (combined)"
+        ),
     ] = "end,interval:8192,branch",
     limit: Annotated[int | None, typer.Option(help="replay only the first N requests")] = None,
     prefill_rate: Annotated[float, typer.Option(help="prefill tokens per second")] = 20_000.0,
