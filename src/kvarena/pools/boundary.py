@@ -111,6 +111,31 @@ class MovableBoundary:
         stats = self._copy_entries(pairs[:, 0], pairs[:, 1], base, stride, stride)
         return stats.ops, stats.nbytes
 
+    def _completed(
+        self,
+        before: tuple[int, int],
+        block_remap: dict[int, int],
+        slot_remap: dict[int, int],
+        dropped: tuple[int, ...],
+        evicted: tuple[int, ...],
+        ops: int,
+        copied: int,
+    ) -> BoundaryMove:
+        """The record of a move just applied (and one more move counted)."""
+        self.moves += 1
+        return BoundaryMove(
+            blocks_before=before[0],
+            blocks_after=self.blocks.capacity,
+            slots_before=before[1],
+            slots_after=self.slots.capacity,
+            block_remap=block_remap,
+            slot_remap=slot_remap,
+            dropped_blocks=dropped,
+            evicted_blocks=evicted,
+            copies=ops,
+            copied_bytes=copied,
+        )
+
     # -- the movable boundary --------------------------------------------------
     def plan_grow_state(self, n: int) -> tuple[int, list[int], list[int], list[int]]:
         """(new block count, free going, evictable going, live going) for growing by n."""
@@ -157,6 +182,8 @@ class MovableBoundary:
         # intact. A victim's key may take more blocks with it (an image's other
         # units, the image worthless without an evicted block): all are freed.
         victims = self.blocks.evict_many([*evictable, *taken])
+        # What the evictions freed (a victim key's block a request still holds stays live).
+        evicted = tuple(sorted(b for v in victims for b in v.blocks if self.blocks.is_free(b)))
         targets.extend(taken)
         targets.sort()
         pairs = np.column_stack((live, targets)).astype(np.int64).reshape(-1, 2)
@@ -166,19 +193,7 @@ class MovableBoundary:
         self.slots.grow(n)
         block_remap = dict(zip(live, targets, strict=True))
         self.holdings.remap_blocks(block_remap)
-        self.moves += 1
-        return BoundaryMove(
-            blocks_before=before[0],
-            blocks_after=self.blocks.capacity,
-            slots_before=before[1],
-            slots_after=self.slots.capacity,
-            block_remap=block_remap,
-            slot_remap={},
-            dropped_blocks=tuple(free),
-            evicted_blocks=tuple(sorted(b for v in victims for b in v.blocks)),
-            copies=ops,
-            copied_bytes=copied,
-        )
+        return self._completed(before, block_remap, {}, tuple(free), evicted, ops, copied)
 
     def shrink_state(self, n: int) -> BoundaryMove:
         """Give ``n`` slots back to PAGE: live states in them move to free higher slots."""
@@ -217,19 +232,7 @@ class MovableBoundary:
         old_blocks = self.blocks.capacity
         self.blocks.grow(self.geometry.blocks_below(self.slots.first) - old_blocks)
         self.pages.fill_entries(slice(old_blocks, self.blocks.capacity))
-        self.moves += 1
-        return BoundaryMove(
-            blocks_before=before[0],
-            blocks_after=self.blocks.capacity,
-            slots_before=before[1],
-            slots_after=self.slots.capacity,
-            block_remap={},
-            slot_remap=dict(moves),
-            dropped_blocks=(),
-            evicted_blocks=(),
-            copies=ops,
-            copied_bytes=copied,
-        )
+        return self._completed(before, {}, dict(moves), (), (), ops, copied)
 
     # -- policy ------------------------------------------------------------------
     def rebalance(self, *, waiting_requests: int, blocks_needed: int) -> BoundaryMove | None:
