@@ -79,6 +79,17 @@ def test_refusals():
         c.let_go(h)
     with pytest.raises(InvalidValueError, match="must be a Holding"):
         BlockTable(c, [1, 2])
+    with pytest.raises(InvalidValueError, match=r"hold: blocks.*free"):
+        c.hold("r", [0])  # a holder holds references: a free block is refused
+    with pytest.raises(
+        InvalidValueError, match=r"hold: blocks: id \d+ is out of range; legal: 0\.\."
+    ):
+        c.hold("r", [c.num_blocks + 5])
+    with pytest.raises(InvalidValueError):
+        c.hold(["unhashable"])
+    with pytest.raises(InvalidValueError, match="fixed must be a bool"):
+        c.hold("r", fixed=1)
+    assert len(c.holdings) == 0  # nothing refused was registered
     assert h.slots == ()  # no slots taken: the allocator's book says so
 
 

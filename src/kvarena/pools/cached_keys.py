@@ -55,10 +55,13 @@ class CachedKeys:
             return False
 
     def __iter__(self) -> Iterator[Hashable]:
-        return iter(list(self._blocks))
+        return iter(self._blocks)
 
     def blocks_of(self, key: Hashable) -> tuple[int, ...] | None:
-        return self._blocks.get(key) if key in self else None
+        try:
+            return self._blocks.get(key)
+        except TypeError:  # an unhashable key is held by no block
+            return None
 
     def key_of(self, block: int) -> Hashable | None:
         return self._key.get(block)

@@ -13,8 +13,9 @@ the STATE allocator's book, which the holding asks.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 
+from ..checks import check_request_id
 from ..errors import InvalidValueError
 from .states import StateAllocator
 
@@ -51,7 +52,7 @@ class Holdings:
     def __len__(self) -> int:
         return len(self._live)
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[Holding]:
         return iter(list(self._live.values()))
 
     def hold(
@@ -67,6 +68,8 @@ class Holdings:
             )
         if not isinstance(fixed, bool):
             raise InvalidValueError(f"fixed must be a bool, got {fixed!r}")
+        if request is not None:
+            check_request_id(request)
         holding = Holding(request, blocks, self._states, fixed)
         self._live[id(holding)] = holding
         return holding

@@ -128,6 +128,8 @@ class UnifiedCache(ImageAccess, MovableBoundary):
         in place by every boundary move until :meth:`let_go`. ``fixed=True``
         while a peer may write its ids by address: a move that would relocate
         them is refused."""
+        if isinstance(blocks, list):  # a holder holds references: every block is live
+            self.blocks.check_held(blocks, "hold: blocks", writing=True)
         return self.holdings.hold(request, blocks, fixed=fixed)
 
     def let_go(self, holding: Holding) -> None:

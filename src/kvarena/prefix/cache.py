@@ -146,14 +146,18 @@ class PrefixCache(TierSide):
     def _device_kv(self, key: bytes) -> bool:
         return self.pool.blocks_of(key) is not None
 
+    def _has_image(self, keys: list[bytes], b: int) -> bool:
+        """Whether the device holds a READY image at boundary ``b``."""
+        if b < 1:
+            return False
+        key = keys[b - 1]
+        return key not in self._copying and self.pool.blocks_of(image_key(key)) is not None
+
     def _image_at(self, keys: list[bytes], b: int) -> Image | None:
         """The device's READY image at boundary ``b``, or None."""
-        if b < 1:
+        if not self._has_image(keys, b):
             return None
-        key = keys[b - 1]
-        if key in self._copying or self.pool.blocks_of(image_key(key)) is None:
-            return None
-        return Image(key=key, boundary=b, state=ImageState.READY, pool=self.pool)
+        return Image(key=keys[b - 1], boundary=b, state=ImageState.READY, pool=self.pool)
 
     def _answer(
         self, tokens: np.ndarray, keys: list[bytes], skip: frozenset[str] = frozenset()
@@ -174,14 +178,14 @@ class PrefixCache(TierSide):
                 has_kv=self.has_kv,
                 has_state=self.has_state and self.spec is not None,
                 device_kv=self._device_kv,
-                device_image=lambda b: self._image_at(keys, b) is not None,
+                device_image=lambda b: self._has_image(keys, b),
                 skip=skip,
             )
         full, tier_kv, tier_state = finds.kv_end, finds.kv, finds.state
         cand = resume_boundary(
             full if self.has_kv else limit,
             self.has_state,
-            lambda b: b in tier_state or self._image_at(keys, b) is not None,
+            lambda b: b in tier_state or self._has_image(keys, b),
         )
         image = self._image_at(keys, cand) if self.has_state else None
         names = self.tiers.names
@@ -389,11 +393,8 @@ class PrefixCache(TierSide):
         """The pool's book agrees with itself, every image's units are cached under its
         key, and every running request's blocks are held (for tests)."""
         self.pool.check_books()
-        for key in self.pool.keys():
-            blocks = self.pool.blocks_of(key) or ()
-            if isinstance(key, tuple):
-                assert self.spec is not None and len(blocks) == self.spec.units_per_image
-            else:
-                assert len(blocks) == 1
+        units = self.spec.units_per_image if self.spec is not None else None
+        for key in self.pool.keys():  # a KV block is one block, an image its units
+            assert len(self.pool.blocks_of(key) or ()) == (units if isinstance(key, tuple) else 1)
         for adm in self._running.values():
             assert all(not self.pool.is_free(b) for b in adm.blocks)

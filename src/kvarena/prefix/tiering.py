@@ -144,7 +144,7 @@ class WriteDown:
         m.evicted_images += images
         if self._tiers:
             m.tier_blocks_written += blocks
-            m.tier_images_written += images if self._spec is not None else 0
+            m.tier_images_written += images
 
 
 def fetch_checked(

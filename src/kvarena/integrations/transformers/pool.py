@@ -116,9 +116,14 @@ class KvarenaPool:
         return self.cache.device
 
     # -- caches ----------------------------------------------------------------------
-    def _rows(self, holdings: list[Holding]) -> Rows:
-        """Rows over the requests' holdings, a block table over each with PAGE fields."""
-        tables = [BlockTable(self.cache, h) for h in holdings] if self.cache.page_fields else []
+    def _rows(self, holdings: list[Holding], tokens: int = 0) -> Rows:
+        """Rows over the requests' holdings, with PAGE fields a block table over each
+        holding ``tokens`` computed tokens."""
+        tables = (
+            [BlockTable(self.cache, h, tokens=tokens) for h in holdings]
+            if self.cache.page_fields
+            else []
+        )
         return Rows(self.cache, holdings, tables)
 
     def new_cache(self, batch_size: int, *, model: Any = None) -> KvarenaCache:
@@ -159,9 +164,7 @@ class KvarenaPool:
         request: Hashable = ("hf", next(self._ids))
         adm = self.prefix.admit(request, tokens)
         hit = adm.hit.tokens
-        rows = self._rows([adm.holding])
-        for table in rows.tables:
-            table.tokens = hit
+        rows = self._rows([adm.holding], hit)
         cache = self._track(KvarenaCache(self.layout, rows, hit, hit > 0))
         self._prompts[request] = len(tokens)
         bs, done = self.cache.block_size, hit
@@ -211,9 +214,7 @@ class KvarenaPool:
         if self.cache.state_fields:
             if tuple(self.cache.slots.held_by(owner)) != tuple(slots):
                 raise InvalidValueError(f"adopt: {owner!r} does not hold slots {tuple(slots)}")
-        rows = self._rows([self.cache.hold(owner, list(blocks))])
-        for table in rows.tables:
-            table.tokens = n
+        rows = self._rows([self.cache.hold(owner, list(blocks))], n)
         return self._track(KvarenaCache(self.layout, rows, n, True))
 
     def _track(self, cache: KvarenaCache) -> KvarenaCache:
