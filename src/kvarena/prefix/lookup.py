@@ -19,10 +19,10 @@ contract and the same tier walk.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-from ..tiers import TierStack
 from ..tiers.image import ImageKind, object_name
 
 
@@ -40,6 +40,13 @@ def resume_boundary(cand: int, has_state: bool, image_at: Callable[[int], bool])
         cand = new
 
 
+class Locates(Protocol):
+    """What the tier walk asks of the tiers: a :class:`~kvarena.tiers.TierStack`,
+    or an engine's catalogue of tiers another process owns."""
+
+    def locate(self, names: Sequence[str]) -> list[int | None]: ...
+
+
 @dataclass(frozen=True, kw_only=True)
 class TierFinds:
     """What the tiers add to the device's answer: the KV run's new end, the
@@ -51,7 +58,7 @@ class TierFinds:
 
 
 def locate_in_tiers(
-    tiers: TierStack,
+    tiers: Locates,
     keys: list[bytes],
     *,
     kv_end: int,

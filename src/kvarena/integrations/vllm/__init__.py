@@ -1,0 +1,7 @@
+"""kvarena serves vLLM: ``KvarenaConnector``, a KV connector for hybrid models
+(the ``[vllm]`` extra). See README "Serving with vLLM"."""
+
+from .connector import KvarenaConnector
+from .settings import ConnectorConfigError, ConnectorSettings
+
+__all__ = ["ConnectorConfigError", "ConnectorSettings", "KvarenaConnector"]

@@ -1,0 +1,86 @@
+"""What the scheduler knows of the tiers: the one place its lookups ask.
+
+The worker owns the tiers' bytes (it copies into and out of vLLM's tensors);
+the scheduler answers ``get_num_new_matched_tokens`` from another process.
+So each tier is asked where its truth lives:
+
+- the host tier lives in the worker's memory: its book here is the names the
+  worker reported putting and dropping (a step late; a name reported but gone
+  by load time is a failed load, which vLLM recomputes);
+- the disk tier's truth is its directory: a complete object is a file of its
+  name (written to a temporary, renamed into view), so a probe is one
+  ``stat`` — and a restarted engine sees what the last one wrote at once;
+- the shared store is asked (one pipelined ``EXISTS`` batch): other engines
+  write to it too.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+
+from ...tiers import RedisTier
+from ...tiers.disk import SUFFIX
+from .settings import ConnectorSettings
+
+
+def disk_dir(spec: str) -> str:
+    """The directory of a ``disk:DIR:SIZE`` spec."""
+    return spec.strip()[len("disk:") :].rsplit(":", 1)[0]
+
+
+class Catalogue:
+    """Which tier holds each name, as the scheduler can know it."""
+
+    def __init__(self, settings: ConnectorSettings) -> None:
+        self.kinds: list[str] = []
+        self._host: set[str] = set()
+        self._disk: str | None = None
+        self._redis: RedisTier | None = None
+        for spec in settings.tiers:
+            if spec.startswith("host:"):
+                self.kinds.append("host")
+            elif spec.startswith("disk:"):
+                self.kinds.append("disk")
+                self._disk = os.path.join(disk_dir(spec), "")
+            else:
+                self.kinds.append("redis")
+                url = spec
+                cluster = url.startswith("redis+cluster://")
+                if cluster:
+                    url = "redis://" + url[len("redis+cluster://") :]
+                self._redis = RedisTier(url, cluster=cluster)
+
+    def hosted(self, added: Iterable[str], dropped: Iterable[str]) -> None:
+        """Apply a worker's report of its host tier (puts, then drops)."""
+        self._host.update(added)
+        self._host.difference_update(dropped)
+
+    def locate(self, names: Sequence[str]) -> list[int | None]:
+        """For each name, the first tier (index in the settings' order) that holds
+        it, None where none does; one batched question per tier."""
+        where: list[int | None] = [None] * len(names)
+        todo = list(range(len(names)))
+        for i, kind in enumerate(self.kinds):
+            if not todo:
+                break
+            if kind == "host":
+                found = [names[j] in self._host for j in todo]
+            elif kind == "disk":
+                prefix = self._disk
+                found = [os.path.isfile(f"{prefix}{names[j]}{SUFFIX}") for j in todo]
+            else:
+                assert self._redis is not None
+                found = self._redis.contains_many([names[j] for j in todo])
+            rest = []
+            for j, hit in zip(todo, found, strict=True):
+                if hit:
+                    where[j] = i
+                else:
+                    rest.append(j)
+            todo = rest
+        return where
+
+    def close(self) -> None:
+        if self._redis is not None:
+            self._redis.close()

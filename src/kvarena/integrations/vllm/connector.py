@@ -1,0 +1,160 @@
+"""``KvarenaConnector``: vLLM's KV connector API over kvarena's tiers.
+
+Turned on by configuration alone::
+
+    KVTransferConfig(kv_connector="KvarenaConnector",
+                     kv_connector_module_path="kvarena.integrations.vllm",
+                     kv_role="kv_both",
+                     kv_connector_extra_config={"tiers": ["host:4GiB", "disk:/var/kv:200GiB"]})
+
+vLLM builds one instance in its scheduler and one in each worker; this class
+only checks the configuration at engine start and hands each call to its
+role's half (:mod:`.scheduler_side`, :mod:`.worker_side`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from ...errors import Error
+from ...tiers import TierStack
+from .catalogue import Catalogue
+from .groups import classify, namespace_json
+from .records import StepPlan
+from .scheduler_side import SchedulerSide
+from .settings import ConnectorConfigError, ConnectorSettings
+from .worker_side import WorkerSide
+
+_SOURCES = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
+
+
+def _identity(vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings):
+    groups = classify(kv_cache_config)
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        raise ConnectorConfigError(
+            "kvarena connector: serves tensor_parallel_size=1 and pipeline_parallel_size=1 "
+            f"(got {parallel.tensor_parallel_size} and {parallel.pipeline_parallel_size})"
+        )
+    model = vllm_config.model_config
+    namespace = namespace_json(
+        model=str(model.model),
+        revision=model.revision,
+        word=settings.namespace,
+        groups=groups,
+        layout=str(getattr(vllm_config.cache_config, "kv_cache_layout", "") or ""),
+        tp_rank=0,
+        tp_size=1,
+        pp_size=1,
+    )
+    block_size = int(groups[0].spec["block_size"])
+    return groups, namespace, block_size
+
+
+class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
+    """A prefix cache below vLLM's device cache: KV blocks and recurrent states
+    saved as checksummed, namespaced kvarena images in host, disk and shared
+    tiers, and loaded back only where every group can resume."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        settings = ConnectorSettings.parse(extra)
+        groups, namespace, block_size = _identity(vllm_config, kv_cache_config, settings)
+        self._kinds = [
+            s.split(":", 1)[0] if s.startswith(("host:", "disk:")) else "redis"
+            for s in settings.tiers
+        ]
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        self._num_blocks = int(kv_cache_config.num_blocks)
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(
+                groups=groups,
+                namespace=namespace,
+                catalogue=Catalogue(settings),
+                block_size=block_size,
+            )
+        else:
+            try:
+                tiers = TierStack.from_specs(settings.tiers, unit_bytes=settings.host_unit_bytes)
+            except Error as exc:
+                raise ConnectorConfigError(f"kv_connector_extra_config['tiers']: {exc}") from None
+            self._worker = WorkerSide(
+                groups=groups, namespace=namespace, tiers=tiers, block_size=block_size
+            )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a dropped save is a later miss
+
+    # -- worker ---------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches, self._num_blocks)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if self._worker is not None and isinstance(meta, StepPlan):
+            self._worker.load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads complete in start_load_kv, before the forward
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any):
+        return None  # saves read every layer after the forward, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        if self._worker is not None and isinstance(meta, StepPlan):
+            self._worker.save(meta)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.load_errors() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self) -> Any:
+        return self._worker.report() if self._worker is not None else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.catalogue.close()
+
+    # -- scheduler ------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+        assert self._scheduler is not None
+        return self._scheduler.matched(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+        assert self._scheduler is not None
+        self._scheduler.allocated(request, blocks.get_block_ids(), num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int):
+        assert self._scheduler is not None
+        found = self._scheduler.hit_sources(request, num_external_tokens, self._kinds)
+        return {_SOURCES.get(k, CacheHitSource.EXTERNAL_UNSPECIFIED): n for k, n in found.items()}
+
+    def build_connector_meta(self, scheduler_output: Any) -> StepPlan:
+        assert self._scheduler is not None
+        return self._scheduler.plan(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.reported(connector_output.kv_connector_worker_meta)
+
+    def request_finished(self, request: Any, block_ids: list[int]):
+        if self._scheduler is not None:
+            self._scheduler.finished(request)
+        return False, None
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]):
+        return self.request_finished(request, [])

@@ -1,0 +1,227 @@
+"""The scheduler's half of the connector: lookups, and what each step loads and saves.
+
+A lookup is kvarena's contract (:mod:`kvarena.prefix.lookup`) over what the
+tiers hold: the longest block boundary where every full-attention group has
+every block and each state group has its image taken exactly there; at most
+``len(prompt) - 1`` tokens, so vLLM always computes the last prompt token
+itself and never feeds a recurrent state a token it already holds.
+
+Saves follow vLLM's own book: a KV block is saved in the step that fills it
+(its block id read from the scheduler's table that step), a state in the step
+vLLM offers its boundary block (``kv_connector_block_state``) — the only
+moment that block is known to hold exactly that boundary's state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ...prefix.keys import KEY_BYTES, block_keys
+from ...prefix.lookup import TierFinds, locate_in_tiers, resume_boundary
+from .catalogue import Catalogue
+from .groups import Group
+from .records import BlockCopy, Load, StepPlan, WorkerReport
+
+
+@dataclass(frozen=True, kw_only=True)
+class Found:
+    """A lookup's answer, kept until vLLM allocates the blocks to load into."""
+
+    local: int  # blocks vLLM holds itself
+    boundary: int  # blocks the request resumes after
+    finds: TierFinds
+    keys: list[bytes]
+
+
+class SchedulerSide:
+    def __init__(
+        self, *, groups: list[Group], namespace: bytes, catalogue: Catalogue, block_size: int
+    ) -> None:
+        self.groups = groups
+        self.kv_groups = [g for g in groups if g.kind == "kv"]
+        self.state_groups = [g for g in groups if g.kind == "state"]
+        self.block_size = block_size
+        self.root = hashlib.blake2b(namespace, digest_size=KEY_BYTES).digest()
+        self.catalogue = catalogue
+        self._requests: dict[str, Any] = {}
+        self._keys: dict[str, list[bytes]] = {}
+        self._found: dict[str, Found] = {}
+        self._saved: dict[str, int] = {}  # KV blocks below this are in the tiers
+        self._floor: dict[str, int] = {}  # state boundaries up to this are in the tiers
+        self._loads: list[Load] = []
+        self.lookups = 0
+        self.hit_tokens = 0
+
+    # -- keys ---------------------------------------------------------------------
+    @staticmethod
+    def _extra(request: Any) -> tuple[object, ...]:
+        lora = getattr(request, "lora_request", None)
+        salt = getattr(request, "cache_salt", None)
+        return tuple(
+            x for x in (lora.lora_name if lora is not None else None, salt) if x is not None
+        )
+
+    @staticmethod
+    def _cacheable(request: Any) -> bool:
+        """Multimodal prompts are left to vLLM: their placeholder ids do not name
+        the image they stand for."""
+        return not getattr(request, "mm_features", None)
+
+    def _keys_of(self, request: Any, blocks: int) -> list[bytes]:
+        """The chained keys of the request's first ``blocks`` blocks (extended as
+        the request grows, never rehashed)."""
+        keys = self._keys.setdefault(request.request_id, [])
+        if len(keys) < blocks:
+            bs = self.block_size
+            tokens = np.asarray(request.all_token_ids[len(keys) * bs : blocks * bs], dtype=np.int64)
+            keys.extend(
+                block_keys(keys[-1] if keys else self.root, tokens, bs, self._extra(request))
+            )
+        return keys[:blocks]
+
+    # -- lookups ------------------------------------------------------------------
+    def matched(self, request: Any, num_computed: int) -> tuple[int, bool]:
+        self._found.pop(request.request_id, None)
+        if not self._cacheable(request):
+            return 0, False
+        bs = self.block_size
+        local = num_computed // bs
+        limit = (request.num_tokens - 1) // bs
+        if limit <= local:
+            return 0, False
+        self.lookups += 1
+        keys = self._keys_of(request, limit)
+        finds = locate_in_tiers(
+            self.catalogue,
+            keys,
+            kv_end=local,
+            limit=limit,
+            has_kv=bool(self.kv_groups),
+            has_state=bool(self.state_groups),
+            device_kv=lambda _key: False,
+            device_image=lambda _b: False,
+        )
+        boundary = resume_boundary(
+            finds.kv_end, bool(self.state_groups), lambda b: b in finds.state
+        )
+        if boundary <= local:
+            return 0, False
+        self._found[request.request_id] = Found(
+            local=local, boundary=boundary, finds=finds, keys=keys
+        )
+        return boundary * bs - num_computed, False
+
+    def allocated(self, request: Any, block_ids: tuple[list[int], ...], external: int) -> None:
+        rid = request.request_id
+        self._requests[rid] = request
+        found = self._found.pop(rid, None)
+        if external == 0 or found is None:
+            return
+        local, b, keys = found.local, found.boundary, found.keys
+        kv = tuple(
+            BlockCopy(
+                index=i,
+                key=keys[i],
+                blocks=tuple(block_ids[g.index][i] for g in self.kv_groups),
+                tier=found.finds.kv.get(i),
+            )
+            for i in (range(local, b) if self.kv_groups else ())
+        )
+        state = None
+        if self.state_groups:
+            state = BlockCopy(
+                index=b,
+                key=keys[b - 1],
+                blocks=tuple(block_ids[g.index][b - 1] for g in self.state_groups),
+                tier=found.finds.state.get(b),
+            )
+        load = Load(request=rid, kv=kv, state=state)
+        if 0 in load.block_ids:
+            raise RuntimeError(
+                f"kvarena connector: request {rid}: vLLM allocated the null block where a hit "
+                f"of {b} blocks loads (block ids {block_ids}); refusing to load"
+            )
+        self._loads.append(load)
+        self.hit_tokens += b * self.block_size - local * self.block_size
+        self._saved[rid] = b
+        self._floor[rid] = b
+
+    def hit_sources(self, request: Any, tokens: int, kinds: list[str]) -> dict[str, int]:
+        """Hit tokens by the outermost tier that serves each block of the load."""
+        load = next((x for x in self._loads if x.request == request.request_id), None)
+        if load is None or tokens == 0:
+            return {}
+        tiers = [c.tier for c in load.kv] + ([load.state.tier] if load.state is not None else [])
+        deepest = max((t for t in tiers if t is not None), default=None)
+        return {kinds[deepest] if deepest is not None else "external": tokens}
+
+    # -- each step ----------------------------------------------------------------
+    def plan(self, scheduler_output: Any) -> StepPlan:
+        plan = StepPlan(loads=self._loads)
+        self._loads = []
+        bs = self.block_size
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        starts = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        for rid, count in scheduler_output.num_scheduled_tokens.items():
+            request = self._requests.get(rid)
+            if request is None or not self._cacheable(request) or rid not in starts:
+                continue
+            start = starts[rid]
+            first = self._saved.setdefault(rid, start // bs)
+            self._floor.setdefault(rid, start // bs)
+            upto = min(start + count, len(request.all_token_ids)) // bs
+            if upto <= first:
+                continue
+            self._saved[rid] = upto
+            if not self.kv_groups or block_state is None:
+                continue
+            ids = block_state.get_block_ids(rid)
+            if ids is None:
+                continue
+            keys = self._keys_of(request, upto)
+            for i in range(first, upto):
+                blocks = tuple(ids[g.index][i] for g in self.kv_groups)
+                if 0 not in blocks:
+                    plan.kv_saves.append(BlockCopy(index=i, key=keys[i], blocks=blocks))
+        offers = block_state.boundary_state_offloads if block_state is not None else {}
+        state_ids = {g.index for g in self.state_groups}
+        for rid, entries in offers.items():
+            request = self._requests.get(rid)
+            if request is None or not self._cacheable(request):
+                continue
+            at: dict[int, dict[int, int]] = {}
+            for group, block, tokens in entries:
+                if group in state_ids and block != 0 and tokens % bs == 0 and tokens > 0:
+                    at.setdefault(tokens // bs, {})[group] = block
+            for b in sorted(at):
+                blocks_of = at[b]
+                if (
+                    len(blocks_of) != len(state_ids)
+                    or b * bs > len(request.all_token_ids)
+                    or b <= self._floor.get(rid, 0)
+                ):
+                    continue
+                keys = self._keys_of(request, b)
+                plan.state_saves.append(
+                    BlockCopy(
+                        index=b,
+                        key=keys[b - 1],
+                        blocks=tuple(blocks_of[g.index] for g in self.state_groups),
+                    )
+                )
+        return plan
+
+    def reported(self, report: Any) -> None:
+        if isinstance(report, WorkerReport):
+            self.catalogue.hosted(report.host_added, report.host_dropped)
+
+    def finished(self, request: Any) -> None:
+        rid = request.request_id
+        for book in (self._requests, self._keys, self._found, self._saved, self._floor):
+            book.pop(rid, None)

@@ -1,0 +1,106 @@
+"""What an engine's ``kv_connector_extra_config`` may say to the kvarena connector.
+
+Read once, at engine start, by both halves of the connector (the scheduler's
+and each worker's), so a bad value stops the engine before it serves a
+request, with one line naming the key and what would be legal. Nothing here
+imports vLLM: the settings are checked the same way in a test, a CLI or an
+engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ...errors import Error
+from ...tiers import SPEC_FORMS
+
+KEYS = ("tiers", "namespace", "host_unit_bytes")
+"""Every key the connector reads; any other key is refused (a typo must not
+silently turn a tier off)."""
+
+
+class ConnectorConfigError(Error, ValueError):
+    """A ``kv_connector_extra_config`` entry the connector cannot use."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConnectorSettings:
+    """The connector's settings, checked.
+
+    ``tiers``: tier specs, top first, exactly as ``kvarena replay --tier``
+    takes them (``host:4GiB``, ``disk:/var/kv:200GiB``, ``redis://store:6379``).
+    Every save is written through to each of them, so a restarted engine finds
+    on disk, and another engine finds in the shared store, what this one
+    computed, without waiting for an eviction.
+
+    ``namespace``: an operator's word added to the fingerprint of what the bytes
+    mean — for two checkpoints that vLLM cannot tell apart (same path, no
+    revision), or to keep two fleets apart on one store.
+
+    ``host_unit_bytes``: the host tier's allocation unit (default 64 KiB).
+    """
+
+    tiers: tuple[str, ...]
+    namespace: str = ""
+    host_unit_bytes: int = 64 << 10
+
+    @classmethod
+    def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
+        where = "kv_connector_extra_config"
+        if extra is None:
+            extra = {}
+        if not isinstance(extra, Mapping):
+            raise ConnectorConfigError(f"{where} must be a mapping, got {type(extra).__name__}")
+        unknown = sorted(str(k) for k in extra if k not in KEYS)
+        if unknown:
+            raise ConnectorConfigError(
+                f"{where}[{unknown[0]!r}]: unknown key; the kvarena connector reads "
+                + ", ".join(KEYS)
+            )
+        tiers = extra.get("tiers")
+        if isinstance(tiers, str) or not isinstance(tiers, (list, tuple)) or not tiers:
+            raise ConnectorConfigError(
+                f"{where}['tiers'] must be a non-empty list of tier specs ({SPEC_FORMS}), "
+                f"got {tiers!r}"
+            )
+        for i, spec in enumerate(tiers):
+            if not isinstance(spec, str) or not spec.strip():
+                raise ConnectorConfigError(
+                    f"{where}['tiers'][{i}] must be a tier spec ({SPEC_FORMS}), got {spec!r}"
+                )
+        kinds = [_kind(s) for s in tiers]
+        for i, kind in enumerate(kinds):
+            if kind is None:
+                raise ConnectorConfigError(
+                    f"{where}['tiers'][{i}] = {tiers[i]!r}: use {SPEC_FORMS}"
+                )
+            if kind in kinds[:i]:
+                raise ConnectorConfigError(
+                    f"{where}['tiers'][{i}] = {tiers[i]!r}: a second {kind} tier; "
+                    "name each kind once"
+                )
+        namespace = extra.get("namespace", "")
+        if not isinstance(namespace, str) or len(namespace) > 256:
+            raise ConnectorConfigError(
+                f"{where}['namespace'] must be a string of at most 256 characters, "
+                f"got {namespace!r:.80}"
+            )
+        unit = extra.get("host_unit_bytes", 64 << 10)
+        if isinstance(unit, bool) or not isinstance(unit, int) or not 512 <= unit <= 1 << 30:
+            raise ConnectorConfigError(
+                f"{where}['host_unit_bytes'] must be an integer in 512..2**30, got {unit!r}"
+            )
+        return cls(tiers=tuple(s.strip() for s in tiers), namespace=namespace, host_unit_bytes=unit)
+
+
+def _kind(spec: str) -> str | None:
+    """A spec's tier kind (``host``, ``disk``, ``redis``), None if it names none."""
+    text = spec.strip()
+    if text.startswith(("redis://", "rediss://", "unix://", "redis+cluster://")):
+        return "redis"
+    kind, _, rest = text.partition(":")
+    if kind in ("host", "disk") and rest:
+        return kind
+    return None

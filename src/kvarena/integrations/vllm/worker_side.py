@@ -1,0 +1,220 @@
+"""A worker's half of the connector: the tiers' bytes, in and out of vLLM's tensors.
+
+Loads run before the step's forward (vLLM waits for them): every object is
+fetched top tier first, checked against what this engine expects — kind, key,
+namespace, token span, length, checksum — and copied into the block ids the
+scheduler names; an object that fails anywhere is tried in the next tier, and
+a load no tier can serve is reported by its block ids so vLLM recomputes them
+(``kv_load_failure_policy="recompute"``). Nothing unchecked is ever copied.
+
+Saves take the step's bytes after its forward (one gather per layer), then
+hand checksumming and the tier writes to one background thread: the forward
+never waits for a disk or a network. Every save is written through to every
+tier, so a restarted engine finds it on disk and another engine in the store.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from ...tiers import Expected, ImageKind, ImageMismatch, TierObject, TierStack, decode, encode
+from ...tiers.image import object_name
+from .groups import Group
+from .records import BlockCopy, Load, StepPlan, WorkerReport
+from .tensors import LayerBlocks, layer_blocks
+
+log = logging.getLogger("kvarena.vllm")
+
+_Job = tuple[ImageKind, BlockCopy, list[memoryview]]
+
+
+class WorkerSide:
+    def __init__(
+        self, *, groups: list[Group], namespace: bytes, tiers: TierStack, block_size: int
+    ) -> None:
+        self.groups = groups
+        self.kv_groups = [g for g in groups if g.kind == "kv"]
+        self.state_groups = [g for g in groups if g.kind == "state"]
+        self.namespace = namespace
+        self.tiers = tiers
+        self.block_size = block_size
+        self.layers: dict[int, list[LayerBlocks]] = {}
+        self._errors: set[int] = set()
+        self._lock = threading.Lock()  # guards the report lists below
+        self._added: list[str] = []
+        self._dropped: list[str] = []
+        self.loaded = 0
+        self.load_failures = 0
+        self.saved = 0
+        self._jobs: queue.Queue[list[_Job] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._write_loop, name="kvarena-save", daemon=True)
+        self._thread.start()
+
+    def register(self, kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> None:
+        self.layers = layer_blocks(kv_caches, self.groups, num_blocks=num_blocks)
+
+    # -- what an object is ----------------------------------------------------------
+    def _payload_bytes(self, groups: Sequence[Group]) -> int:
+        return sum(layer.block_bytes for g in groups for layer in self.layers[g.index])
+
+    def _expected(self, kind: ImageKind, copy: BlockCopy) -> Expected:
+        bs = self.block_size
+        start, end = (
+            (copy.index * bs, (copy.index + 1) * bs)
+            if kind is ImageKind.KV_BLOCK
+            else (
+                0,
+                copy.index * bs,
+            )
+        )
+        groups = self.kv_groups if kind is ImageKind.KV_BLOCK else self.state_groups
+        return Expected(
+            kind=kind,
+            key=copy.key,
+            namespace=self.namespace,
+            start=start,
+            end=end,
+            payload_bytes=self._payload_bytes(groups),
+            elided=False,
+        )
+
+    # -- loads ----------------------------------------------------------------------
+    def _fetch(self, wanted: list[tuple[ImageKind, BlockCopy]]) -> list[memoryview | None]:
+        """Each object's checked payload, from the first tier that holds a good one."""
+        out: list[memoryview | None] = [None] * len(wanted)
+        todo = list(range(len(wanted)))
+        for t in range(len(self.tiers)):
+            if not todo:
+                break
+            names = [object_name(wanted[j][0], wanted[j][1].key) for j in todo]
+            got = self.tiers.fetch(t, names)
+            rest = []
+            for j, data in zip(todo, got, strict=True):
+                if data is not None:
+                    try:
+                        out[j] = decode(data, self._expected(*wanted[j]))
+                        continue
+                    except ImageMismatch as exc:
+                        log.warning("kvarena: %s in tier %s: %s", names[todo.index(j)], t, exc)
+                rest.append(j)
+            todo = rest
+        return out
+
+    def _scatter(self, groups: Sequence[Group], copy: BlockCopy, payload: memoryview) -> None:
+        pos = 0
+        for gi, g in enumerate(groups):
+            for layer in self.layers[g.index]:
+                layer.scatter(copy.blocks[gi], payload[pos : pos + layer.block_bytes])
+                pos += layer.block_bytes
+
+    def load(self, plan: StepPlan) -> None:
+        for job in plan.loads:
+            self._load_one(job)
+
+    def _load_one(self, job: Load) -> None:
+        wanted = [(ImageKind.KV_BLOCK, c) for c in job.kv]
+        if job.state is not None:
+            wanted.append((ImageKind.STATE, job.state))
+        payloads = self._fetch(wanted)
+        if any(p is None for p in payloads):
+            # Nothing is copied for a load that cannot be served whole: vLLM
+            # recomputes every block it named, from the first.
+            self.load_failures += 1
+            self._errors |= job.block_ids
+            log.warning(
+                "kvarena: request %s: %d of %d objects missing or failing their checks; "
+                "vLLM recomputes its %d blocks",
+                job.request,
+                sum(p is None for p in payloads),
+                len(payloads),
+                len(job.block_ids),
+            )
+            return
+        for (kind, copy), payload in zip(wanted, payloads, strict=True):
+            assert payload is not None
+            groups = self.kv_groups if kind is ImageKind.KV_BLOCK else self.state_groups
+            self._scatter(groups, copy, payload)
+        self.loaded += 1
+
+    def load_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+    # -- saves ----------------------------------------------------------------------
+    def _gather(self, kind: ImageKind, copies: list[BlockCopy]) -> list[_Job]:
+        groups = self.kv_groups if kind is ImageKind.KV_BLOCK else self.state_groups
+        parts: list[list[memoryview]] = [[] for _ in copies]
+        for gi, g in enumerate(groups):
+            for layer in self.layers[g.index]:
+                rows = layer.gather([c.blocks[gi] for c in copies])
+                for j in range(len(copies)):
+                    parts[j].append(memoryview(rows[j]))
+        return [(kind, c, p) for c, p in zip(copies, parts, strict=True)]
+
+    def save(self, plan: StepPlan) -> None:
+        jobs: list[_Job] = []
+        if plan.kv_saves:
+            jobs += self._gather(ImageKind.KV_BLOCK, plan.kv_saves)
+        if plan.state_saves:
+            jobs += self._gather(ImageKind.STATE, plan.state_saves)
+        if jobs:
+            self._jobs.put(jobs)
+
+    def _write_loop(self) -> None:
+        while True:
+            jobs = self._jobs.get()
+            try:
+                if jobs is None:
+                    return
+                self._write(jobs)
+            except Exception:  # a failed save is a future miss, never a failed request
+                log.exception("kvarena: a save failed")
+            finally:
+                self._jobs.task_done()
+
+    def _write(self, jobs: list[_Job]) -> None:
+        objects: list[TierObject] = []
+        for kind, copy, parts in jobs:
+            exp = self._expected(kind, copy)
+            objects.append(
+                encode(
+                    kind=kind,
+                    namespace=self.namespace,
+                    key=copy.key,
+                    start=exp.start,
+                    end=exp.end,
+                    payload=parts,
+                    payload_bytes=exp.payload_bytes,
+                )
+            )
+        for tier in self.tiers.tiers:
+            hosted = tier.kind == "host"
+            evicted = tier.put_many(objects, want_evicted=hosted)
+            if hosted:
+                with self._lock:
+                    self._added += [o.name for o in objects]
+                    self._dropped += [o.name for o in evicted]
+        self.saved += len(objects)
+
+    def flush(self) -> None:
+        """Wait until every queued save is in the tiers."""
+        self._jobs.join()
+
+    def report(self) -> WorkerReport | None:
+        with self._lock:
+            if not self._added and not self._dropped:
+                return None
+            report = WorkerReport(host_added=self._added, host_dropped=self._dropped)
+            self._added, self._dropped = [], []
+        return report
+
+    def close(self) -> None:
+        self.flush()
+        self._jobs.put(None)
+        self._thread.join()
+        self.tiers.close()
