@@ -19,7 +19,7 @@ contract and the same tier walk.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -67,7 +67,7 @@ def locate_in_tiers(
     has_state: bool,
     device_kv: Callable[[bytes], bool],
     device_image: Callable[[int], bool],
-    skip: frozenset[str] = frozenset(),
+    skip: Set[str] = frozenset(),
 ) -> TierFinds:
     """Extend the device's KV run (``kv_end`` blocks) with blocks the tiers
     hold, then find the boundaries up to it whose image a tier holds.

@@ -20,6 +20,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -76,6 +77,7 @@ class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._num_blocks = int(kv_cache_config.num_blocks)
+        self._block_errors: set[int] = set()
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
                 groups=groups,
@@ -117,8 +119,23 @@ class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None and isinstance(meta, StepPlan):
             self._worker.save(meta)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # Saves never hold a request's blocks (their bytes are copied out in the
+        # step that wrote them); a load finishes in the step that started it.
+        # A failed load is named by its blocks where vLLM takes that (one KV
+        # cache group), else by its request; either way vLLM recomputes it.
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        done, failed = self._worker.received()
+        errors = self._worker.load_errors()
+        self._block_errors = errors if len(self._kv_cache_config.kv_cache_groups) == 1 else set()
+        return KVConnectorTransferResults(
+            finished_recving=done, failed_recving=failed if not self._block_errors else set()
+        )
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.load_errors() if self._worker is not None else set()
+        errors, self._block_errors = self._block_errors, set()
+        return errors
 
     def build_connector_worker_meta(self) -> Any:
         return self._worker.report() if self._worker is not None else None

@@ -52,15 +52,22 @@ class StepPlan(KVConnectorMetadata):
 
 @dataclass(kw_only=True)
 class WorkerReport(KVConnectorWorkerMetadata):
-    """A worker's news for the scheduler's catalogue: host-tier names it put and
-    dropped since its last report."""
+    """A worker's news for the scheduler since its last report: host-tier names
+    it put and dropped, every name it saved, and every name a load could not
+    use (missing everywhere, or failing its checks: then dropped from its tier).
+    The scheduler's lookups skip a failed name until it is saved again, so a
+    recomputed request is not sent back to the same bad object."""
 
     host_added: list[str] = field(default_factory=list)
     host_dropped: list[str] = field(default_factory=list)
+    saved: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, WorkerReport)
         return WorkerReport(
             host_added=self.host_added + other.host_added,
             host_dropped=self.host_dropped + other.host_dropped,
+            saved=self.saved + other.saved,
+            failed=self.failed + other.failed,
         )

@@ -53,6 +53,7 @@ class SchedulerSide:
         self._saved: dict[str, int] = {}  # KV blocks below this are in the tiers
         self._floor: dict[str, int] = {}  # state boundaries up to this are in the tiers
         self._loads: list[Load] = []
+        self._failed: set[str] = set()  # names a load could not use, until saved again
         self.lookups = 0
         self.hit_tokens = 0
 
@@ -104,6 +105,7 @@ class SchedulerSide:
             has_state=bool(self.state_groups),
             device_kv=lambda _key: False,
             device_image=lambda _b: False,
+            skip=self._failed,
         )
         boundary = resume_boundary(
             finds.kv_end, bool(self.state_groups), lambda b: b in finds.state
@@ -113,7 +115,11 @@ class SchedulerSide:
         self._found[request.request_id] = Found(
             local=local, boundary=boundary, finds=finds, keys=keys
         )
-        return boundary * bs - num_computed, False
+        # Loaded between steps, never inside the forward that resumes from it:
+        # vLLM copies a resumed request's Mamba state to its running block
+        # before the step's loads start, so a load must have landed a step
+        # earlier (the request waits for it, then is scheduled).
+        return boundary * bs - num_computed, True
 
     def allocated(self, request: Any, block_ids: tuple[list[int], ...], external: int) -> None:
         rid = request.request_id
@@ -220,6 +226,8 @@ class SchedulerSide:
     def reported(self, report: Any) -> None:
         if isinstance(report, WorkerReport):
             self.catalogue.hosted(report.host_added, report.host_dropped)
+            self._failed.update(report.failed)
+            self._failed.difference_update(report.saved)
 
     def finished(self, request: Any) -> None:
         rid = request.request_id

@@ -45,9 +45,13 @@ class WorkerSide:
         self.block_size = block_size
         self.layers: dict[int, list[LayerBlocks]] = {}
         self._errors: set[int] = set()
+        self._received: set[str] = set()  # requests whose load ran (or failed) this step
+        self._failed_requests: set[str] = set()
         self._lock = threading.Lock()  # guards the report lists below
         self._added: list[str] = []
         self._dropped: list[str] = []
+        self._saved: list[str] = []
+        self._failed: list[str] = []
         self.loaded = 0
         self.load_failures = 0
         self.saved = 0
@@ -88,21 +92,30 @@ class WorkerSide:
         """Each object's checked payload, from the first tier that holds a good one."""
         out: list[memoryview | None] = [None] * len(wanted)
         todo = list(range(len(wanted)))
+        names = [object_name(kind, copy.key) for kind, copy in wanted]
         for t in range(len(self.tiers)):
             if not todo:
                 break
-            names = [object_name(wanted[j][0], wanted[j][1].key) for j in todo]
-            got = self.tiers.fetch(t, names)
-            rest = []
+            got = self.tiers.fetch(t, [names[j] for j in todo])
+            rest, bad = [], []
             for j, data in zip(todo, got, strict=True):
                 if data is not None:
                     try:
                         out[j] = decode(data, self._expected(*wanted[j]))
                         continue
                     except ImageMismatch as exc:
-                        log.warning("kvarena: %s in tier %s: %s", names[todo.index(j)], t, exc)
+                        log.warning("kvarena: %s in %s: %s", names[j], self.tiers.names[t], exc)
+                        bad.append(names[j])
                 rest.append(j)
+            if bad:  # nobody should trip on it again
+                self.tiers.drop(t, bad)
+                if self.tiers.tiers[t].kind == "host":
+                    with self._lock:
+                        self._dropped += bad
             todo = rest
+        if todo:
+            with self._lock:
+                self._failed += [names[j] for j in todo]
         return out
 
     def _scatter(self, groups: Sequence[Group], copy: BlockCopy, payload: memoryview) -> None:
@@ -117,6 +130,7 @@ class WorkerSide:
             self._load_one(job)
 
     def _load_one(self, job: Load) -> None:
+        self._received.add(job.request)
         wanted = [(ImageKind.KV_BLOCK, c) for c in job.kv]
         if job.state is not None:
             wanted.append((ImageKind.STATE, job.state))
@@ -126,6 +140,7 @@ class WorkerSide:
             # recomputes every block it named, from the first.
             self.load_failures += 1
             self._errors |= job.block_ids
+            self._failed_requests.add(job.request)
             log.warning(
                 "kvarena: request %s: %d of %d objects missing or failing their checks; "
                 "vLLM recomputes its %d blocks",
@@ -140,6 +155,12 @@ class WorkerSide:
             groups = self.kv_groups if kind is ImageKind.KV_BLOCK else self.state_groups
             self._scatter(groups, copy, payload)
         self.loaded += 1
+
+    def received(self) -> tuple[set[str], set[str]]:
+        """Requests whose load ran since the last call, and those of them that failed."""
+        done, failed = self._received, self._failed_requests
+        self._received, self._failed_requests = set(), set()
+        return done, failed
 
     def load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
@@ -199,6 +220,8 @@ class WorkerSide:
                 with self._lock:
                     self._added += [o.name for o in objects]
                     self._dropped += [o.name for o in evicted]
+        with self._lock:
+            self._saved += [o.name for o in objects]
         self.saved += len(objects)
 
     def flush(self) -> None:
@@ -207,10 +230,15 @@ class WorkerSide:
 
     def report(self) -> WorkerReport | None:
         with self._lock:
-            if not self._added and not self._dropped:
+            if not (self._added or self._dropped or self._saved or self._failed):
                 return None
-            report = WorkerReport(host_added=self._added, host_dropped=self._dropped)
-            self._added, self._dropped = [], []
+            report = WorkerReport(
+                host_added=self._added,
+                host_dropped=self._dropped,
+                saved=self._saved,
+                failed=self._failed,
+            )
+            self._added, self._dropped, self._saved, self._failed = [], [], [], []
         return report
 
     def close(self) -> None:

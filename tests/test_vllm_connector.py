@@ -1,0 +1,184 @@
+"""KvarenaConnector through the real vLLM engine (the CPU build), token for token.
+
+Each model is run by vLLM alone first (the reference), then with the connector:
+cold; warm after ``reset_prefix_cache`` (hits can only come from the tiers); in
+a restarted engine over the same disk tier; in another engine that shares only
+the Redis store; after every disk object is corrupted (vLLM recomputes); and
+under another namespace (no hit). Greedy outputs must equal the reference in
+every run; the models' logits are peaked (``kvarena.testing.vllm_models``) so
+no near-tie can excuse a difference.
+
+The engines run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the
+``uni`` executor): seconds per engine instead of tens, and the worker's
+connector can be asked what it loaded. Runs in the ``.venv-vllm`` environment
+(``make test`` does both); skipped where vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+vllm = pytest.importorskip("vllm")
+
+from kvarena.testing.vllm_models import save_tiny  # noqa: E402
+
+PROMPT_BLOCKS = (2, 4, 5)  # shared prefixes, in blocks of the model's attention block
+
+
+def engine(model: Path, *, tiers=None, block_size=None, extra=None):
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kw = {}
+    if tiers is not None:
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KvarenaConnector",
+            kv_connector_module_path="kvarena.integrations.vllm",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"tiers": tiers, **(extra or {})},
+        )
+    return LLM(
+        model=str(model),
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        kv_cache_memory_bytes=64 << 20,
+        dtype="bfloat16",
+        enable_prefix_caching=True,
+        distributed_executor_backend="uni",
+        max_model_len=4096,
+        block_size=block_size,
+        **kw,
+    )
+
+
+def close(llm) -> None:
+    """Shut the engine down (its connector closes its tiers: the disk directory's
+    lock is free for the next engine)."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+    ensure_kv_transfer_shutdown()
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def worker_connector():
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group()
+
+
+def generate(llm, prompts):
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=12, temperature=0, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens for o in outs]
+
+
+def prompts_for(block: int, seed: int = 0) -> list[list[int]]:
+    """Prompts sharing prefixes of 2, 4 and 5 blocks, each ending off a boundary,
+    run one at a time so each can hit what the ones before it saved."""
+    rng = random.Random(seed)
+    base = [rng.randrange(3, 500) for _ in range(6 * block)]
+    return [base[: n * block + 17] for n in PROMPT_BLOCKS]
+
+
+def one_by_one(llm, prompts):
+    tokens, cached = [], []
+    for p in prompts:
+        t, c = generate(llm, [p])
+        tokens += t
+        cached += c
+    return tokens, cached
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {kind: save_tiny(kind, root) for kind in ("llama", "qwen3_next", "granitemoehybrid")}
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    from conftest import redis_binary
+
+    from kvarena.testing.redis_server import RedisServer
+
+    server = RedisServer(str(tmp_path_factory.mktemp("redis")), binary=redis_binary())
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+# (model, block size: None lets vLLM unify pages; the tiny Qwen3-Next gets 256)
+CASES = [("llama", 32), ("qwen3_next", None)]
+
+
+@pytest.mark.parametrize(("kind", "block_size"), CASES)
+def test_outputs_equal_vllm_alone_cold_warm_restarted_shared_and_corrupted(
+    models, store, tmp_path, kind, block_size
+):
+    model = models[kind]
+    ref_engine = engine(model, block_size=block_size)
+    block = ref_engine.llm_engine.vllm_config.cache_config.block_size
+    prompts = prompts_for(block)
+    reference, _ = one_by_one(ref_engine, prompts)
+    close(ref_engine)
+
+    disk = tmp_path / "disk"
+    first = engine(
+        model, block_size=block_size, tiers=["host:64MiB", f"disk:{disk}:256MiB", store.url]
+    )
+    cold, cold_cached = one_by_one(first, prompts)
+    assert cold == reference
+    assert cold_cached[0] == 0
+    first.reset_prefix_cache()
+    warm, warm_cached = one_by_one(first, prompts)
+    assert warm == reference
+    # Every prompt resumes at its last full block (its own blocks were saved cold).
+    assert warm_cached == [n * block for n in PROMPT_BLOCKS]
+    saved = worker_connector()._worker
+    saved.flush()
+    assert saved.loaded >= len(prompts) and saved.load_failures == 0
+    close(first)
+    files = sorted(disk.glob("*.kvi"))
+    assert files, "nothing reached the disk tier"
+
+    # A restarted engine over the same disk: hits what the first one computed.
+    second = engine(model, block_size=block_size, tiers=[f"disk:{disk}:256MiB"])
+    again, again_cached = one_by_one(second, prompts)
+    assert again == reference and again_cached[0] == PROMPT_BLOCKS[0] * block
+    close(second)
+
+    # Another engine sharing only the store: hits what the first one wrote there.
+    third = engine(model, block_size=block_size, tiers=[store.url])
+    shared, shared_cached = one_by_one(third, prompts[:1])
+    assert shared == reference[:1] and shared_cached[0] == PROMPT_BLOCKS[0] * block
+    close(third)
+
+    # Every disk object corrupted (one payload byte flipped): each load fails its
+    # checksum, vLLM recomputes, and the tokens do not change.
+    for f in files:
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 0xFF
+        f.write_bytes(bytes(data))
+    fourth = engine(model, block_size=block_size, tiers=[f"disk:{disk}:256MiB"])
+    bad, _ = one_by_one(fourth, prompts[:1])
+    assert bad == reference[:1]
+    assert worker_connector()._worker.load_failures >= 1
+    close(fourth)
+
+    # Another namespace over the same store: the same tokens never match.
+    fifth = engine(model, block_size=block_size, tiers=[store.url], extra={"namespace": "other"})
+    other, other_cached = one_by_one(fifth, prompts[:1])
+    assert other == reference[:1] and other_cached == [0]
+    close(fifth)
