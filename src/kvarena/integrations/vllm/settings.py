@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ...checks import parse_bytes
 from ...errors import Error
 from ...tiers import SPEC_FORMS
 
@@ -76,6 +77,14 @@ class ConnectorSettings:
                 raise ConnectorConfigError(
                     f"{where}['tiers'][{i}] = {tiers[i]!r}: use {SPEC_FORMS}"
                 )
+            size = _size(tiers[i], kind)
+            if size is not None:
+                try:
+                    parse_bytes(size)
+                except Error as exc:
+                    raise ConnectorConfigError(
+                        f"{where}['tiers'][{i}] = {tiers[i]!r}: {exc}"
+                    ) from None
             if kind in kinds[:i]:
                 raise ConnectorConfigError(
                     f"{where}['tiers'][{i}] = {tiers[i]!r}: a second {kind} tier; "
@@ -93,6 +102,16 @@ class ConnectorSettings:
                 f"{where}['host_unit_bytes'] must be an integer in 512..2**30, got {unit!r}"
             )
         return cls(tiers=tuple(s.strip() for s in tiers), namespace=namespace, host_unit_bytes=unit)
+
+
+def _size(spec: str, kind: str) -> str | None:
+    """The size part of a host or disk spec (``host:SIZE``, ``disk:DIR:SIZE``)."""
+    text = spec.strip()
+    if kind == "host":
+        return text.partition(":")[2]
+    if kind == "disk":
+        return text.rsplit(":", 1)[1] if text.count(":") >= 2 else ""
+    return None
 
 
 def _kind(spec: str) -> str | None:

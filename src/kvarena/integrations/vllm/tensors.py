@@ -40,15 +40,12 @@ def expected_block_bytes(group: Group) -> int:
     """The bytes one layer's block holds by its spec (a state page unpadded)."""
     spec = group.spec
     if group.kind == "kv":
-        if spec["class"] == "MLAAttentionSpec":
-            heads = 1
-        else:
-            heads = int(spec["num_kv_heads"])
         item = _DTYPES[spec["dtype"]].itemsize
-        per_token = heads * int(spec["head_size"]) * item
-        return (
-            per_token * int(spec["block_size"]) * (1 if spec["class"] == "MLAAttentionSpec" else 2)
-        )
+        if spec["class"] == "MLAAttentionSpec":  # one latent vector per token
+            return int(spec["block_size"]) * int(spec["head_size"]) * item
+        v = spec.get("head_size_v") or spec["head_size"]
+        per_token = int(spec["num_kv_heads"]) * (int(spec["head_size"]) + int(v)) * item
+        return per_token * int(spec["block_size"])
     shapes, dtypes = spec["shapes"], spec["dtypes"]
     return sum(
         math.prod(int(x) for x in s) * _DTYPES[d].itemsize
@@ -99,7 +96,7 @@ class LayerBlocks:
         (one copy; on CUDA it waits for the forward that wrote them)."""
         ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.raw.device)
         rows = torch.index_select(self.raw, self.dim, ids).movedim(self.dim, 0)
-        return rows.reshape(len(block_ids), self.block_bytes).cpu().numpy()
+        return rows.reshape(len(block_ids), self.block_bytes).contiguous().cpu().numpy()
 
     def scatter(self, block_id: int, data: memoryview) -> None:
         """Write one block's bytes (``block_bytes`` of them) into the tensor."""

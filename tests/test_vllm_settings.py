@@ -1,0 +1,195 @@
+"""The connector's pure parts and its doors, without an engine where none is
+needed: settings refusals, the groups it serves and refuses, the namespace,
+and block bytes in and out of vLLM-shaped tensors (by bytes, for random
+shapes and dtypes). The last test starts a real engine with a bad config.
+Runs in the ``.venv-vllm`` environment; skipped where vLLM is not installed."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+pytest.importorskip("vllm")
+
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+from kvarena.errors import Error  # noqa: E402
+from kvarena.integrations.vllm.groups import classify, namespace_json  # noqa: E402
+from kvarena.integrations.vllm.settings import (  # noqa: E402
+    ConnectorConfigError,
+    ConnectorSettings,
+)
+from kvarena.integrations.vllm.tensors import LayerBlocks, expected_block_bytes  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    ("extra", "names"),
+    [
+        (None, "'tiers'"),
+        ({}, "'tiers'"),
+        ({"tiers": "host:1GiB"}, "'tiers'"),
+        ({"tiers": []}, "'tiers'"),
+        ({"tiers": ["host:1GiB"], "tier": 1}, "'tier'"),
+        ({"tiers": ["nowhere:1GiB"]}, "['tiers'][0]"),
+        ({"tiers": ["host:1GiB", "host:2GiB"]}, "['tiers'][1]"),
+        ({"tiers": [3]}, "['tiers'][0]"),
+        ({"tiers": ["host:1GiB"], "namespace": 7}, "'namespace'"),
+        ({"tiers": ["host:1GiB"], "host_unit_bytes": 100}, "'host_unit_bytes'"),
+        ({"tiers": ["host:1GiB"], "host_unit_bytes": True}, "'host_unit_bytes'"),
+        ([("tiers", "x")], "mapping"),
+    ],
+)
+def test_bad_settings_are_refused_naming_the_key(extra, names):
+    with pytest.raises(ConnectorConfigError) as err:
+        ConnectorSettings.parse(extra)
+    assert names in str(err.value) and "\n" not in str(err.value)
+    assert isinstance(err.value, Error)
+
+
+def test_good_settings_parse():
+    s = ConnectorSettings.parse(
+        {"tiers": [" host:1GiB", "disk:/tmp/x:2GiB", "redis://h:1"], "namespace": "fleet-a"}
+    )
+    assert s.tiers == ("host:1GiB", "disk:/tmp/x:2GiB", "redis://h:1") and s.namespace == "fleet-a"
+
+
+def attention(bs=32, heads=2, size=64, dtype=torch.bfloat16):
+    return FullAttentionSpec(block_size=bs, num_kv_heads=heads, head_size=size, dtype=dtype)
+
+
+def mamba(bs=32, mode="align"):
+    return MambaSpec(
+        block_size=bs,
+        shapes=((3, 256), (4, 16, 16)),
+        dtypes=(torch.bfloat16, torch.float32),
+        mamba_cache_mode=mode,
+    )
+
+
+def config(*specs):
+    return KVCacheConfig(
+        num_blocks=8,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(layer_names=[f"layer.{i}"], kv_cache_spec=s)
+            for i, s in enumerate(specs)
+        ],
+    )
+
+
+def test_groups_are_kv_or_state_and_others_are_refused_by_name():
+    groups = classify(config(mamba(), attention()))
+    assert [g.kind for g in groups] == ["state", "kv"]
+    assert expected_block_bytes(groups[1]) == 32 * 2 * 2 * 64 * 2
+    assert expected_block_bytes(groups[0]) == 3 * 256 * 2 + 4 * 16 * 16 * 4
+    swa = SlidingWindowSpec(
+        block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=128
+    )
+    with pytest.raises(ConnectorConfigError, match="SlidingWindowSpec"):
+        classify(config(attention(), swa))
+    with pytest.raises(ConnectorConfigError, match="mamba_cache_mode='all'"):
+        classify(config(attention(), mamba(mode="all")))
+    with pytest.raises(ConnectorConfigError, match="block sizes"):
+        classify(config(attention(32), mamba(64)))
+
+
+def test_the_namespace_changes_with_every_field():
+    groups = classify(config(mamba(), attention()))
+    base = dict(
+        model="m",
+        revision=None,
+        word="",
+        groups=groups,
+        layout="NHD",
+        tp_rank=0,
+        tp_size=1,
+        pp_size=1,
+    )
+    seen = {namespace_json(**base)}
+    for key, value in [
+        ("model", "m2"),
+        ("revision", "abc"),
+        ("word", "fleet"),
+        ("groups", classify(config(mamba(), attention(dtype=torch.float16)))),
+        ("groups", classify(config(mamba(), attention(heads=4)))),
+        ("layout", "HND"),
+        ("tp_rank", 1),
+        ("tp_size", 2),
+        ("pp_size", 2),
+    ]:
+        seen.add(namespace_json(**{**base, key: value}))
+    assert len(seen) == 10
+
+
+DTYPES = [torch.bfloat16, torch.float32, torch.int8, torch.float16]
+
+
+@given(
+    kv_first=st.booleans(),
+    blocks=st.integers(3, 9),  # vLLM's block counts are never 2 (K/V's dimension)
+    inner=st.lists(st.integers(1, 5), min_size=1, max_size=3),
+    dtype=st.sampled_from(DTYPES),
+    data=st.data(),
+)
+def test_block_bytes_round_trip_exactly(kv_first, blocks, inner, dtype, data):
+    shape = ([2, blocks] if kv_first else [blocks]) + inner
+    src = torch.randint(-100, 100, shape).to(dtype)
+    per_block = (2 if kv_first else 1) * int(torch.tensor(inner).prod()) * dtype.itemsize
+    group = classify(config(attention()))[0]
+    group = type(group)(
+        index=0,
+        kind="state",
+        layers=("l",),
+        spec={"class": "MambaSpec", "shapes": [[per_block]], "dtypes": ["torch.int8"]},
+    )
+    layer = LayerBlocks.of("l", src, num_blocks=blocks, group=group)
+    ids = data.draw(st.lists(st.integers(0, blocks - 1), min_size=1, max_size=blocks, unique=True))
+    rows = layer.gather(ids)
+    raw = src.view(torch.uint8)
+    for row, b in zip(rows, ids, strict=True):
+        want = (raw[:, b] if kv_first else raw[b]).contiguous().reshape(-1).numpy()
+        assert bytes(row) == bytes(want)
+    dst = torch.zeros_like(src)
+    out = LayerBlocks.of("l", dst, num_blocks=blocks, group=group)
+    for row, b in zip(rows, ids, strict=True):
+        out.scatter(b, memoryview(row))
+    for b in range(blocks):
+        got, want = (dst[:, b], src[:, b]) if kv_first else (dst[b], src[b])
+        expect = want if b in ids else torch.zeros_like(want)
+        assert torch.equal(got.view(torch.uint8), expect.view(torch.uint8))  # nothing else written
+
+
+def test_unknown_tensor_layouts_are_refused_with_the_shapes():
+    group = classify(config(attention()))[0]
+    with pytest.raises(ConnectorConfigError, match=r"\[32, 8, 2, 128\]"):
+        LayerBlocks.of(
+            "l", torch.zeros(32, 8, 2, 128, dtype=torch.bfloat16), num_blocks=8, group=group
+        )
+    with pytest.raises(ConnectorConfigError, match="holds"):
+        LayerBlocks.of(
+            "l", torch.zeros(8, 2, 32, 64, dtype=torch.bfloat16), num_blocks=8, group=group
+        )
+    with pytest.raises(ConnectorConfigError, match="contiguous"):
+        t = torch.zeros(8, 2, 128, 32, dtype=torch.bfloat16).transpose(2, 3)
+        LayerBlocks.of("l", t, num_blocks=8, group=group)
+
+
+def test_an_engine_with_a_bad_config_is_refused_at_start(tmp_path):
+    from test_vllm_connector import engine
+
+    from kvarena.testing.vllm_models import save_tiny
+
+    model = save_tiny("llama", tmp_path)
+    with pytest.raises(Exception, match=r"\['tiers'\]\[0\]"):
+        engine(model, block_size=32, tiers=["host:lots"])
