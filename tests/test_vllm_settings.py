@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 pytest.importorskip("vllm")
 
-from vllm.v1.kv_cache_interface import (  # noqa: E402
+from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -24,13 +24,13 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     SlidingWindowSpec,
 )
 
-from kvarena.errors import Error  # noqa: E402
-from kvarena.integrations.vllm.groups import classify, namespace_json  # noqa: E402
-from kvarena.integrations.vllm.settings import (  # noqa: E402
+from kvarena.errors import Error
+from kvarena.integrations.vllm.groups import classify, namespace_json
+from kvarena.integrations.vllm.settings import (
     ConnectorConfigError,
     ConnectorSettings,
 )
-from kvarena.integrations.vllm.tensors import LayerBlocks, expected_block_bytes  # noqa: E402
+from kvarena.integrations.vllm.tensors import LayerBlocks, expected_block_bytes
 
 
 @pytest.mark.parametrize(
