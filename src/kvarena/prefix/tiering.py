@@ -87,6 +87,9 @@ class WriteDown:
     ) -> None:
         self._buf, self._stride, self._spec = buf, block_stride, spec
         self._expect, self._tiers, self._metrics = expect, tiers, metrics
+        # Objects bound for a host tier stay unsealed: it holds them in this
+        # process's memory; a tier below seals what it is handed.
+        self._seal = not (tiers and tiers.tiers[0].trusted)
 
     def kv_object(self, key: bytes, block: int, index: int) -> TierObject:
         e = self._expect
@@ -100,6 +103,7 @@ class WriteDown:
             end=(index + 1) * e.block_size,
             payload=payload,
             payload_bytes=e.block_bytes,
+            seal=self._seal,
         )
 
     def state_object(self, key: bytes, units: Sequence[int], boundary: int) -> TierObject:
@@ -121,6 +125,7 @@ class WriteDown:
             end=boundary * e.block_size,
             payload=parts,
             payload_bytes=spec.image_bytes,
+            seal=self._seal,
         )
 
     def __call__(self, victims: Sequence[Evicted]) -> None:
@@ -159,12 +164,13 @@ def fetch_checked(
     the tier and counted by reason)."""
     failed: set[str] = set()
     todo = [(n, e) for n, e in items if n not in good]
+    trusted = tiers.tiers[tier].trusted
     for (name, exp), data in zip(todo, tiers.fetch(tier, [n for n, _ in todo]), strict=True):
         if data is None:
             failed.add(name)
             continue
         try:
-            good[name] = decode(data, exp)
+            good[name] = decode(data, exp, trusted=trusted)
         except ImageMismatch as exc:
             r = metrics.tier_rejected
             r[exc.reason] = r.get(exc.reason, 0) + 1

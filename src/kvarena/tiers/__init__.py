@@ -14,6 +14,7 @@ from .image import (
     encode,
     object_name,
     read_header,
+    seal,
 )
 from .redis_tier import RedisTier
 from .stack import SPEC_FORMS, TierStack, parse_tier
@@ -38,4 +39,5 @@ __all__ = [
     "object_name",
     "parse_tier",
     "read_header",
+    "seal",
 ]

@@ -105,6 +105,13 @@ class Tier(abc.ABC):
         """Release what the tier holds open (files, sockets); objects stay where durable."""
 
     @property
+    def trusted(self) -> bool:
+        """Whether this tier's bytes live in this process's own memory, where
+        nothing else can change them: its objects are loaded without
+        recomputing checksums (and may be held unsealed)."""
+        return False
+
+    @property
     def cascades(self) -> bool:
         """Whether this tier's evictions should go to the next tier down (a shared
         store evicts on its server and cannot hand anything back)."""

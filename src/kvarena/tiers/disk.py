@@ -53,7 +53,7 @@ from ..checks import check_bytes
 from ..errors import InvalidValueError
 from ..locking import synchronized
 from .base import IndexedTier, TierError
-from .image import HEAD_BYTES, MAX_NAMESPACE_BYTES, ImageMismatch, TierObject, read_header
+from .image import HEAD_BYTES, MAX_NAMESPACE_BYTES, ImageMismatch, TierObject, read_header, seal
 
 SUFFIX = ".kvi"
 TMP_SUFFIX = ".tmp"
@@ -300,7 +300,8 @@ class DiskTier(IndexedTier):
     ) -> list[TierObject]:
         """Write the batch to temporary files, make them durable together, then
         rename each into place: a reader never sees an object before its bytes
-        are on disk."""
+        are on disk. Objects are sealed first (a file can be changed by anyone)."""
+        objects = [seal(o) for o in objects]
         for obj in objects:
             if not NAME.fullmatch(obj.name):
                 raise InvalidValueError(

@@ -81,6 +81,10 @@ class HostTier(IndexedTier):
         self._stored: dict[str, int] = {}
         self.pinned = pin_memory
 
+    @property
+    def trusted(self) -> bool:
+        return True
+
     def describe(self) -> str:
         return f"host {self._capacity:,} B ({self.num_units:,} units of {self.unit_bytes:,} B)"
 

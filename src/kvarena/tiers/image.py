@@ -18,6 +18,15 @@ xxh3-64 (the ``xxhash`` package) is the checksum: it runs at memory bandwidth
 on one core (``benchmarks/bench_tiers.py`` prints it beside CRC32), where a
 load's other work — a file read, a network hop — is far slower.
 
+A *sealed* image carries its checksum. One that stays in this process's own
+memory (the host tier) needs none: nothing outside the process can change
+those bytes, so the hot path — a put and a get of the host tier — is one copy,
+not a copy and a checksum pass. ``encode(..., seal=False)`` leaves the
+checksum for later; every tier whose bytes can be changed from outside (a
+disk, a shared store) seals an object before it writes it (:func:`seal`), and
+``decode`` refuses an unsealed image unless the caller read it from trusted
+memory (``trusted=True``, which also skips the checksum there).
+
 An *elided* image is the same header with the payload left out: what a cache
 on torch's ``meta`` device (bookkeeping replays) writes, since it holds no
 bytes. Its header still declares the payload's length, which is what tier
@@ -39,6 +48,8 @@ from ..errors import Error, InvalidValueError
 MAGIC = b"KVARENA\x89"
 FORMAT_VERSION = 1
 FLAG_ELIDED = 1
+FLAG_UNSEALED = 2  # no checksum yet: only ever held in this process's memory
+_FLAGS_AT = 11  # the flags byte: after magic (8), version (2) and kind (1)
 
 _HEAD = struct.Struct("<8sHBBIQQQ16sQ")
 """magic, version, kind, flags, namespace length, span start, span end,
@@ -73,7 +84,7 @@ def object_name(kind: ImageKind, key: bytes) -> str:
 class ImageMismatch(Error, ValueError):
     """An object that is not what the caller asked for; ``reason`` is one word
     (``truncated``, ``magic``, ``version``, ``checksum``, ``kind``, ``namespace``,
-    ``key``, ``span``, ``length``, ``elided``). The caller counts it as a miss."""
+    ``key``, ``span``, ``length``, ``elided``, ``unsealed``). The caller counts it as a miss."""
 
     def __init__(self, reason: str, message: str) -> None:
         self.reason = reason
@@ -119,6 +130,7 @@ class ImageHeader:
     version: int
     kind: int
     elided: bool
+    sealed: bool
     namespace: bytes
     start: int
     end: int
@@ -161,8 +173,10 @@ def encode(
     end: int,
     payload: Sequence[bytes | memoryview] | None,
     payload_bytes: int,
+    seal: bool = True,
 ) -> TierObject:
-    """An image of ``payload`` (its parts in order; None: elided) as a tier object.
+    """An image of ``payload`` (its parts in order; None: elided) as a tier object;
+    ``seal=False`` leaves the checksum to whoever writes it outside this process.
 
     Every header field is checked against what the header can hold before a
     byte is packed: a refusal names the field, never a raw ``struct.error``."""
@@ -180,7 +194,7 @@ def encode(
     parts = tuple(payload) if payload is not None else ()
     if payload is not None and sum(memoryview(p).nbytes for p in parts) != payload_bytes:
         raise ImageMismatch("length", f"payload parts do not add up to {payload_bytes} bytes")
-    flags = FLAG_ELIDED if payload is None else 0
+    flags = (FLAG_ELIDED if payload is None else 0) | (0 if seal else FLAG_UNSEALED)
     head = bytearray(
         _HEAD.pack(
             MAGIC,
@@ -195,16 +209,51 @@ def encode(
             0,
         )
     )
-    h = xxhash.xxh3_64(bytes(head))
-    h.update(namespace)
-    for p in parts:
-        h.update(p)
-    struct.pack_into("<Q", head, _CHECKSUM_AT, h.intdigest())
+    if seal:
+        _stamp(head, namespace, parts)
     return TierObject(
         name=object_name(kind, key),
         parts=(bytes(head) + namespace, *parts),
         logical_bytes=image_bytes(namespace, payload_bytes),
     )
+
+
+def _stamp(
+    head: bytearray, namespace: bytes | memoryview, parts: Sequence[bytes | memoryview]
+) -> None:
+    """Write the checksum of (header with checksum zero, namespace, payload) into ``head``."""
+    h = xxhash.xxh3_64(bytes(head))
+    h.update(namespace)
+    for p in parts:
+        h.update(p)
+    struct.pack_into("<Q", head, _CHECKSUM_AT, h.intdigest())
+
+
+def is_sealed(obj: TierObject) -> bool:
+    """False only for an unsealed image; tiers store opaque objects, so anything
+    that is not an image has nothing to seal."""
+    first = memoryview(obj.parts[0]).cast("B") if obj.parts else memoryview(b"")
+    if first.nbytes < HEAD_BYTES or first[:8] != MAGIC:
+        return True
+    return not first[_FLAGS_AT] & FLAG_UNSEALED
+
+
+def seal(obj: TierObject) -> TierObject:
+    """``obj`` with its checksum computed (itself if it has one): what a tier
+    outside this process's memory writes. The object may have been read back
+    from the host tier as one buffer (header, namespace and payload together)."""
+    if is_sealed(obj):
+        return obj
+    first = memoryview(obj.parts[0]).cast("B")
+    ns_len = struct.unpack_from("<I", first, 12)[0]
+    head = bytearray(first[:HEAD_BYTES])
+    head[_FLAGS_AT] &= ~FLAG_UNSEALED & 0xFF
+    struct.pack_into("<Q", head, _CHECKSUM_AT, 0)
+    rest = [first[HEAD_BYTES:], *obj.parts[1:]]  # namespace (and payload) in order
+    ns = bytes(first[HEAD_BYTES : HEAD_BYTES + ns_len])
+    payload = [first[HEAD_BYTES + ns_len :], *obj.parts[1:]]
+    _stamp(head, ns, payload)
+    return TierObject(obj.name, (bytes(head), *rest), obj.logical_bytes)
 
 
 def read_header(data: bytes | bytearray | memoryview) -> ImageHeader:
@@ -226,6 +275,7 @@ def read_header(data: bytes | bytearray | memoryview) -> ImageHeader:
         version=version,
         kind=kind,
         elided=bool(flags & FLAG_ELIDED),
+        sealed=not flags & FLAG_UNSEALED,
         namespace=bytes(view[HEAD_BYTES : HEAD_BYTES + ns_len]),
         start=start,
         end=end,
@@ -244,18 +294,27 @@ def checksum_of(data: bytes | bytearray | memoryview) -> int:
     return h.intdigest()
 
 
-def decode(data: bytes | bytearray | memoryview, expect: Expected) -> memoryview:
+def decode(
+    data: bytes | bytearray | memoryview, expect: Expected, *, trusted: bool = False
+) -> memoryview:
     """The payload of ``data`` if it is exactly the image ``expect`` describes,
     else :class:`ImageMismatch`. The checksum comes first: a flipped bit anywhere
-    is named as such, not as whichever field it happened to land in."""
+    is named as such, not as whichever field it happened to land in.
+
+    ``trusted``: ``data`` was read from this process's own memory (the host
+    tier), which nothing else can change: the checksum is not recomputed and an
+    unsealed image is taken; every other field is still checked."""
     view = memoryview(data).cast("B")
     head = read_header(view)
     if view.nbytes != head.stored_bytes:
         raise ImageMismatch(
             "truncated", f"{view.nbytes} bytes stored, the header declares {head.stored_bytes}"
         )
-    if checksum_of(view) != head.checksum:
-        raise ImageMismatch("checksum", "header or payload changed since it was written")
+    if not trusted:
+        if not head.sealed:
+            raise ImageMismatch("unsealed", "no checksum: an image of another process's memory")
+        if checksum_of(view) != head.checksum:
+            raise ImageMismatch("checksum", "header or payload changed since it was written")
     if head.kind != int(expect.kind):
         raise ImageMismatch("kind", f"kind {head.kind}, expected {int(expect.kind)}")
     if head.namespace != expect.namespace:

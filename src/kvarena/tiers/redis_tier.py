@@ -26,7 +26,7 @@ from ..checks import check_timeout
 from ..errors import InvalidValueError
 from ..locking import synchronized
 from .base import Tier, TierError
-from .image import TierObject
+from .image import TierObject, seal
 
 DEFAULT_PREFIX = "kvarena:"
 INLINE_BYTES = 64 << 10
@@ -170,7 +170,9 @@ class RedisTier(Tier):
     def put_many(
         self, objects: Sequence[TierObject], *, want_evicted: bool = True
     ) -> list[TierObject]:
-        """SETs in batches of about ``BATCH_BYTES``, each batch one round trip."""
+        """SETs in batches of about ``BATCH_BYTES``, each batch one round trip;
+        objects are sealed first (a shared store can be changed by anyone)."""
+        objects = [seal(o) for o in objects]
         i = 0
         while i < len(objects):
             chunk: list[TierObject] = []

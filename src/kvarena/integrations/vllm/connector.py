@@ -70,10 +70,6 @@ class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
         extra = self._kv_transfer_config.kv_connector_extra_config
         settings = ConnectorSettings.parse(extra)
         groups, namespace, block_size = _identity(vllm_config, kv_cache_config, settings)
-        self._kinds = [
-            s.split(":", 1)[0] if s.startswith(("host:", "disk:")) else "redis"
-            for s in settings.tiers
-        ]
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._num_blocks = int(kv_cache_config.num_blocks)
@@ -157,7 +153,7 @@ class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int):
         assert self._scheduler is not None
-        found = self._scheduler.hit_sources(request, num_external_tokens, self._kinds)
+        found = self._scheduler.hit_sources(request, num_external_tokens)
         return {_SOURCES.get(k, CacheHitSource.EXTERNAL_UNSPECIFIED): n for k, n in found.items()}
 
     def build_connector_meta(self, scheduler_output: Any) -> StepPlan:

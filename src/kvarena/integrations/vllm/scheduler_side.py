@@ -56,6 +56,7 @@ class SchedulerSide:
         self._failed: set[str] = set()  # names a load could not use, until saved again
         self.lookups = 0
         self.hit_tokens = 0
+        self.hit_tokens_by_tier: dict[str, int] = {}  # by the deepest tier a load reads
 
     # -- keys ---------------------------------------------------------------------
     @staticmethod
@@ -152,17 +153,21 @@ class SchedulerSide:
                 f"of {b} blocks loads (block ids {block_ids}); refusing to load"
             )
         self._loads.append(load)
-        self.hit_tokens += b * self.block_size - local * self.block_size
+        tokens = (b - local) * self.block_size
+        self.hit_tokens += tokens
+        for kind, n in self.hit_sources(request, tokens).items():
+            self.hit_tokens_by_tier[kind] = self.hit_tokens_by_tier.get(kind, 0) + n
         self._saved[rid] = b
         self._floor[rid] = b
 
-    def hit_sources(self, request: Any, tokens: int, kinds: list[str]) -> dict[str, int]:
+    def hit_sources(self, request: Any, tokens: int) -> dict[str, int]:
         """Hit tokens by the outermost tier that serves each block of the load."""
         load = next((x for x in self._loads if x.request == request.request_id), None)
         if load is None or tokens == 0:
             return {}
         tiers = [c.tier for c in load.kv] + ([load.state.tier] if load.state is not None else [])
         deepest = max((t for t in tiers if t is not None), default=None)
+        kinds = self.catalogue.kinds
         return {kinds[deepest] if deepest is not None else "external": tokens}
 
     # -- each step ----------------------------------------------------------------

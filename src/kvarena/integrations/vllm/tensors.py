@@ -15,6 +15,7 @@ alike), one batched gather or scatter per layer.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -101,7 +102,9 @@ class LayerBlocks:
     def scatter(self, block_id: int, data: memoryview) -> None:
         """Write one block's bytes (``block_bytes`` of them) into the tensor."""
         dst = self.raw.select(self.dim, block_id)
-        src = torch.frombuffer(data, dtype=torch.uint8).view(dst.shape)
+        with warnings.catch_warnings():  # a read-only source, only ever read from
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.frombuffer(data, dtype=torch.uint8).view(dst.shape)
         dst.copy_(src)
 
 

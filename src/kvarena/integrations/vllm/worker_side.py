@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ...tiers import Expected, ImageKind, ImageMismatch, TierObject, TierStack, decode, encode
+from ...tiers import Expected, ImageKind, ImageMismatch, TierObject, TierStack, decode, encode, seal
 from ...tiers.image import object_name
 from .groups import Group
 from .records import BlockCopy, Load, StepPlan, WorkerReport
@@ -97,11 +97,12 @@ class WorkerSide:
             if not todo:
                 break
             got = self.tiers.fetch(t, [names[j] for j in todo])
+            trusted = self.tiers.tiers[t].trusted
             rest, bad = [], []
             for j, data in zip(todo, got, strict=True):
                 if data is not None:
                     try:
-                        out[j] = decode(data, self._expected(*wanted[j]))
+                        out[j] = decode(data, self._expected(*wanted[j]), trusted=trusted)
                         continue
                     except ImageMismatch as exc:
                         log.warning("kvarena: %s in %s: %s", names[j], self.tiers.names[t], exc)
@@ -211,9 +212,15 @@ class WorkerSide:
                     end=exp.end,
                     payload=parts,
                     payload_bytes=exp.payload_bytes,
+                    seal=False,
                 )
             )
-        for tier in self.tiers.tiers:
+        # Trusted tiers (host memory) take the objects unsealed; the rest get
+        # them sealed, the checksum computed once for all of them.
+        tiers = sorted(self.tiers.tiers, key=lambda t: not t.trusted)
+        for tier in tiers:
+            if not tier.trusted:
+                objects = [seal(o) for o in objects]
             hosted = tier.kind == "host"
             evicted = tier.put_many(objects, want_evicted=hosted)
             if hosted:

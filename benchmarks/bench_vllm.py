@@ -1,0 +1,231 @@
+"""vLLM alone vs vLLM + kvarena's connector, on a slice of the shared Mooncake trace.
+
+.venv-vllm/bin/python benchmarks/bench_vllm.py [--requests 40] [--tokens-per-hash 32]
+    [--model qwen3_next] [--device-kv 16MiB] [--max-out 8]
+
+The trace's requests name their prompts by hash ids, one per 512-token block
+shared between requests. Each hash id is expanded here into ``--tokens-per-hash``
+token ids (drawn from a generator seeded by the id, below the model's
+vocabulary), so prompts keep the trace's sharing at a length a CPU prefills in
+seconds; outputs are capped at ``--max-out`` tokens. The requests run one at a
+time, in trace order, through a tiny random model (``kvarena.testing.vllm_models``:
+Qwen3-Next by default, Gated DeltaNet + attention) with a device KV budget
+(``--device-kv``) far below the slice's history, so vLLM's own prefix cache
+keeps little of it:
+
+- vLLM alone (its device prefix cache);
+- vLLM + kvarena, a host tier;
+- vLLM + kvarena, a host tier and a disk tier.
+
+Per row: prompt tokens computed, hit tokens (vLLM's ``num_cached_tokens``: the
+device cache and the connector's loads together; the connector's share and
+the deepest tier each load read), TTFT p50/p99, decode tokens/s (over the
+requests that decoded), and whether every request's tokens equal vLLM alone's.
+The engines run in this process (the ``uni`` executor), one after another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+TRACE = (
+    Path(__file__).resolve().parents[1].parent
+    / "shared"
+    / "traces"
+    / "mooncake_synthetic_trace.jsonl"
+)
+
+
+def prompts(path: Path, n: int, per_hash: int, vocab: int, max_out: int):
+    out = []
+    with open(path) as f:
+        for line in f:
+            if len(out) >= n:
+                break
+            rec = json.loads(line)
+            ids: list[int] = []
+            for h in rec["hash_ids"]:
+                rng = random.Random(h)
+                ids += [rng.randrange(3, vocab) for _ in range(per_hash)]
+            # The last hash block may be partial: keep the trace's length in proportion.
+            keep = max(1, rec["input_length"] * per_hash // 512)
+            out.append((ids[:keep], max(1, min(max_out, rec["output_length"]))))
+    return out
+
+
+def engine(model: Path, device_kv: int, tiers: list[str] | None, max_len: int):
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kw = {}
+    if tiers is not None:
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KvarenaConnector",
+            kv_connector_module_path="kvarena.integrations.vllm",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"tiers": tiers},
+        )
+    return LLM(
+        model=str(model),
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        kv_cache_memory_bytes=device_kv,
+        enable_prefix_caching=True,
+        distributed_executor_backend="uni",
+        max_model_len=max_len,
+        disable_log_stats=False,
+        **kw,
+    )
+
+
+def shut(llm) -> None:
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+    ensure_kv_transfer_shutdown()
+    llm.llm_engine.engine_core.shutdown()
+
+
+def run(name: str, llm, work: list[tuple[list[int], int]]) -> dict:
+    from vllm import SamplingParams
+
+    tokens, ttft, rates, computed, cached = [], [], [], 0, 0
+    for prompt, n_out in work:
+        params = SamplingParams(max_tokens=n_out, temperature=0, detokenize=False, ignore_eos=True)
+        start = time.perf_counter()
+        o = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        wall = time.perf_counter() - start
+        m = o.metrics
+        first = m.first_token_latency if m is not None and m.first_token_latency else wall
+        ttft.append(first)
+        n = len(o.outputs[0].token_ids)
+        if m is not None and n > 1 and m.last_token_ts > m.first_token_ts:
+            rates.append((n - 1) / (m.last_token_ts - m.first_token_ts))
+        tokens.append(list(o.outputs[0].token_ids))
+        cached += o.num_cached_tokens
+        computed += len(prompt) - o.num_cached_tokens
+    row = {
+        "run": name,
+        "computed": computed,
+        "hit": cached,
+        "ttft_p50_ms": 1e3 * statistics.median(ttft),
+        "ttft_p99_ms": 1e3 * sorted(ttft)[min(len(ttft) - 1, int(0.99 * len(ttft)))],
+        "decode_tok_s": statistics.median(rates) if rates else float("nan"),
+        "tokens": tokens,
+    }
+    try:  # the scheduler's half of the connector, in this process
+        conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
+        row["connector_hit"] = conn._scheduler.hit_tokens
+        row["by_tier"] = dict(conn._scheduler.hit_tokens_by_tier)
+    except AttributeError:
+        row["connector_hit"], row["by_tier"] = 0, {}
+    return row
+
+
+def shared_prefix(model: Path, device: int, prefix: int, repeats: int) -> dict:
+    """TTFT of a prompt whose ``prefix`` tokens were computed before: cold (a
+    new prefix), and warm from the host tier after ``reset_prefix_cache`` (so
+    vLLM's device cache holds none of it); medians over ``repeats`` prefixes."""
+    from vllm import SamplingParams
+
+    llm = engine(model, device, ["host:2GiB"], prefix + 256)
+    params = SamplingParams(max_tokens=1, temperature=0, detokenize=False, ignore_eos=True)
+    cold, warm, same = [], [], True
+    for r in range(repeats + 1):
+        rng = random.Random(1000 + r)
+        base = [rng.randrange(3, 500) for _ in range(prefix)]
+        timed = []
+        for tail in ([7, 8, 9], [11, 12, 13, 14]):
+            start = time.perf_counter()
+            o = llm.generate([{"prompt_token_ids": base + tail}], params, use_tqdm=False)[0]
+            timed.append((time.perf_counter() - start, o.num_cached_tokens))
+            llm.reset_prefix_cache()
+        if r == 0:
+            continue  # the first round warms the engine's kernels
+        cold.append(timed[0][0])
+        warm.append(timed[1][0])
+        same = same and timed[1][1] >= prefix - 256
+    shut(llm)
+    c, w = statistics.median(cold), statistics.median(warm)
+    return {"prefix": prefix, "cold_ms": 1e3 * c, "warm_ms": 1e3 * w, "ratio": w / c, "hit": same}
+
+
+def main() -> None:
+    from kvarena.checks import parse_bytes
+    from kvarena.testing.vllm_models import _COMMON, TINY, save_tiny
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", default=str(TRACE))
+    ap.add_argument("--requests", type=int, default=40)
+    ap.add_argument("--tokens-per-hash", type=int, default=32)
+    ap.add_argument("--model", default="qwen3_next", choices=sorted(TINY))
+    ap.add_argument("--device-kv", default="16MiB")
+    ap.add_argument("--max-out", type=int, default=8)
+    ap.add_argument("--prefix", type=int, default=4096, help="the shared-prefix TTFT row's prefix")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    work_dir = Path(tempfile.mkdtemp(prefix="kvarena-bench-vllm-"))
+    model = save_tiny(args.model, work_dir)
+    work = prompts(
+        Path(args.trace), args.requests, args.tokens_per_hash, _COMMON["vocab_size"], args.max_out
+    )
+    history = sum(len(p) for p, _ in work)
+    max_len = max(len(p) + n for p, n in work) + 64
+    device = parse_bytes(args.device_kv)
+    runs = [
+        ("vLLM alone", None),
+        ("vLLM + kvarena host", ["host:2GiB"]),
+        ("vLLM + kvarena host+disk", ["host:64MiB", f"disk:{work_dir / 'disk'}:4GiB"]),
+    ]
+    rows = []
+    for name, tiers in runs:
+        llm = engine(model, device, tiers, max_len)
+        rows.append(run(name, llm, work))
+        shut(llm)
+    warm = shared_prefix(model, device, args.prefix, 3)
+    ref = rows[0]["tokens"]
+    for r in rows:
+        r["identical"] = r.pop("tokens") == ref
+    if args.json:
+        print(
+            json.dumps(
+                {"requests": len(work), "prompt_tokens": history, "rows": rows, "warm": warm},
+                indent=1,
+            )
+        )
+        return
+    print(
+        f"{len(work)} requests of {args.trace} ({args.tokens_per_hash} tokens per hash id), "
+        f"{history:,} prompt tokens, tiny {args.model}, device KV {args.device_kv}"
+    )
+    print(
+        f"{'run':26} {'computed':>9} {'hit':>8} {'kvarena':>8} {'x alone':>8} "
+        f"{'TTFT p50':>9} {'p99':>8} {'decode t/s':>10}  identical  tiers"
+    )
+    base_hit = max(1, rows[0]["hit"])
+    for r in rows:
+        print(
+            f"{r['run']:26} {r['computed']:>9,} {r['hit']:>8,} {r['connector_hit']:>8,} "
+            f"{r['hit'] / base_hit:>8.2f} {r['ttft_p50_ms']:>7.1f}ms {r['ttft_p99_ms']:>6.1f}ms "
+            f"{r['decode_tok_s']:>10.1f}  {'yes' if r['identical'] else 'NO':9}  {r['by_tier']}"
+        )
+
+    print(
+        f"shared prefix of {warm['prefix']:,} tokens, TTFT: cold {warm['cold_ms']:.1f} ms, "
+        f"warm from the host tier {warm['warm_ms']:.1f} ms ({warm['ratio']:.2f}x cold; "
+        f"hit {'yes' if warm['hit'] else 'NO'})"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Unsealed images: the host tier's one-copy hot path, and the seal every
+other tier puts on before it writes.
+
+An image held only in this process's memory needs no checksum; one written
+where anything else can change it must have one. Checked by bytes: a sealed
+image equals what ``encode`` seals at once, a disk or store write of an
+unsealed image is sealed on the way, an unsealed image is refused by an
+untrusted load, and the checksum still catches a flipped byte on disk."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvarena.tiers import (
+    DiskTier,
+    Expected,
+    HostTier,
+    ImageKind,
+    ImageMismatch,
+    TierStack,
+    decode,
+    encode,
+    read_header,
+    seal,
+)
+
+NS = b'{"ns":"seal"}'
+
+
+def image(payload: list[bytes], *, sealed: bool, key: bytes = b"k" * 16, kind=ImageKind.STATE):
+    n = sum(len(p) for p in payload)
+    obj = encode(
+        kind=kind, namespace=NS, key=key, start=0, end=32, payload=payload, payload_bytes=n, seal=sealed
+    )
+    exp = Expected(
+        kind=kind, key=key, namespace=NS, start=0, end=32, payload_bytes=n, elided=False
+    )
+    return obj, exp
+
+
+@given(st.lists(st.binary(min_size=0, max_size=300), min_size=1, max_size=4))
+def test_sealing_later_gives_the_bytes_sealing_at_once_gives(parts):
+    now, exp = image(parts, sealed=True)
+    later, _ = image(parts, sealed=False)
+    assert not read_header(later.to_bytes()).sealed and read_header(now.to_bytes()).sealed
+    assert seal(later).to_bytes() == now.to_bytes()
+    assert seal(now) is now
+    # Read back from the host tier as one buffer, then sealed: the same bytes.
+    assert seal(type(later)(later.name, (later.to_bytes(),), later.logical_bytes)).to_bytes() == (
+        now.to_bytes()
+    )
+    assert bytes(decode(now.to_bytes(), exp)) == b"".join(parts)
+
+
+def test_an_unsealed_image_is_refused_unless_read_from_trusted_memory():
+    obj, exp = image([b"abc" * 50], sealed=False)
+    with pytest.raises(ImageMismatch) as err:
+        decode(obj.to_bytes(), exp)
+    assert err.value.reason == "unsealed"
+    assert bytes(decode(obj.to_bytes(), exp, trusted=True)) == b"abc" * 50
+    # Trusted skips only the checksum: every other field is still checked.
+    with pytest.raises(ImageMismatch, match="key"):
+        decode(obj.to_bytes(), Expected(**{**exp.__dict__, "key": b"x" * 16}), trusted=True)
+
+
+def test_host_holds_unsealed_and_disk_seals_what_it_is_handed(tmp_path):
+    host = HostTier(1 << 20, unit_bytes=4096)
+    disk = DiskTier(tmp_path / "d", 1 << 20)
+    assert host.trusted and not disk.trusted
+    stack = TierStack([host, disk])
+    objs = [image([bytes([i]) * 5000], sealed=False, key=bytes([i]) * 16) for i in range(3)]
+    stack.write_back([o for o, _ in objs])
+    for obj, exp in objs:
+        stored = host.get_many([obj.name])[0]
+        assert not read_header(stored).sealed
+        assert bytes(decode(stored, exp, trusted=True)) == obj.to_bytes()[-5000:]
+    # What the host evicts goes down sealed: a write-through of the same objects too.
+    disk.put_many([o for o, _ in objs])
+    for obj, exp in objs:
+        on_disk = disk.get_many([obj.name])[0]
+        assert read_header(on_disk).sealed
+        assert bytes(decode(on_disk, exp)) == obj.to_bytes()[-5000:]
+    # A flipped payload byte on disk is caught by the seal's checksum.
+    f = next((tmp_path / "d").glob("*.kvi"))
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 1
+    f.write_bytes(bytes(data))
+    name = f.name[: -len(".kvi")]
+    exp = next(e for o, e in objs if o.name == name)
+    with pytest.raises(ImageMismatch, match="checksum"):
+        decode(disk.get_many([name])[0], exp)
+    disk.close()
