@@ -32,11 +32,16 @@ NS = b'{"ns":"seal"}'
 def image(payload: list[bytes], *, sealed: bool, key: bytes = b"k" * 16, kind=ImageKind.STATE):
     n = sum(len(p) for p in payload)
     obj = encode(
-        kind=kind, namespace=NS, key=key, start=0, end=32, payload=payload, payload_bytes=n, seal=sealed
+        kind=kind,
+        namespace=NS,
+        key=key,
+        start=0,
+        end=32,
+        payload=payload,
+        payload_bytes=n,
+        seal=sealed,
     )
-    exp = Expected(
-        kind=kind, key=key, namespace=NS, start=0, end=32, payload_bytes=n, elided=False
-    )
+    exp = Expected(kind=kind, key=key, namespace=NS, start=0, end=32, payload_bytes=n, elided=False)
     return obj, exp
 
 
@@ -92,3 +97,32 @@ def test_host_holds_unsealed_and_disk_seals_what_it_is_handed(tmp_path):
     with pytest.raises(ImageMismatch, match="checksum"):
         decode(disk.get_many([name])[0], exp)
     disk.close()
+
+
+def test_borrow_reads_in_place_under_the_lock_and_copies_a_split_object(tmp_path):
+    import threading
+
+    from kvarena.tiers import TierObject
+
+    host = HostTier(16 * 4096, unit_bytes=4096)
+    objs = [TierObject(f"o{i}", (bytes([i]) * 4000,), 4000) for i in range(3)]
+    host.put_many(objs)
+    host.delete_many(["o1"])  # frees unit 1: the next two-unit object is split (1, 3)
+    split = TierObject("split", (b"s" * 8000,), 8000)
+    host.put_many([split])
+    assert host._units["split"] == [1, 3]
+    names = ["o0", "split", "missing", "o2"]
+    copies = host.get_many(names)
+    with host.borrow(names) as views:
+        assert [None if v is None else bytes(v) for v in views] == [
+            None if c is None else bytes(c) for c in copies
+        ]
+        assert views[0].readonly and views[2] is None
+        # In place: a one-run object is a view of the tier's own buffer; a split one a copy.
+        assert views[0].obj is host._mv.obj and views[1].obj is not host._mv.obj
+        taken = []
+        other = threading.Thread(target=lambda: taken.append(host._lock.acquire(blocking=False)))
+        other.start()
+        other.join()
+        assert taken == [False]  # no put can reuse the units while they are borrowed
+    host.check_books()

@@ -49,9 +49,12 @@ def check_int(value: Any, what: str, *, lo: int | None = None, hi: int | None = 
     Python ints and numpy integers pass; bools, floats (even integral ones),
     strings and tensors do not.
     """
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+    if type(value) is int:  # the common case, without the ABC check's cost
+        v = value
+    elif isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise InvalidValueError(f"{what} must be {_legal(lo, hi)}, got {value!r}")
-    v = int(value)
+    else:
+        v = int(value)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         raise InvalidValueError(f"{what} must be {_legal(lo, hi)}, got {v}")
     return v

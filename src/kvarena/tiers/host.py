@@ -14,7 +14,8 @@ buffer is an anonymous mapping, so pages never written cost no memory.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -108,6 +109,14 @@ class HostTier(IndexedTier):
         return out
 
     def _write(self, units: list[int], parts: Sequence[bytes | memoryview]) -> None:
+        if units[-1] - units[0] == len(units) - 1:  # one run (units are sorted): the usual case
+            pos, mv = units[0] * self.unit_bytes, self._mv
+            for part in parts:
+                src = part if type(part) is bytes else memoryview(part).cast("B")
+                n = len(src) if type(src) is bytes else src.nbytes
+                mv[pos : pos + n] = src
+                pos += n
+            return
         runs = _runs(units)
         r, run_pos = 0, 0  # run index, bytes written into it
         for part in parts:
@@ -145,7 +154,9 @@ class HostTier(IndexedTier):
                     evicted.append(TierObject(old, (self._read(old),), self._index[old]))
                 self._drop(old)
                 self.metrics.evictions += 1
-            units = sorted(self._free.pop() for _ in range(need))
+            units = (
+                [self._free.pop()] if need == 1 else sorted(self._free.pop() for _ in range(need))
+            )
             self._write(units, obj.parts)
             self._units[obj.name] = units
             self._stored[obj.name] = obj.stored_bytes
@@ -154,6 +165,32 @@ class HostTier(IndexedTier):
 
     def _fetch(self, name: str) -> memoryview:
         return self._read(name)
+
+    @contextlib.contextmanager
+    def borrow(self, names: Sequence[str]) -> Iterator[list[memoryview | None]]:
+        """Each object's stored bytes, read in place where its units are one run
+        (a copy where they are not), None where it is not held — valid only
+        inside the ``with`` block, which holds the tier's lock: no put can
+        reuse the units while the caller copies out of them. The one-copy read
+        (host memory straight into a device tensor) of the loaders' hot path."""
+        with self._lock:
+            out: list[memoryview | None] = []
+            for name in names:
+                self.metrics.gets += 1
+                if name not in self._index:
+                    self.metrics.misses += 1
+                    out.append(None)
+                    continue
+                runs = _runs(self._units[name])
+                n = self._stored[name]
+                if len(runs) == 1:
+                    start = runs[0][0] * self.unit_bytes
+                    view = self._mv[start : start + n].toreadonly()
+                else:
+                    view = self._read(name)
+                self._hit(name, n)
+                out.append(view)
+            yield out
 
     @synchronized
     def check_books(self) -> None:

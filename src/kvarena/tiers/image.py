@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from ..checks import check_bytes, check_int
+from ..checks import MAX_BYTES, check_bytes, check_int
 from ..errors import Error, InvalidValueError
 
 MAGIC = b"KVARENA\x89"
@@ -91,7 +91,11 @@ class ImageMismatch(Error, ValueError):
         super().__init__(f"{reason}: {message}")
 
 
-@dataclass(frozen=True, eq=False)
+def _nbytes(part: bytes | memoryview) -> int:
+    return len(part) if type(part) is bytes else memoryview(part).nbytes
+
+
+@dataclass(frozen=True, eq=False, slots=True)
 class TierObject:
     """What a tier stores: a name, the bytes (in parts, written in order, never
     joined unless a tier must) and the logical size its capacity counts."""
@@ -103,19 +107,31 @@ class TierObject:
     def __post_init__(self) -> None:
         # Checked where an object is made, so no tier ever sizes room from a
         # count that does not hold its bytes (an elided image stores less).
-        if not isinstance(self.name, str) or not self.name:
+        if type(self.name) is not str or not self.name:
             raise InvalidValueError(f"TierObject: name must be a non-empty str, got {self.name!r}")
         try:
-            stored = self.stored_bytes if isinstance(self.parts, tuple) else -1
+            stored = sum(map(_nbytes, self.parts)) if type(self.parts) is tuple else -1
         except TypeError:
             stored = -1
         if stored < 0:
             raise InvalidValueError("TierObject: parts must be a tuple of byte buffers")
-        check_bytes(self.logical_bytes, "TierObject: logical_bytes", lo=max(1, stored))
+        logical = self.logical_bytes
+        if not (type(logical) is int and max(1, stored) <= logical <= MAX_BYTES):
+            check_bytes(logical, "TierObject: logical_bytes", lo=max(1, stored))
+
+    @classmethod
+    def _checked(cls, name: str, parts: tuple[bytes | memoryview, ...], logical: int) -> TierObject:
+        """An object whose fields its maker has already checked (``encode``, a
+        tier reading back what it stored): the hot path skips re-checking them."""
+        obj = object.__new__(cls)
+        object.__setattr__(obj, "name", name)
+        object.__setattr__(obj, "parts", parts)
+        object.__setattr__(obj, "logical_bytes", logical)
+        return obj
 
     @property
     def stored_bytes(self) -> int:
-        return sum(memoryview(p).nbytes for p in self.parts)
+        return sum(map(_nbytes, self.parts))
 
     def to_bytes(self) -> bytes:
         return (
@@ -125,7 +141,7 @@ class TierObject:
         )
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ImageHeader:
     version: int
     kind: int
@@ -192,7 +208,7 @@ def encode(
     end = check_int(end, "encode: end", lo=start, hi=MAX_SPAN)
     payload_bytes = check_bytes(payload_bytes, "encode: payload_bytes")
     parts = tuple(payload) if payload is not None else ()
-    if payload is not None and sum(memoryview(p).nbytes for p in parts) != payload_bytes:
+    if payload is not None and sum(map(_nbytes, parts)) != payload_bytes:
         raise ImageMismatch("length", f"payload parts do not add up to {payload_bytes} bytes")
     flags = (FLAG_ELIDED if payload is None else 0) | (0 if seal else FLAG_UNSEALED)
     head = bytearray(
@@ -211,10 +227,11 @@ def encode(
     )
     if seal:
         _stamp(head, namespace, parts)
-    return TierObject(
-        name=object_name(kind, key),
-        parts=(bytes(head) + namespace, *parts),
-        logical_bytes=image_bytes(namespace, payload_bytes),
+    # Every field was checked above; the payload's length matches its parts.
+    return TierObject._checked(
+        object_name(kind, key),
+        (bytes(head) + namespace, *parts),
+        image_bytes(namespace, payload_bytes),
     )
 
 

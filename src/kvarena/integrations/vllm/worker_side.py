@@ -15,6 +15,7 @@ tier, so a restarted engine finds it on disk and another engine in the store.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -23,6 +24,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ...tiers import Expected, ImageKind, ImageMismatch, TierObject, TierStack, decode, encode, seal
+from ...tiers.host import HostTier
 from ...tiers.image import object_name
 from .groups import Group
 from .records import BlockCopy, Load, StepPlan, WorkerReport
@@ -88,21 +90,28 @@ class WorkerSide:
         )
 
     # -- loads ----------------------------------------------------------------------
-    def _fetch(self, wanted: list[tuple[ImageKind, BlockCopy]]) -> list[memoryview | None]:
-        """Each object's checked payload, from the first tier that holds a good one."""
+    def _fetch(
+        self, wanted: list[tuple[ImageKind, BlockCopy]], held: contextlib.ExitStack
+    ) -> list[memoryview | None]:
+        """Each object's checked payload, from the first tier that holds a good one.
+        A host tier's objects are read in place (``HostTier.borrow``, held open by
+        ``held`` until the caller has copied them out): one copy, host to device."""
         out: list[memoryview | None] = [None] * len(wanted)
         todo = list(range(len(wanted)))
         names = [object_name(kind, copy.key) for kind, copy in wanted]
-        for t in range(len(self.tiers)):
+        for t, tier in enumerate(self.tiers.tiers):
             if not todo:
                 break
-            got = self.tiers.fetch(t, [names[j] for j in todo])
-            trusted = self.tiers.tiers[t].trusted
+            asked = [names[j] for j in todo]
+            if isinstance(tier, HostTier):
+                got: list = held.enter_context(tier.borrow(asked))
+            else:
+                got = self.tiers.fetch(t, asked)
             rest, bad = [], []
             for j, data in zip(todo, got, strict=True):
                 if data is not None:
                     try:
-                        out[j] = decode(data, self._expected(*wanted[j]), trusted=trusted)
+                        out[j] = decode(data, self._expected(*wanted[j]), trusted=tier.trusted)
                         continue
                     except ImageMismatch as exc:
                         log.warning("kvarena: %s in %s: %s", names[j], self.tiers.names[t], exc)
@@ -110,7 +119,7 @@ class WorkerSide:
                 rest.append(j)
             if bad:  # nobody should trip on it again
                 self.tiers.drop(t, bad)
-                if self.tiers.tiers[t].kind == "host":
+                if tier.kind == "host":
                     with self._lock:
                         self._dropped += bad
             todo = rest
@@ -135,7 +144,16 @@ class WorkerSide:
         wanted = [(ImageKind.KV_BLOCK, c) for c in job.kv]
         if job.state is not None:
             wanted.append((ImageKind.STATE, job.state))
-        payloads = self._fetch(wanted)
+        with contextlib.ExitStack() as held:
+            payloads = self._fetch(wanted, held)
+            self._apply(job, wanted, payloads)
+
+    def _apply(
+        self,
+        job: Load,
+        wanted: list[tuple[ImageKind, BlockCopy]],
+        payloads: list[memoryview | None],
+    ) -> None:
         if any(p is None for p in payloads):
             # Nothing is copied for a load that cannot be served whole: vLLM
             # recomputes every block it named, from the first.
