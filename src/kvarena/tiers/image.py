@@ -211,26 +211,17 @@ def encode(
     if payload is not None and sum(map(_nbytes, parts)) != payload_bytes:
         raise ImageMismatch("length", f"payload parts do not add up to {payload_bytes} bytes")
     flags = (FLAG_ELIDED if payload is None else 0) | (0 if seal else FLAG_UNSEALED)
-    head = bytearray(
-        _HEAD.pack(
-            MAGIC,
-            FORMAT_VERSION,
-            int(kind),
-            flags,
-            len(namespace),
-            start,
-            end,
-            payload_bytes,
-            key,
-            0,
-        )
+    packed = _HEAD.pack(
+        MAGIC, FORMAT_VERSION, int(kind), flags, len(namespace), start, end, payload_bytes, key, 0
     )
     if seal:
+        head = bytearray(packed)
         _stamp(head, namespace, parts)
+        packed = bytes(head)
     # Every field was checked above; the payload's length matches its parts.
     return TierObject._checked(
         object_name(kind, key),
-        (bytes(head) + namespace, *parts),
+        (packed + namespace, *parts),
         image_bytes(namespace, payload_bytes),
     )
 
@@ -273,21 +264,27 @@ def seal(obj: TierObject) -> TierObject:
     return TierObject(obj.name, (bytes(head), *rest), obj.logical_bytes)
 
 
-def read_header(data: bytes | bytearray | memoryview) -> ImageHeader:
-    """The header of an image (its first ``HEAD_BYTES`` + namespace bytes); the
-    checksum is not checked here (a tier rebuilding its index reads headers only)."""
-    view = memoryview(data)
+def _fields(view: memoryview) -> tuple:
+    """The header's raw fields, after the checks every reader makes (length,
+    magic, version, namespace in bounds)."""
     if view.nbytes < HEAD_BYTES:
         raise ImageMismatch("truncated", f"{view.nbytes} bytes, a header has {HEAD_BYTES}")
-    magic, version, kind, flags, ns_len, start, end, payload, key, checksum = _HEAD.unpack_from(
-        view
-    )
+    fields = _HEAD.unpack_from(view)
+    magic, version, _kind, _flags, ns_len = fields[:5]
     if magic != MAGIC:
         raise ImageMismatch("magic", "not a kvarena image")
     if version != FORMAT_VERSION:
         raise ImageMismatch("version", f"format {version}, this build reads {FORMAT_VERSION}")
     if ns_len > MAX_NAMESPACE_BYTES or view.nbytes < HEAD_BYTES + ns_len:
         raise ImageMismatch("truncated", "the namespace is cut short")
+    return fields
+
+
+def read_header(data: bytes | bytearray | memoryview) -> ImageHeader:
+    """The header of an image (its first ``HEAD_BYTES`` + namespace bytes); the
+    checksum is not checked here (a tier rebuilding its index reads headers only)."""
+    view = memoryview(data)
+    _magic, version, kind, flags, ns_len, start, end, payload, key, checksum = _fields(view)
     return ImageHeader(
         version=version,
         kind=kind,
@@ -322,32 +319,32 @@ def decode(
     tier), which nothing else can change: the checksum is not recomputed and an
     unsealed image is taken; every other field is still checked."""
     view = memoryview(data).cast("B")
-    head = read_header(view)
-    if view.nbytes != head.stored_bytes:
+    _m, _v, kind, flags, ns_len, start, end, payload, key, checksum = _fields(view)
+    head_bytes = HEAD_BYTES + ns_len
+    stored = head_bytes + (0 if flags & FLAG_ELIDED else payload)
+    if view.nbytes != stored:
         raise ImageMismatch(
-            "truncated", f"{view.nbytes} bytes stored, the header declares {head.stored_bytes}"
+            "truncated", f"{view.nbytes} bytes stored, the header declares {stored}"
         )
     if not trusted:
-        if not head.sealed:
+        if flags & FLAG_UNSEALED:
             raise ImageMismatch("unsealed", "no checksum: an image of another process's memory")
-        if checksum_of(view) != head.checksum:
+        if checksum_of(view) != checksum:
             raise ImageMismatch("checksum", "header or payload changed since it was written")
-    if head.kind != int(expect.kind):
-        raise ImageMismatch("kind", f"kind {head.kind}, expected {int(expect.kind)}")
-    if head.namespace != expect.namespace:
+    if kind != expect.kind:
+        raise ImageMismatch("kind", f"kind {kind}, expected {int(expect.kind)}")
+    namespace = view[HEAD_BYTES:head_bytes]
+    if namespace != expect.namespace:
         raise ImageMismatch(
-            "namespace", f"written by {head.namespace[:200]!r}, expected {expect.namespace[:200]!r}"
+            "namespace",
+            f"written by {bytes(namespace[:200])!r}, expected {expect.namespace[:200]!r}",
         )
-    if head.key != expect.key:
-        raise ImageMismatch("key", f"key {head.key.hex()}, expected {expect.key.hex()}")
-    if (head.start, head.end) != (expect.start, expect.end):
-        raise ImageMismatch(
-            "span", f"tokens {head.start}..{head.end}, expected {expect.start}..{expect.end}"
-        )
-    if head.payload_bytes != expect.payload_bytes:
-        raise ImageMismatch(
-            "length", f"{head.payload_bytes} payload bytes, expected {expect.payload_bytes}"
-        )
-    if head.elided and not expect.elided:
+    if key != expect.key:
+        raise ImageMismatch("key", f"key {key.hex()}, expected {expect.key.hex()}")
+    if start != expect.start or end != expect.end:
+        raise ImageMismatch("span", f"tokens {start}..{end}, expected {expect.start}..{expect.end}")
+    if payload != expect.payload_bytes:
+        raise ImageMismatch("length", f"{payload} payload bytes, expected {expect.payload_bytes}")
+    if flags & FLAG_ELIDED and not expect.elided:
         raise ImageMismatch("elided", "written by a cache with no bytes (meta device)")
-    return view[head.head_bytes :]
+    return view[head_bytes:]
