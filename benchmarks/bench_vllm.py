@@ -78,17 +78,12 @@ def bound(work: list[tuple[list[int], int]], block: int) -> int:
 
 def engine(model: Path, device_kv: int, tiers: list[str] | None, max_len: int):
     from vllm import LLM
-    from vllm.config import KVTransferConfig
+
+    from kvarena.integrations.vllm import kv_transfer_config
 
     kw = {}
     if tiers is not None:
-        kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KvarenaConnector",
-            kv_connector_module_path="kvarena.integrations.vllm",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"tiers": tiers},
-        )
+        kw["kv_transfer_config"] = kv_transfer_config(tiers)
     return LLM(
         model=str(model),
         skip_tokenizer_init=True,

@@ -24,17 +24,12 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: qui
 
 def engine(model: str, disk: str | None):
     from vllm import LLM
-    from vllm.config import KVTransferConfig
+
+    from kvarena.integrations.vllm import kv_transfer_config
 
     kw = {}
     if disk is not None:
-        kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KvarenaConnector",
-            kv_connector_module_path="kvarena.integrations.vllm",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"tiers": ["host:256MiB", f"disk:{disk}:1GiB"]},
-        )
+        kw["kv_transfer_config"] = kv_transfer_config(["host:256MiB", f"disk:{disk}:1GiB"])
     return LLM(
         model=model,
         skip_tokenizer_init=True,

@@ -33,17 +33,12 @@ PROMPT_BLOCKS = (2, 4, 5)  # shared prefixes, in blocks of the model's attention
 
 def engine(model: Path, *, tiers=None, block_size=None, extra=None):
     from vllm import LLM
-    from vllm.config import KVTransferConfig
+
+    from kvarena.integrations.vllm import kv_transfer_config
 
     kw = {}
     if tiers is not None:
-        kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KvarenaConnector",
-            kv_connector_module_path="kvarena.integrations.vllm",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"tiers": tiers, **(extra or {})},
-        )
+        kw["kv_transfer_config"] = kv_transfer_config(tiers, **(extra or {}))
     return LLM(
         model=str(model),
         skip_tokenizer_init=True,

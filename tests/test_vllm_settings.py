@@ -186,10 +186,29 @@ def test_unknown_tensor_layouts_are_refused_with_the_shapes():
 
 
 def test_an_engine_with_a_bad_config_is_refused_at_start(tmp_path):
-    from test_vllm_connector import engine
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
 
+    from kvarena.integrations.vllm import kv_transfer_config
     from kvarena.testing.vllm_models import save_tiny
 
+    with pytest.raises(ConnectorConfigError, match=r"\['tiers'\]\[0\]"):
+        kv_transfer_config(["host:lots"])  # the helper refuses before any engine exists
     model = save_tiny("llama", tmp_path)
-    with pytest.raises(Exception, match=r"\['tiers'\]\[0\]"):
-        engine(model, block_size=32, tiers=["host:lots"])
+    bad = KVTransferConfig(
+        kv_connector="KvarenaConnector",
+        kv_connector_module_path="kvarena.integrations.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config={"tiers": ["host:lots"]},
+    )
+    with pytest.raises(Exception, match=r"\['tiers'\]\[0\] = 'host:lots'"):
+        LLM(
+            model=str(model),
+            skip_tokenizer_init=True,
+            enforce_eager=True,
+            kv_cache_memory_bytes=64 << 20,
+            enable_prefix_caching=True,
+            distributed_executor_backend="uni",
+            block_size=32,
+            kv_transfer_config=bad,
+        )

@@ -2,6 +2,7 @@
 (the ``[vllm]`` extra). See README "Serving with vLLM"."""
 
 from .connector import KvarenaConnector
+from .engine_config import kv_transfer_config
 from .settings import ConnectorConfigError, ConnectorSettings
 
-__all__ = ["ConnectorConfigError", "ConnectorSettings", "KvarenaConnector"]
+__all__ = ["ConnectorConfigError", "ConnectorSettings", "KvarenaConnector", "kv_transfer_config"]

@@ -1,0 +1,33 @@
+"""The one call that turns the connector on: vLLM's ``KVTransferConfig`` for it.
+
+The settings are checked here, before an engine is built, with the same
+refusals the engine would give at start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from vllm.config import KVTransferConfig
+
+from .settings import ConnectorSettings
+
+
+def kv_transfer_config(
+    tiers: Sequence[str], *, load_failure_policy: str = "recompute", **extra: Any
+) -> KVTransferConfig:
+    """``KVTransferConfig`` for :class:`~kvarena.integrations.vllm.KvarenaConnector`
+    over ``tiers`` (``host:SIZE``, ``disk:DIR:SIZE``, ``redis://HOST:PORT``...);
+    ``extra`` holds the other ``kv_connector_extra_config`` keys (``namespace``,
+    ``host_unit_bytes``). A failed load is recomputed by default: the connector
+    is a cache, and a miss must never fail a request."""
+    config = {"tiers": list(tiers), **extra}
+    ConnectorSettings.parse(config)
+    return KVTransferConfig(
+        kv_connector="KvarenaConnector",
+        kv_connector_module_path="kvarena.integrations.vllm",
+        kv_role="kv_both",
+        kv_load_failure_policy=load_failure_policy,
+        kv_connector_extra_config=config,
+    )
