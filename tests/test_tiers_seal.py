@@ -126,3 +126,16 @@ def test_borrow_reads_in_place_under_the_lock_and_copies_a_split_object(tmp_path
         other.join()
         assert taken == [False]  # no put can reuse the units while they are borrowed
     host.check_books()
+
+
+def test_a_disk_batch_larger_than_the_tier_keeps_its_index_and_files_equal(tmp_path):
+    """A batch that evicts its own first members: they never land as files, and
+    they are handed down (as a host tier's evictions would be)."""
+    disk = DiskTier(tmp_path / "d", 3 * 4200)
+    objs = [image([bytes([i]) * 4000], sealed=False, key=bytes([i]) * 16)[0] for i in range(5)]
+    down = disk.put_many(objs)
+    files = sorted(p.name[: -len(".kvi")] for p in (tmp_path / "d").glob("*.kvi"))
+    assert files == sorted(disk.names()) == sorted(o.name for o in objs[2:])
+    assert [o.name for o in down] == [o.name for o in objs[:2]]
+    assert not list((tmp_path / "d").glob(".*.tmp"))  # no temporary left behind
+    disk.close()

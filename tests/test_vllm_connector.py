@@ -136,13 +136,15 @@ def test_outputs_equal_vllm_alone_cold_warm_restarted_shared_and_corrupted(
     cold, cold_cached = one_by_one(first, prompts)
     assert cold == reference
     assert cold_cached[0] == 0
+    # Saves are written on a background thread: wait for them, so the warm run's
+    # lookups do not race it (every object is then on disk, where lookups look).
+    worker_connector()._worker.flush()
     first.reset_prefix_cache()
     warm, warm_cached = one_by_one(first, prompts)
     assert warm == reference
     # Every prompt resumes at its last full block (its own blocks were saved cold).
     assert warm_cached == [n * block for n in PROMPT_BLOCKS]
     saved = worker_connector()._worker
-    saved.flush()
     assert saved.loaded >= len(prompts) and saved.load_failures == 0
     close(first)
     files = sorted(disk.glob("*.kvi"))

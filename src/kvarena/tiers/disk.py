@@ -309,20 +309,30 @@ class DiskTier(IndexedTier):
                     "(letters, digits, '_' and '-', at most 200)"
                 )
         evicted: list[TierObject] = []
-        written: list[tuple[TierObject, Path]] = []
+        pending: dict[str, tuple[TierObject, Path]] = {}  # written, not yet renamed
         for obj in objects:
             if not self._admit(obj):
                 continue
             for old in self._victims(obj.logical_bytes):
-                data = self._read(old) if want_evicted else None
-                if data is not None:
-                    evicted.append(TierObject(old, (data,), self._index[old]))
-                self._drop(old)
+                if old in pending:
+                    # A batch larger than the room evicts its own first members:
+                    # they never land (their temporaries go), and go down as they are.
+                    gone, tmp = pending.pop(old)
+                    self._discard(tmp)
+                    self._removed(old)
+                    if want_evicted:
+                        evicted.append(gone)
+                else:
+                    data = self._read(old) if want_evicted else None
+                    if data is not None:
+                        evicted.append(TierObject(old, (data,), self._index[old]))
+                    self._drop(old)
                 self.metrics.evictions += 1
             tmp = self._write_tmp(obj)
             if tmp is not None:
                 self._added(obj.name, obj.logical_bytes)  # counted now: room for the rest
-                written.append((obj, tmp))
+                pending[obj.name] = (obj, tmp)
+        written = list(pending.values())
         durable = self._sync() if written else True
         for obj, tmp in written:
             try:
