@@ -317,8 +317,8 @@ class DiskTier(IndexedTier):
                 if old in pending:
                     # A batch larger than the room evicts its own first members:
                     # they never land (their temporaries go), and go down as they are.
-                    gone, tmp = pending.pop(old)
-                    self._discard(tmp)
+                    gone, gone_tmp = pending.pop(old)
+                    self._discard(gone_tmp)
                     self._removed(old)
                     if want_evicted:
                         evicted.append(gone)

@@ -112,9 +112,13 @@ class HostTier(IndexedTier):
         if units[-1] - units[0] == len(units) - 1:  # one run (units are sorted): the usual case
             pos, mv = units[0] * self.unit_bytes, self._mv
             for part in parts:
-                src = part if type(part) is bytes else memoryview(part).cast("B")
-                n = len(src) if type(src) is bytes else src.nbytes
-                mv[pos : pos + n] = src
+                if type(part) is bytes:
+                    n = len(part)
+                    mv[pos : pos + n] = part
+                else:
+                    view = memoryview(part).cast("B")
+                    n = view.nbytes
+                    mv[pos : pos + n] = view
                 pos += n
             return
         runs = _runs(units)
