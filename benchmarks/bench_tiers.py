@@ -60,34 +60,38 @@ def keys(n: int, tag: int) -> list[bytes]:
     return [tag.to_bytes(8, "little") + i.to_bytes(8, "little") for i in range(n)]
 
 
+def objects(payloads: list[bytes], tag: int, *, seal: bool = True) -> list:
+    """One KV image per payload, keyed by ``tag`` and its index."""
+    return [
+        encode(
+            kind=ImageKind.KV_BLOCK,
+            namespace=NS,
+            key=key,
+            start=0,
+            end=16,
+            payload=[p],
+            payload_bytes=len(p),
+            seal=seal,
+        )
+        for key, p in zip(keys(len(payloads), tag), payloads, strict=True)
+    ]
+
+
 def images(payloads: list[bytes], tag: int, *, seal: bool = True) -> tuple[list, list[Expected]]:
-    objs, exps = [], []
-    for i, p in enumerate(payloads):
-        key = tag.to_bytes(8, "little") + i.to_bytes(8, "little")
-        objs.append(
-            encode(
-                kind=ImageKind.KV_BLOCK,
-                namespace=NS,
-                key=key,
-                start=0,
-                end=16,
-                payload=[p],
-                payload_bytes=len(p),
-                seal=seal,
-            )
+    """The images and what a load of each must find."""
+    exps = [
+        Expected(
+            kind=ImageKind.KV_BLOCK,
+            namespace=NS,
+            key=key,
+            start=0,
+            end=16,
+            payload_bytes=len(p),
+            elided=False,
         )
-        exps.append(
-            Expected(
-                kind=ImageKind.KV_BLOCK,
-                namespace=NS,
-                key=key,
-                start=0,
-                end=16,
-                payload_bytes=len(p),
-                elided=False,
-            )
-        )
-    return objs, exps
+        for key, p in zip(keys(len(payloads), tag), payloads, strict=True)
+    ]
+    return objects(payloads, tag, seal=seal), exps
 
 
 class Counter:
@@ -268,19 +272,7 @@ def bench_host(payloads: list[bytes], rounds: int) -> dict[str, float]:
     objs, exps = images(payloads, 0, seal=False)
 
     def tier_put() -> None:
-        objs_t = [
-            encode(
-                kind=ImageKind.KV_BLOCK,
-                namespace=NS,
-                key=key,
-                start=0,
-                end=16,
-                payload=[p],
-                payload_bytes=len(p),
-                seal=False,
-            )
-            for key, p in zip(keys(len(payloads), tags.next()), payloads, strict=True)
-        ]
+        objs_t = objects(payloads, tags.next(), seal=False)
         tier.put_many(objs_t, want_evicted=False)
         tier.delete_many([o.name for o in objs_t])
 
