@@ -9,10 +9,11 @@ block evicted again costs nothing where it is still held.
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ..checks import parse_bytes
 from ..errors import InvalidValueError
@@ -24,6 +25,28 @@ from .image import TierObject
 from .redis_tier import RedisTier
 
 SPEC_FORMS = "host:SIZE, disk:DIR:SIZE, redis://HOST:PORT[/DB], redis+cluster://HOST:PORT"
+
+
+def first_holders(
+    names: Sequence[str], probes: Sequence[Callable[[list[str]], list[bool]]]
+) -> list[int | None]:
+    """For each name, the index of the first probe that says it holds it (None:
+    none does); each probe asked once, in order, over the names still unplaced.
+    The tier walk of a :class:`TierStack` and of an engine's catalogue alike."""
+    where: list[int | None] = [None] * len(names)
+    left = list(range(len(names)))
+    for i, probe in enumerate(probes):
+        if not left:
+            break
+        found = probe([names[j] for j in left])
+        rest = []
+        for j, hit in zip(left, found, strict=True):
+            if hit:
+                where[j] = i
+            else:
+                rest.append(j)
+        left = rest
+    return where
 
 
 def parse_tier(
@@ -99,22 +122,15 @@ class TierStack:
     def locate(self, names: Sequence[str]) -> list[int | None]:
         """For each name, the index of the first tier holding it (None: nowhere);
         one batched call per tier, over the names still unplaced."""
-        where: list[int | None] = [None] * len(names)
-        todo = list(range(len(names)))
-        for i, tier in enumerate(self.tiers):
-            if not todo:
-                break
+
+        def timed(i: int, asked: list[str]) -> list[bool]:
             start = time.perf_counter()
-            found = tier.contains_many([names[j] for j in todo])
-            self.seconds[i] += time.perf_counter() - start
-            rest = []
-            for j, hit in zip(todo, found, strict=True):
-                if hit:
-                    where[j] = i
-                else:
-                    rest.append(j)
-            todo = rest
-        return where
+            try:
+                return self.tiers[i].contains_many(asked)
+            finally:
+                self.seconds[i] += time.perf_counter() - start
+
+        return first_holders(names, [functools.partial(timed, i) for i in range(len(self.tiers))])
 
     @synchronized
     def fetch(self, tier: int, names: Sequence[str]) -> list[bytes | bytearray | memoryview | None]:

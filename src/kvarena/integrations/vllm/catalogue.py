@@ -17,10 +17,11 @@ So each tier is asked where its truth lives:
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from ...tiers import RedisTier
 from ...tiers.disk import SUFFIX
+from ...tiers.stack import first_holders
 from .settings import ConnectorSettings
 
 
@@ -59,27 +60,16 @@ class Catalogue:
     def locate(self, names: Sequence[str]) -> list[int | None]:
         """For each name, the first tier (index in the settings' order) that holds
         it, None where none does; one batched question per tier."""
-        where: list[int | None] = [None] * len(names)
-        todo = list(range(len(names)))
-        for i, kind in enumerate(self.kinds):
-            if not todo:
-                break
-            if kind == "host":
-                found = [names[j] in self._host for j in todo]
-            elif kind == "disk":
-                prefix = self._disk
-                found = [os.path.isfile(f"{prefix}{names[j]}{SUFFIX}") for j in todo]
-            else:
-                assert self._redis is not None
-                found = self._redis.contains_many([names[j] for j in todo])
-            rest = []
-            for j, hit in zip(todo, found, strict=True):
-                if hit:
-                    where[j] = i
-                else:
-                    rest.append(j)
-            todo = rest
-        return where
+        return first_holders(names, [self._probe(kind) for kind in self.kinds])
+
+    def _probe(self, kind: str) -> Callable[[list[str]], list[bool]]:
+        if kind == "host":
+            return lambda asked: [n in self._host for n in asked]
+        if kind == "disk":
+            prefix = self._disk
+            return lambda asked: [os.path.isfile(f"{prefix}{n}{SUFFIX}") for n in asked]
+        assert self._redis is not None
+        return self._redis.contains_many
 
     def close(self) -> None:
         if self._redis is not None:

@@ -69,8 +69,8 @@ class SchedulerSide:
 
     @staticmethod
     def _cacheable(request: Any) -> bool:
-        """Multimodal prompts are left to vLLM: their placeholder ids do not name
-        the image they stand for."""
+        """Multimodal prompts are left to vLLM: the token ids standing for an image
+        do not name which image it is."""
         return not getattr(request, "mm_features", None)
 
     def _keys_of(self, request: Any, blocks: int) -> list[bytes]:

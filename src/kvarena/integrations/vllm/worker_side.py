@@ -97,18 +97,18 @@ class WorkerSide:
         A host tier's objects are read in place (``HostTier.borrow``, held open by
         ``held`` until the caller has copied them out): one copy, host to device."""
         out: list[memoryview | None] = [None] * len(wanted)
-        todo = list(range(len(wanted)))
+        left = list(range(len(wanted)))
         names = [object_name(kind, copy.key) for kind, copy in wanted]
         for t, tier in enumerate(self.tiers.tiers):
-            if not todo:
+            if not left:
                 break
-            asked = [names[j] for j in todo]
+            asked = [names[j] for j in left]
             if isinstance(tier, HostTier):
                 got: list = held.enter_context(tier.borrow(asked))
             else:
                 got = self.tiers.fetch(t, asked)
             rest, bad = [], []
-            for j, data in zip(todo, got, strict=True):
+            for j, data in zip(left, got, strict=True):
                 if data is not None:
                     try:
                         out[j] = decode(data, self._expected(*wanted[j]), trusted=tier.trusted)
@@ -122,10 +122,10 @@ class WorkerSide:
                 if tier.kind == "host":
                     with self._lock:
                         self._dropped += bad
-            todo = rest
-        if todo:
+            left = rest
+        if left:
             with self._lock:
-                self._failed += [names[j] for j in todo]
+                self._failed += [names[j] for j in left]
         return out
 
     def _scatter(self, groups: Sequence[Group], copy: BlockCopy, payload: memoryview) -> None:
