@@ -1,12 +1,18 @@
-"""Prefix cache on the shared trace: hit tokens by policy, and lookup/admission cost.
+"""Prefix cache: hit tokens by checkpoint policy on several workloads, and admission cost.
 
-python benchmarks/bench_prefix.py [--tp 1] [--memory-gib 80] [--limit N]
+python benchmarks/bench_prefix.py [--tp 8,1] [--workloads shared,system-prompt,...] [--jobs 2]
 
-Part 1 replays ../shared/traces/mooncake_synthetic_trace.jsonl (3,993 requests)
-through the real prefix cache and pools in bookkeeping mode (allocators, keys,
-lookups, evictions and boundary moves; no bytes) for Qwen3-Next-80B-A3B:
-kvarena's policy beside vLLM's align policy at vLLM's unified block size, no
-state reuse, the same KV without state, and the infinite-cache bound.
+Part 1 replays each workload through the real prefix cache and pools in
+bookkeeping mode (allocators, keys, lookups, evictions and boundary moves; no
+bytes) for Qwen3-Next-80B-A3B in 80 GiB, max 64 sequences, at each TP:
+``shared`` is ../shared/traces/mooncake_synthetic_trace.jsonl (3,993
+requests), the others are generated (``benchmarks/_workloads.py``: a shared
+system prompt with unique questions, multi-turn chats whose next turn
+contains the previous prompt and output, documents read by many questions).
+Side by side: kvarena's default policy, the previous default, a hand-tuned
+policy (``end:512``: the trace's 512-token hash blocks, known to the tuner),
+vLLM's align policy at vLLM's unified block size, the same KV with no state
+(KV only: the bound a policy is judged against) and the infinite cache.
 
 Part 2 measures lookup and admission (lookup, references, allocation,
 restore, commit, finish) per request of a 1,024-block prompt against a cache
@@ -19,76 +25,113 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+from _workloads import WORKLOADS, write_workload
 
 from kvarena import ServingOptions, model_cache, plan_cache
-from kvarena.prefix import CheckpointPolicy, PrefixCache
-from kvarena.replay import ReplayConfig, compare, load_trace, replay
+from kvarena.models import ModelCache
+from kvarena.prefix import DEFAULT_POLICY, CheckpointPolicy, PrefixCache
+from kvarena.replay import ReplayConfig, ReplayResult, load_trace, replay
+from kvarena.replay.policies import infinite_bound
 from kvarena.report import vllm_unification
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+MODEL = "qwen3-next-80b-a3b"
+POLICIES = {
+    "default": DEFAULT_POLICY,
+    "previous default": "end,interval:8192,branch",
+    "hand-tuned": "end:512,interval:8192,branch",
+}
+
+
+def _row(task: tuple[str, str, int, int, int, str]) -> tuple[str, ReplayResult]:
+    """One replay: (trace path, row name, tp, budget, max seqs, policy or a row kind)."""
+    path, name, tp, budget, max_seqs, policy = task
+    trace = load_trace(Path(path))
+    options = ServingOptions(tp=tp)
+    model = model_cache(MODEL, options)
+    cfg = ReplayConfig(budget_bytes=budget, max_seqs=max_seqs)
+    if name == "vLLM align":
+        v = vllm_unification(model, budget, max_seqs)
+        bs = v["attention_block_tokens"] if v else model.block_size
+        vm = model_cache(MODEL, replace(options, block_size=bs))
+        align = CheckpointPolicy(end=True, branch=False)
+        return name, replay(vm, trace, replace(cfg, policy=align), label=f"vLLM align ({bs})")
+    if name == "KV only":
+        kv = ModelCache.from_fields(model.page_fields, [], block_size=model.block_size, name="kv")
+        return name, replay(kv, trace, cfg, label="KV only (no state)")
+    if name == "infinite":
+        return name, infinite_bound(trace, model.block_size)
+    pol = CheckpointPolicy.parse(policy)
+    return name, replay(model, trace, replace(cfg, policy=pol), label=f"{name} ({policy})")
 
 
 def part1(args: argparse.Namespace) -> None:
-    trace = load_trace(TRACE, limit=args.limit)
-    options = ServingOptions(tp=args.tp)
-    m = model_cache("qwen3-next-80b-a3b", options)
     budget = args.memory_gib << 30
-    v = vllm_unification(m, budget, args.max_seqs)
-    vm = model_cache(
-        "qwen3-next-80b-a3b", ServingOptions(tp=args.tp, block_size=v["attention_block_tokens"])
+    rows = [*POLICIES, "vLLM align", "KV only", "infinite"]
+    with tempfile.TemporaryDirectory() as d, ProcessPoolExecutor(args.jobs) as pool:
+        paths = {}
+        for w in args.workloads.split(","):
+            if w == "shared":
+                if not TRACE.is_file():
+                    sys.exit(f"{TRACE} not found: run with ../shared beside the checkout")
+                paths[w] = str(TRACE)
+            elif w in WORKLOADS:
+                paths[w] = str(write_workload(w, Path(d) / f"{w}.jsonl", args.seed))
+            else:
+                sys.exit(f"unknown workload {w!r}; legal: shared, {', '.join(WORKLOADS)}")
+        tps = [int(t) for t in args.tp.split(",")]
+        tasks = [
+            (paths[w], r, tp, budget, args.max_seqs, POLICIES.get(r, ""))
+            for w in paths
+            for tp in tps
+            for r in rows
+        ]
+        results = list(pool.map(_row, tasks))
+    head = (
+        f"{'policy':<52} {'hit tokens':>12} {'vs KV only':>10} {'lost tokens':>12} "
+        f"{'images w/r':>13} {'admit µs':>9}"
     )
-    cfg = ReplayConfig(
-        budget_bytes=budget, max_seqs=args.max_seqs, policy=CheckpointPolicy.parse(args.checkpoint)
-    )
-    rows = compare(m, trace, cfg, vllm_model=vm)
-    if args.also:
-        alt = replay(
-            m,
-            trace,
-            ReplayConfig(
-                budget_bytes=budget,
-                max_seqs=args.max_seqs,
-                policy=CheckpointPolicy.parse(args.also),
-            ),
-            label=f"kvarena ({args.also})",
-        )
-        rows.insert(1, alt)
-    kv_only = next(r for r in rows if r.label.startswith("KV only"))
-    print(
-        f"{len(trace):,} requests, {sum(t.tokens.size for t in trace):,} prompt tokens; "
-        f"Qwen3-Next-80B-A3B TP {args.tp}, {args.memory_gib} GiB, max seqs {args.max_seqs}"
-    )
-    header = (
-        f"{'policy':<40} {'hit tokens':>12} {'hit %':>6} {'vs KV only':>10} {'lost tokens':>12} "
-        f"{'images w/r':>12} {'evicted img':>11} {'admit µs':>9} {'wall s':>7}"
-    )
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        d = r.to_dict()
-        m_ = r.metrics
-        print(
-            f"{r.label:<40} {r.hit_tokens:>12,} {100 * d['hit_fraction']:>6.1f} "
-            f"{r.hit_tokens / max(1, kv_only.hit_tokens):>9.2f}x {m_.get('lost_tokens', 0):>12,} "
-            f"{m_.get('images_written', 0):>6,}/{m_.get('images_read', 0):<5,} "
-            f"{m_.get('evicted_images', 0):>11,} {r.admission_us:>9,.0f} {r.wall_seconds:>7.1f}"
-        )
+    i = 0
+    for w in paths:
+        for tp in tps:
+            block = dict(results[i : i + len(rows)])
+            i += len(rows)
+            kv = block["KV only"].hit_tokens
+            first = block["infinite"]
+            print(
+                f"\n{w}: {first.requests:,} requests, {first.prompt_tokens:,} prompt tokens; "
+                f"TP {tp}, {args.memory_gib} GiB, max seqs {args.max_seqs}"
+            )
+            print(head)
+            for r in block.values():
+                m = r.metrics
+                images = f"{m.get('images_written', 0):,}/{m.get('images_read', 0):,}"
+                print(
+                    f"{r.label:<52} {r.hit_tokens:>12,} {r.hit_tokens / max(1, kv):>9.3f}x "
+                    f"{m.get('lost_tokens', 0):>12,} {images:>13} {r.admission_us:>9,.0f}"
+                )
 
 
 def part2(args: argparse.Namespace) -> None:
-    m = model_cache("qwen3-next-80b-a3b", ServingOptions(tp=args.tp))
+    tp = int(args.tp.split(",")[0])
+    m = model_cache(MODEL, ServingOptions(tp=tp))
     bs = m.block_size
     prompt_blocks = 1024
-    print(f"\nlookup + admission of a {prompt_blocks}-block ({prompt_blocks * bs:,}-token) prompt")
+    print(
+        f"\nlookup + admission of a {prompt_blocks}-block ({prompt_blocks * bs:,}-token) "
+        f"prompt, TP {tp}"
+    )
     header = (
         f"{'cached blocks':>14} {'lookup µs':>10} {'µs/block':>9} {'admit µs':>9} {'µs/block':>9}"
     )
     print(header)
-    print("-" * len(header))
     for cached in (10_000, 100_000, 1_000_000):
         block = m.kv_bytes_per_token * bs
         slot = m.state_bytes
@@ -122,26 +165,23 @@ def part2(args: argparse.Namespace) -> None:
         assert hit.tokens == prompt_blocks * bs and a.hit.tokens == hit.tokens
         lk, ad = statistics.median(look) * 1e6, statistics.median(adm) * 1e6
         print(
-            f"{cached:>14,} {lk:>10,.0f} {lk / prompt_blocks:>9.2f} {ad:>9,.0f} {ad / prompt_blocks:>9.2f}"
+            f"{cached:>14,} {lk:>10,.0f} {lk / prompt_blocks:>9.2f} {ad:>9,.0f} "
+            f"{ad / prompt_blocks:>9.2f}"
         )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tp", type=int, default=8)
+    parser.add_argument("--tp", default="8,1", help="tensor-parallel sizes, comma-separated")
     parser.add_argument("--memory-gib", type=int, default=80)
     parser.add_argument("--max-seqs", type=int, default=64)
-    parser.add_argument("--checkpoint", default="end:512,interval:8192,branch")
-    parser.add_argument(
-        "--also", default="end,branch", help="another kvarena policy row ('' for none)"
-    )
-    parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--workloads", default=",".join(["shared", *WORKLOADS]))
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated workloads")
+    parser.add_argument("--jobs", type=int, default=2, help="replays run at once")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--skip-trace", action="store_true")
+    parser.add_argument("--skip-trace", action="store_true", help="part 2 only")
     args = parser.parse_args()
     if not args.skip_trace:
-        if not TRACE.is_file():
-            sys.exit(f"{TRACE} not found: run with ../shared beside the checkout")
         part1(args)
     part2(args)
 

@@ -95,5 +95,5 @@ def test_a_prefix_cache_with_learn_keeps_images_where_later_turns_diverge():
                 pc.finish(request)
         hits[rule] = total
         if rule == "end,learn":
-            assert pc.grain.grain() == 16
+            assert pc.placement.grain.grain() == 16
     assert hits["end"] == 0 and hits["end,learn"] > 0

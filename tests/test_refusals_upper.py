@@ -38,7 +38,7 @@ def books(pc) -> tuple:
         c.buf.clone(),
         (sorted(b._free._set), b._refs.tolist(), sorted(map(repr, b.keys())), list(b._lru)),
         (sorted(s._free._set), dict(s._owner)),
-        (sorted(pc._copying), sorted(pc._running, key=repr), sorted(pc._wanted)),
+        (sorted(pc._copying), sorted(pc._running, key=repr), sorted(pc.placement._wanted)),
         pc.metrics.to_dict(),
         (list(host._index.items()), host.used_bytes, sorted(host._free._set)),
     )

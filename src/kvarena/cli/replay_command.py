@@ -11,7 +11,7 @@ import typer
 from ..checks import check_count
 from ..errors import InvalidValueError
 from ..models import ServingOptions, model_cache
-from ..prefix import CheckpointPolicy
+from ..prefix import DEFAULT_POLICY, CheckpointPolicy
 from .app import (
     BlockSize,
     KvDtype,
@@ -47,7 +47,7 @@ def replay(
         typer.Option(
             help="where states are kept: end, end:N, interval:N, branch, learn (combined)"
         ),
-    ] = "end,interval:8192,branch",
+    ] = DEFAULT_POLICY,
     limit: Annotated[int | None, typer.Option(help="replay only the first N requests")] = None,
     prefill_rate: Annotated[float, typer.Option(help="prefill tokens per second")] = 20_000.0,
     decode_rate: Annotated[float, typer.Option(help="decode tokens per second per request")] = 50.0,

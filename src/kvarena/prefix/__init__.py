@@ -3,10 +3,11 @@
 from .cache import PrefixCache
 from .keys import Namespace, block_keys
 from .lookup import TierFinds, locate_in_tiers, resume_boundary
-from .policy import CheckpointPolicy
+from .policy import DEFAULT_POLICY, CheckpointPolicy
 from .records import Admission, Image, ImageState, PrefixHit, PrefixMetrics, image_key
 
 __all__ = [
+    "DEFAULT_POLICY",
     "Admission",
     "CheckpointPolicy",
     "Image",

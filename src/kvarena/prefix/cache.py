@@ -34,9 +34,9 @@ from ..pools import BlockAllocationError, BoundaryMove, CachePlan, StateAllocati
 from ..pools.unified import UnifiedCache
 from ..tiers import Tier, TierStack
 from ..tiers.image import ImageKind, object_name
-from .grain import DivergenceGrain
 from .keys import Namespace, as_tokens, block_keys
 from .lookup import TierFinds, locate_in_tiers, resume_boundary
+from .placement import Placement
 from .policy import CheckpointPolicy
 from .records import Admission, Image, ImageState, PrefixHit, PrefixMetrics, image_key
 from .tier_side import TierSide
@@ -95,11 +95,12 @@ class PrefixCache(TierSide):
             expect=self._expect,
             tiers=self.tiers,
             metrics=self.metrics,
+            track=self.spec is not None,
         )
         self.pool.set_write_down(self._write_down)
-        self.grain = DivergenceGrain(plan.block_size)  # where prompts part, for ``learn``
+        # Ghosts: twice the pool's blocks, 16 bytes a key (a few MB for 100k blocks).
+        self.placement = Placement(self.policy, plan.block_size, 2 * self.pool.capacity)
         self._copying: dict[bytes, Image] = {}  # images whose bytes are still being written
-        self._wanted: set[bytes] = set()  # branch points
         self._running: dict[Hashable, Admission] = {}
         self._lock = threading.RLock()  # every public call holds it: see kvarena.locking
 
@@ -137,6 +138,10 @@ class PrefixCache(TierSide):
                 del self._copying[key]
                 if img.writer_done:
                     self._release_image(img)
+
+    def _settle(self) -> None:
+        """Tell the placement which KV blocks the pool evicted since the last call."""
+        self.placement.forgotten(self._write_down.take_gone())
 
     def _release_image(self, img: Image) -> None:
         """The writer's references go: the image ages in the LRU beside its KV."""
@@ -281,29 +286,20 @@ class PrefixCache(TierSide):
             extra=tuple(extra),
         )
         self._running[request] = adm
+        self._settle()
         return adm
 
     def _checkpoints(self, tok: np.ndarray, keys: list[bytes], hit: PrefixHit) -> list[int]:
         """The boundaries at which the policy keeps an image while this prompt computes."""
         if not (self.has_state and self.spec is not None and self.enabled):
             return []
-        h = hit.tokens // self.block_size
-        matched = hit.matched_kv_tokens // self.block_size
-        limit = min(len(keys), max(0, (tok.size - 1) // self.block_size))
-        if self.has_kv and 0 < matched < limit:  # the shared KV ended inside the prompt
-            self.grain.observe(matched * self.block_size)
-        checkpoints = self.policy.boundaries(
-            tok.size, self.block_size, h, self.grain.grain() if self.policy.learn else 0
+        return self.placement.boundaries(
+            tok.size,
+            keys,
+            hit=hit.tokens // self.block_size,
+            matched=hit.matched_kv_tokens // self.block_size,
+            limit=min(len(keys), max(0, (tok.size - 1) // self.block_size)),
         )
-        if self.policy.branch:
-            if hit.lost_tokens:
-                self._wanted.add(keys[hit.matched_kv_tokens // self.block_size - 1])
-            full = tok.size // self.block_size
-            checkpoints = sorted(
-                set(checkpoints)
-                | {b for b in range(h + 1, full + 1) if keys[b - 1] in self._wanted}
-            )
-        return checkpoints
 
     def _check_room(self, hit: PrefixHit, total: int) -> None:
         """Refuse (nothing taken) unless the blocks and a slot for this hit fit."""
@@ -345,7 +341,7 @@ class PrefixCache(TierSide):
             raise InvalidValueError("this cache keeps no images (it needs PAGE and STATE fields)")
         b = check_count(boundary, "checkpoint: boundary", lo=1, hi=len(adm.keys))
         key = adm.keys[b - 1]
-        self._wanted.discard(key)
+        self.placement.kept(key)
         if self.pool.blocks_of(image_key(key)) is not None:
             return None
         pool = self.pool
@@ -358,6 +354,7 @@ class PrefixCache(TierSide):
             event = torch.cuda.Event()
             event.record()
         pool.cache(image_key(key), units, tag=b, after=key)
+        self._settle()
         img = Image(key=key, boundary=b, state=ImageState.COPYING, pool=pool, event=event)
         self._copying[key] = img
         adm.images.append(img)  # held while the request runs, like its blocks
@@ -386,7 +383,9 @@ class PrefixCache(TierSide):
     @synchronized
     def rebalance(self, *, waiting_requests: int, blocks_needed: int) -> BoundaryMove | None:
         """Move the cache's boundary toward demand (keys and holdings follow inside it)."""
-        return self.cache.rebalance(waiting_requests=waiting_requests, blocks_needed=blocks_needed)
+        move = self.cache.rebalance(waiting_requests=waiting_requests, blocks_needed=blocks_needed)
+        self._settle()
+        return move
 
     @synchronized
     def check_books(self) -> None:

@@ -21,6 +21,12 @@ from dataclasses import dataclass
 from ..checks import check_count
 from ..errors import InvalidValueError
 
+DEFAULT_POLICY = "end,interval:8192,branch,learn"
+"""The policy ``kvarena replay`` and the benchmarks use unless told otherwise: the
+prompt's end until a grain is learned, then its last multiple of the grain; a few
+images inside long prompts; branch points. ``CheckpointPolicy()`` is the same
+without the interval (it fits any block size)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointPolicy:
@@ -28,7 +34,7 @@ class CheckpointPolicy:
     end_align_tokens: int = 0
     interval_tokens: int = 0
     branch: bool = True
-    learn: bool = False
+    learn: bool = True
 
     def __post_init__(self) -> None:
         for name in ("end", "branch", "learn"):

@@ -84,12 +84,20 @@ class WriteDown:
         expect: Expectations,
         tiers: TierStack,
         metrics: PrefixMetrics,
+        track: bool = False,
     ) -> None:
         self._buf, self._stride, self._spec = buf, block_stride, spec
+        self._track = track  # keep the evicted KV keys for the owner to take (its ghosts)
         self._expect, self._tiers, self._metrics = expect, tiers, metrics
         # Objects bound for a host tier stay unsealed: it holds them in this
         # process's memory; a tier below seals what it is handed.
         self._seal = not (tiers and tiers.tiers[0].trusted)
+        self._gone: list[bytes] = []  # evicted KV blocks' keys, until taken
+
+    def take_gone(self) -> list[bytes]:
+        """The keys of the KV blocks evicted since the last call (with ``track``)."""
+        gone, self._gone = self._gone, []
+        return gone
 
     def kv_object(self, key: bytes, block: int, index: int) -> TierObject:
         e = self._expect
@@ -144,6 +152,8 @@ class WriteDown:
                     objects.append(self.state_object(v.key[1], v.blocks, v.tag))
         if objects:
             self._tiers.write_back(objects)
+        if self._track:
+            self._gone.extend(v.key for v in victims if isinstance(v.key, bytes))
         m = self._metrics
         m.evicted_blocks += blocks
         m.evicted_images += images
