@@ -168,6 +168,46 @@ def shared_prefix(model: Path, device: int, prefix: int, repeats: int) -> dict:
     return {"prefix": prefix, "cold_ms": 1e3 * c, "warm_ms": 1e3 * w, "ratio": w / c, "hit": same}
 
 
+def decode_rate(model: Path, device: int, tiers: list[str] | None, out: int) -> float:
+    """Median decode tokens/s of 8 unrelated 256-token prompts generating ``out``
+    tokens each, one at a time (the first warms the engine and is not counted)."""
+    from vllm import SamplingParams
+
+    llm = engine(model, device, tiers, 256 + out + 16)
+    params = SamplingParams(max_tokens=out, temperature=0, detokenize=False, ignore_eos=True)
+    rates = []
+    for r in range(9):
+        rng = random.Random(5000 + r)
+        prompt = [rng.randrange(3, 500) for _ in range(256)]
+        o = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        m = o.metrics
+        n = len(o.outputs[0].token_ids)
+        if r and m is not None and n > 1 and m.last_token_ts > m.first_token_ts:
+            rates.append((n - 1) / (m.last_token_ts - m.first_token_ts))
+    shut(llm)
+    return statistics.median(rates)
+
+
+def decode_pairs(model: Path, device: int, out: int, pairs: int) -> dict:
+    """Decode tokens/s of vLLM alone and with the connector (a host tier), in
+    alternating engines so that a drift of the machine falls on both: the ratio
+    of each pair, and their median."""
+    ratios, alone, tiered = [], [], []
+    for _ in range(pairs):
+        a = decode_rate(model, device, None, out)
+        k = decode_rate(model, device, ["host:2GiB"], out)
+        alone.append(a)
+        tiered.append(k)
+        ratios.append(k / a)
+    return {
+        "out": out,
+        "alone_tok_s": statistics.median(alone),
+        "kvarena_tok_s": statistics.median(tiered),
+        "ratios": ratios,
+        "ratio": statistics.median(ratios),
+    }
+
+
 def main() -> None:
     from kvarena.checks import parse_bytes
     from kvarena.testing.vllm_models import _COMMON, TINY, save_tiny
@@ -180,6 +220,8 @@ def main() -> None:
     ap.add_argument("--device-kv", default="16MiB")
     ap.add_argument("--max-out", type=int, default=8)
     ap.add_argument("--prefix", type=int, default=4096, help="the shared-prefix TTFT row's prefix")
+    ap.add_argument("--decode-out", type=int, default=128, help="the decode rows' output tokens")
+    ap.add_argument("--decode-pairs", type=int, default=3, help="alternating engine pairs")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -197,14 +239,17 @@ def main() -> None:
         ("vLLM + kvarena host+disk", ["host:64MiB", f"disk:{work_dir / 'disk'}:4GiB"]),
     ]
     rows = []
-    block = 0
+    block = device_tokens = 0
     for name, tiers in runs:
         llm = engine(model, device, tiers, max_len)
-        block = llm.llm_engine.vllm_config.cache_config.block_size
+        cc = llm.llm_engine.vllm_config.cache_config
+        block = cc.block_size
+        device_tokens = (cc.num_gpu_blocks or 0) * block
         rows.append(run(name, llm, work))
         shut(llm)
     limit = bound(work, block)
     warm = shared_prefix(model, device, args.prefix, 3)
+    decode = decode_pairs(model, device, args.decode_out, args.decode_pairs)
     ref = rows[0]["tokens"]
     for r in rows:
         r["identical"] = r.pop("tokens") == ref
@@ -215,8 +260,10 @@ def main() -> None:
                     "requests": len(work),
                     "prompt_tokens": history,
                     "bound_hit": limit,
+                    "device_tokens": device_tokens,
                     "rows": rows,
                     "warm": warm,
+                    "decode": decode,
                 },
                 indent=1,
             )
@@ -224,7 +271,8 @@ def main() -> None:
         return
     print(
         f"{len(work)} requests of {args.trace} ({args.tokens_per_hash} tokens per hash id), "
-        f"{history:,} prompt tokens, tiny {args.model}, device KV {args.device_kv}"
+        f"{history:,} prompt tokens, tiny {args.model}, device KV {args.device_kv} = "
+        f"{device_tokens:,} tokens (1/{history / max(1, device_tokens):.1f} of the history)"
     )
     print(
         f"{'run':26} {'computed':>9} {'hit':>8} {'kvarena':>8} {'x alone':>8} "
@@ -247,6 +295,12 @@ def main() -> None:
         f"shared prefix of {warm['prefix']:,} tokens, TTFT: cold {warm['cold_ms']:.1f} ms, "
         f"warm from the host tier {warm['warm_ms']:.1f} ms ({warm['ratio']:.2f}x cold; "
         f"hit {'yes' if warm['hit'] else 'NO'})"
+    )
+    print(
+        f"decode of {decode['out']} tokens after a 256-token prompt, {len(decode['ratios'])} "
+        f"alternating engine pairs: vLLM alone {decode['alone_tok_s']:.1f} t/s, with kvarena "
+        f"{decode['kvarena_tok_s']:.1f} t/s; kvarena / alone per pair "
+        f"{', '.join(f'{r:.3f}' for r in decode['ratios'])} (median {decode['ratio']:.3f})"
     )
 
 
