@@ -98,8 +98,8 @@ class PrefixCache(TierSide):
             track=self.spec is not None,
         )
         self.pool.set_write_down(self._write_down)
-        # Ghosts: twice the pool's blocks, 16 bytes a key (a few MB for 100k blocks).
-        self.placement = Placement(self.policy, plan.block_size, 2 * self.pool.capacity)
+        units = self.spec.units_per_image if self.spec is not None else 1
+        self.placement = Placement(self.policy, plan.block_size, self.pool.capacity, units)
         self._copying: dict[bytes, Image] = {}  # images whose bytes are still being written
         self._running: dict[Hashable, Admission] = {}
         self._lock = threading.RLock()  # every public call holds it: see kvarena.locking

@@ -21,12 +21,6 @@ from dataclasses import dataclass
 from ..checks import check_count
 from ..errors import InvalidValueError
 
-DEFAULT_POLICY = "end,interval:8192,branch,learn"
-"""The policy ``kvarena replay`` and the benchmarks use unless told otherwise: the
-prompt's end until a grain is learned, then its last multiple of the grain; a few
-images inside long prompts; branch points. ``CheckpointPolicy()`` is the same
-without the interval (it fits any block size)."""
-
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointPolicy:
@@ -111,22 +105,42 @@ class CheckpointPolicy:
                 )
 
     def boundaries(
-        self, prompt_tokens: int, block_size: int, hit_blocks: int, learned_grain: int = 0
+        self,
+        prompt_tokens: int,
+        block_size: int,
+        hit_blocks: int,
+        learned_grain: int = 0,
+        back_off_tokens: int = 0,
+        learned_interval: int = 0,
     ) -> list[int]:
         """Block counts past the hit at which the end, interval and learn rules keep an
-        image (``learned_grain``: the divergence grain in tokens, for ``learn``)."""
+        image (for ``learn``: ``learned_grain``, the divergence grain in tokens;
+        ``back_off_tokens``, how far before its end a prompt is seen to part from
+        others where they part anywhere; ``learned_interval``, the interval in tokens
+        where the policy names none)."""
         full = prompt_tokens // block_size
         out = set()
         learned = self.learn and learned_grain > block_size
         if learned:
             out.add(prompt_tokens // learned_grain * learned_grain // block_size)
+        elif self.learn and back_off_tokens:
+            out.add(max(0, prompt_tokens - back_off_tokens) // block_size)
         # Once a grain is learned the prompt's own end lies inside the piece the next
         # prompt changes: its image would never be read, so ``learn`` replaces ``end``.
         if self.end and full > hit_blocks and not learned:
             out.add(full)
         if self.end_align_tokens:
             out.add(prompt_tokens // self.end_align_tokens * self.end_align_tokens // block_size)
-        if self.interval_tokens:
-            step = self.interval_tokens // block_size
+        interval = self.interval_tokens or (learned_interval if self.learn else 0)
+        if interval:
+            step = interval // block_size
             out.update(range((hit_blocks // step + 1) * step, full + 1, step))
         return sorted(b for b in out if b > hit_blocks)
+
+
+DEFAULT_POLICY = CheckpointPolicy().describe()
+"""The default policy's text (``end,branch,learn``), for ``kvarena replay`` and the
+benchmarks: the prompt's end until a grain is learned, then its last multiple of
+the grain (or, where prompts part anywhere, a learned distance before its end);
+images inside long prompts at an interval sized by what an image costs; branch
+points."""
