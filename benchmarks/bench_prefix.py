@@ -64,7 +64,7 @@ def _row(task: tuple[str, str, int, int, int, str]) -> tuple[str, ReplayResult]:
         v = vllm_unification(model, budget, max_seqs)
         bs = v["attention_block_tokens"] if v else model.block_size
         vm = model_cache(MODEL, replace(options, block_size=bs))
-        align = CheckpointPolicy(end=True, branch=False)
+        align = CheckpointPolicy(end=True, branch=False, learn=False)
         return name, replay(vm, trace, replace(cfg, policy=align), label=f"vLLM align ({bs})")
     if name == "KV only":
         kv = ModelCache.from_fields(model.page_fields, [], block_size=model.block_size, name="kv")

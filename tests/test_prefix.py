@@ -56,7 +56,7 @@ def test_keys_are_chained_and_namespaced():
 
 
 def test_hit_needs_kv_and_an_image_at_exactly_that_boundary():
-    pc = make(policy=CheckpointPolicy(end=True, branch=False))
+    pc = make(policy=CheckpointPolicy(end=True, branch=False, learn=False))
     a = np.arange(40)
     run(pc, "a", a)  # image at its end: 10 blocks
     pc.finish("a")
@@ -76,7 +76,7 @@ def test_hit_needs_kv_and_an_image_at_exactly_that_boundary():
 
 def test_a_hit_shorter_than_one_block_and_a_hit_at_the_first_block():
     for policy, expect in (
-        (CheckpointPolicy(end=True, branch=False), 0),
+        (CheckpointPolicy(end=True, branch=False, learn=False), 0),
         (CheckpointPolicy(interval_tokens=4), 4),
     ):
         pc = make(policy=policy)
@@ -96,8 +96,8 @@ def test_branch_points_serve_a_shared_system_prompt():
 
     hits = {}
     for policy in (
-        CheckpointPolicy(end=True, branch=False),
-        CheckpointPolicy(end=True, branch=True),
+        CheckpointPolicy(end=True, branch=False, learn=False),
+        CheckpointPolicy(end=True, branch=True, learn=False),
     ):
         pc = make(policy=policy)
         got = []
@@ -280,7 +280,7 @@ def test_presets_build_a_prefix_cache():
 
 
 def test_tails_age_first_and_an_image_goes_with_its_last_block():
-    pc = make(policy=CheckpointPolicy(end=True, branch=False))
+    pc = make(policy=CheckpointPolicy(end=True, branch=False, learn=False))
     adm = run(pc, "a", np.arange(24))  # 6 blocks, an image at 6
     blocks = list(adm.blocks)
     pc.finish("a")

@@ -222,3 +222,18 @@ def test_a_verified_replay_beyond_host_memory_is_refused_before_it_starts():
     assert fits.requests == len(trace) and fits.verified_blocks == 0
     with pytest.raises(InvalidValueError, match="budget_bytes"):
         replay(SMALL, trace, ReplayConfig(budget_bytes="lots", max_seqs=2, verify=True))
+
+
+def test_the_compared_vllm_align_policy_keeps_exactly_one_end_image_and_learns_nothing():
+    """vLLM's align mode keeps the state at the last aligned block before each
+    prompt end and nothing else: its row must not inherit the default's rules."""
+    from kvarena import ServingOptions, model_cache
+    from kvarena.replay.policies import policy_runs
+
+    model = model_cache("qwen3-next-80b-a3b", ServingOptions(tp=8))
+    runs = policy_runs(model, ReplayConfig(budget_bytes=1 << 34, max_seqs=4))
+    align = next(r for r in runs if r.label.startswith("vLLM align"))
+    assert align.cfg.policy.describe() == "end"
+    assert (
+        runs[0].cfg.policy == CheckpointPolicy() and runs[0].label == "kvarena (end,branch,learn)"
+    )

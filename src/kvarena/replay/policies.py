@@ -63,7 +63,7 @@ def policy_runs(
         )
     runs = [PolicyRun(label=f"kvarena ({cfg.policy.describe()})", model=model, cfg=cfg)]
     if model.state_fields and model.page_fields:
-        align = replace(cfg, policy=CheckpointPolicy(end=True, branch=False))
+        align = replace(cfg, policy=CheckpointPolicy(end=True, branch=False, learn=False))
         vm = vllm_model or model
         runs.append(
             PolicyRun(label=f"vLLM align ({vm.block_size}-token blocks)", model=vm, cfg=align)
