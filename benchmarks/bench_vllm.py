@@ -1,7 +1,7 @@
 """vLLM alone vs vLLM + kvarena's connector, on a slice of the shared Mooncake trace.
 
-.venv-vllm/bin/python benchmarks/bench_vllm.py [--requests 120] [--tokens-per-hash 64]
-    [--model qwen3_next] [--device-kv 16MiB] [--max-out 8]
+.venv-vllm/bin/python benchmarks/bench_vllm.py [--requests 240] [--tokens-per-hash 32]
+    [--model qwen3_next] [--device-kv 20MiB] [--max-out 8] [--decode-out 128]
 
 The trace's requests name their prompts by hash ids, one per 512-token block
 shared between requests. Each hash id is expanded here into ``--tokens-per-hash``
@@ -21,6 +21,9 @@ Per row: prompt tokens computed, hit tokens (vLLM's ``num_cached_tokens``: the
 device cache and the connector's loads together; the connector's share and
 the deepest tier each load read), TTFT p50/p99, decode tokens/s (over the
 requests that decoded), and whether every request's tokens equal vLLM alone's.
+Then the TTFT of a shared 4,096-token prefix, cold and warm from the host
+tier, and decode tokens/s over 128-token outputs in alternating engine pairs
+(vLLM alone, then with the connector, three times: the ratio of each pair).
 The engines run in this process (the ``uni`` executor), one after another.
 """
 
@@ -214,10 +217,10 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", default=str(TRACE))
-    ap.add_argument("--requests", type=int, default=120)
-    ap.add_argument("--tokens-per-hash", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=240)
+    ap.add_argument("--tokens-per-hash", type=int, default=32)
     ap.add_argument("--model", default="qwen3_next", choices=sorted(TINY))
-    ap.add_argument("--device-kv", default="16MiB")
+    ap.add_argument("--device-kv", default="20MiB")
     ap.add_argument("--max-out", type=int, default=8)
     ap.add_argument("--prefix", type=int, default=4096, help="the shared-prefix TTFT row's prefix")
     ap.add_argument("--decode-out", type=int, default=128, help="the decode rows' output tokens")
