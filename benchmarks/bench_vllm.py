@@ -191,23 +191,77 @@ def decode_rate(model: Path, device: int, tiers: list[str] | None, out: int) -> 
     return statistics.median(rates)
 
 
+CONNECTOR_CALLS = (
+    "build_connector_meta",
+    "bind_connector_metadata",
+    "start_load_kv",
+    "wait_for_layer_load",
+    "save_kv_layer",
+    "wait_for_save",
+    "get_finished",
+    "clear_connector_metadata",
+)
+"""The connector methods vLLM calls in every step, scheduler and worker side."""
+
+
+class ConnectorClock:
+    """Wall time spent inside the connector's per-step methods (both halves run in
+    this process): what the connector itself adds to a decode step, measured
+    directly instead of read off a tokens/s difference that the machine's noise
+    swamps."""
+
+    def __init__(self) -> None:
+        from kvarena.integrations.vllm.connector import KvarenaConnector
+
+        self.cls, self.seconds, self.steps, self.saved = KvarenaConnector, 0.0, 0, {}
+
+    def __enter__(self) -> ConnectorClock:
+        for name in CONNECTOR_CALLS:
+            f = self.saved[name] = getattr(self.cls, name)
+            setattr(self.cls, name, self._timed(f, name == "build_connector_meta"))
+        return self
+
+    def _timed(self, f, step: bool):
+        def call(conn, *a, **k):
+            t = time.perf_counter()
+            try:
+                return f(conn, *a, **k)
+            finally:
+                self.seconds += time.perf_counter() - t
+                self.steps += step
+
+        return call
+
+    def __exit__(self, *exc) -> None:
+        for name, f in self.saved.items():
+            setattr(self.cls, name, f)
+
+
 def decode_pairs(model: Path, device: int, out: int, pairs: int) -> dict:
     """Decode tokens/s of vLLM alone and with the connector (a host tier), in
-    alternating engines so that a drift of the machine falls on both: the ratio
-    of each pair, and their median."""
+    alternating engines so that a drift of the machine falls on both (one pair
+    first to warm up, not counted): the ratio of each pair and their median; and
+    the connector's own time per engine step over the connector's runs."""
     ratios, alone, tiered = [], [], []
-    for _ in range(pairs):
+    clock = ConnectorClock()
+    for p in range(pairs + 1):
         a = decode_rate(model, device, None, out)
-        k = decode_rate(model, device, ["host:2GiB"], out)
-        alone.append(a)
-        tiered.append(k)
-        ratios.append(k / a)
+        with clock:
+            k = decode_rate(model, device, ["host:2GiB"], out)
+        if p:
+            alone.append(a)
+            tiered.append(k)
+            ratios.append(k / a)
+    step_s = 1 / statistics.median(alone)
+    per_step = clock.seconds / max(1, clock.steps)
     return {
         "out": out,
         "alone_tok_s": statistics.median(alone),
         "kvarena_tok_s": statistics.median(tiered),
         "ratios": ratios,
         "ratio": statistics.median(ratios),
+        "connector_us_per_step": 1e6 * per_step,
+        "connector_share": per_step / step_s,
     }
 
 
@@ -303,7 +357,9 @@ def main() -> None:
         f"decode of {decode['out']} tokens after a 256-token prompt, {len(decode['ratios'])} "
         f"alternating engine pairs: vLLM alone {decode['alone_tok_s']:.1f} t/s, with kvarena "
         f"{decode['kvarena_tok_s']:.1f} t/s; kvarena / alone per pair "
-        f"{', '.join(f'{r:.3f}' for r in decode['ratios'])} (median {decode['ratio']:.3f})"
+        f"{', '.join(f'{r:.3f}' for r in decode['ratios'])} (median {decode['ratio']:.3f}); "
+        f"the connector's own time {decode['connector_us_per_step']:.0f} µs a step = "
+        f"{100 * decode['connector_share']:.2f}% of vLLM alone's decode step"
     )
 
 
