@@ -23,15 +23,14 @@ from kvarena.prefix.placement import Placement, learned_interval
     capacity=st.integers(0, 8),
     batches=st.lists(st.lists(st.integers(0, 12), max_size=6), max_size=12),
 )
-def test_ghosts_are_the_most_recently_added_keys_up_to_capacity(capacity, batches):
+def test_ghosts_are_the_latest_first_remembered_keys_up_to_capacity(capacity, batches):
     g = Ghosts(capacity)
     ref: OrderedDict[bytes, None] = OrderedDict()
     for batch in batches:
         keys = [bytes([k]) * 16 for k in batch]
         g.add(keys)
         for k in keys:
-            ref[k] = None
-            ref.move_to_end(k)
+            ref.setdefault(k, None)  # a key remembered again keeps its place
         while len(ref) > capacity:
             ref.popitem(last=False)
         assert len(g) == len(ref)

@@ -153,7 +153,7 @@ class WriteDown:
         if objects:
             self._tiers.write_back(objects)
         if self._track:
-            self._gone.extend(v.key for v in victims if isinstance(v.key, bytes))
+            self._gone += [v.key for v in victims if type(v.key) is bytes]
         m = self._metrics
         m.evicted_blocks += blocks
         m.evicted_images += images
