@@ -12,6 +12,12 @@ to it. So the keys of evicted KV blocks are kept a while as ghosts
 Measured on the shared trace (Qwen3-Next-80B, TP 8, 80 GiB): 0.89x -> 0.92x of
 the KV-only hit tokens for ``end,interval:8192,branch``, 0.94x -> 0.95x with
 ``learn`` (``benchmarks/bench_prefix.py``).
+
+``learn`` also learns, where prompts part anywhere, how far before its end a
+prompt parts from the others (:class:`~kvarena.prefix.grain.SuffixLength`:
+one more image that far back, inside the document many questions read), and
+keeps images inside long prompts at an interval sized by what an image costs
+(:func:`learned_interval`) where the policy names none.
 """
 
 from __future__ import annotations

@@ -9,9 +9,12 @@ one there. The last rule is what lets a shared system prompt followed by
 unique suffixes hit at all: the end-of-prompt images of earlier requests lie
 past the shared part, and only a checkpoint AT the shared boundary serves it.
 
-A fifth rule, ``learn``, is ``end:N`` with N learned from the trace itself:
-the grain on which prompts were seen to diverge
-(:class:`~kvarena.prefix.grain.DivergenceGrain`), so no one has to know it.
+A fifth rule, ``learn`` (on by default), takes from the trace what the others
+must be told (:mod:`~kvarena.prefix.placement`): ``end:N`` with N the grain on
+which prompts were seen to diverge (:class:`~kvarena.prefix.grain.DivergenceGrain`);
+where they diverge anywhere, an image the learned unique-suffix length before
+the end (:class:`~kvarena.prefix.grain.SuffixLength`); and, where no interval is
+named, an interval sized by what an image costs.
 """
 
 from __future__ import annotations
