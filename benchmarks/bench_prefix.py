@@ -11,8 +11,11 @@ system prompt with unique questions, multi-turn chats whose next turn
 contains the previous prompt and output, documents read by many questions).
 Side by side: kvarena's default policy, the previous default, a hand-tuned
 policy (``end:512``: the trace's 512-token hash blocks, known to the tuner),
-vLLM's align policy at vLLM's unified block size, the same KV with no state
-(KV only: the bound a policy is judged against) and the infinite cache.
+vLLM's align policy at vLLM's unified block size, clairvoyant placement
+(images exactly where a later request could resume, known from the whole
+trace: what placement alone can reach, :mod:`kvarena.replay.clairvoyant`),
+the same KV with no state (KV only: the bound a policy is judged against)
+and the infinite cache.
 
 Part 2 measures lookup and admission (lookup, references, allocation,
 restore, commit, finish) per request of a 1,024-block prompt against a cache
@@ -38,6 +41,7 @@ from kvarena import ServingOptions, model_cache, plan_cache
 from kvarena.models import ModelCache
 from kvarena.prefix import DEFAULT_POLICY, CheckpointPolicy, PrefixCache
 from kvarena.replay import ReplayConfig, ReplayResult, load_trace, replay
+from kvarena.replay.clairvoyant import clairvoyant_bound
 from kvarena.replay.policies import infinite_bound
 from kvarena.report import vllm_unification
 
@@ -66,6 +70,8 @@ def _row(task: tuple[str, str, int, int, int, str]) -> tuple[str, ReplayResult]:
         vm = model_cache(MODEL, replace(options, block_size=bs))
         align = CheckpointPolicy(end=True, branch=False, learn=False)
         return name, replay(vm, trace, replace(cfg, policy=align), label=f"vLLM align ({bs})")
+    if name == "clairvoyant":
+        return name, clairvoyant_bound(model, trace, cfg)
     if name == "KV only":
         kv = ModelCache.from_fields(model.page_fields, [], block_size=model.block_size, name="kv")
         return name, replay(kv, trace, cfg, label="KV only (no state)")
@@ -77,7 +83,7 @@ def _row(task: tuple[str, str, int, int, int, str]) -> tuple[str, ReplayResult]:
 
 def part1(args: argparse.Namespace) -> None:
     budget = args.memory_gib << 30
-    rows = [*POLICIES, "vLLM align", "KV only", "infinite"]
+    rows = [*POLICIES, "vLLM align", "clairvoyant", "KV only", "infinite"]
     with tempfile.TemporaryDirectory() as d, ProcessPoolExecutor(args.jobs) as pool:
         paths = {}
         for w in args.workloads.split(","):

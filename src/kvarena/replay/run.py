@@ -108,9 +108,14 @@ def _block_word(key: bytes) -> int:
 
 class _Replay:
     def __init__(
-        self, model: ModelCache, trace: Sequence[TraceRequest], cfg: ReplayConfig, label: str
+        self,
+        model: ModelCache,
+        trace: Sequence[TraceRequest],
+        cfg: ReplayConfig,
+        label: str,
+        checkpoints: Sequence[Sequence[int]] | None,
     ) -> None:
-        self.trace, self.cfg = trace, cfg
+        self.trace, self.cfg, self.checkpoints = trace, cfg, checkpoints
         plan = plan_cache(model, budget_bytes=cfg.budget_bytes, max_seqs=cfg.max_seqs)
         device = torch.device("cpu" if cfg.verify else "meta")
         # A host tier's unit is one KV block's image, so a block takes exactly one.
@@ -157,15 +162,19 @@ class _Replay:
             self.result.verified_states += 1
             self.result.mismatches += not ok
 
-    def _compute(self, adm: Admission) -> None:
+    def _compute(self, index: int) -> None:
         """The prefill's end: KV for the new prompt blocks, images at the boundaries."""
+        adm = self.pc.running(index)
         h = adm.hit.tokens // self.bs
         full = adm.tokens.size // self.bs
         c = self.pc.cache
         if self.cfg.verify and self.pc.has_kv:
             for i in range(h, full):
                 c.block_bytes_of(adm.blocks[i]).view(torch.int64).fill_(_block_word(adm.keys[i]))
-        for b in adm.checkpoints:
+        wanted = adm.checkpoints
+        if self.checkpoints is not None:  # told where, not the policy's choice
+            wanted = [b for b in self.checkpoints[index] if h < b <= full]
+        for b in wanted:
             if self.cfg.verify:
                 raw = c.slot_bytes_of(adm.slots[0])
                 word = _state_word(adm.keys[b - 1])
@@ -257,7 +266,7 @@ class _Replay:
             if self.events and self.events[0][0] <= next_arrival:
                 now, _, kind, index = heapq.heappop(self.events)
                 if kind == "prefill":
-                    self._compute(self.pc.running(index))
+                    self._compute(index)
                 else:
                     self.pc.finish(index)
                     self.finished += 1
@@ -321,10 +330,35 @@ def _check_host_memory(cfg: ReplayConfig) -> None:
 
 
 def replay(
-    model: ModelCache, trace: Sequence[TraceRequest], cfg: ReplayConfig, *, label: str = "kvarena"
+    model: ModelCache,
+    trace: Sequence[TraceRequest],
+    cfg: ReplayConfig,
+    *,
+    label: str = "kvarena",
+    checkpoints: Sequence[Sequence[int]] | None = None,
 ) -> ReplayResult:
-    """Replay ``trace`` through a prefix cache planned for ``model`` in ``cfg.budget_bytes``."""
+    """Replay ``trace`` through a prefix cache planned for ``model`` in ``cfg.budget_bytes``.
+
+    ``checkpoints``, one sequence of block boundaries per request in trace order,
+    replaces the policy's choice of where each request keeps images (the
+    clairvoyant bound, :mod:`.clairvoyant`); boundaries inside the hit are skipped."""
     if not isinstance(model, ModelCache):
         raise InvalidValueError(f"replay: model must be a ModelCache, got {type(model).__name__}")
+    if checkpoints is not None:
+        _check_checkpoints(checkpoints, trace)
     _check_host_memory(cfg)
-    return _Replay(model, trace, cfg, label).run()
+    return _Replay(model, trace, cfg, label, checkpoints).run()
+
+
+def _check_checkpoints(checkpoints: Sequence[Sequence[int]], trace: Sequence[TraceRequest]) -> None:
+    if len(checkpoints) != len(trace):
+        raise InvalidValueError(
+            f"replay: checkpoints has {len(checkpoints)} entries for {len(trace)} requests; "
+            "give one sequence of boundaries per request"
+        )
+    for i, bs in enumerate(checkpoints):
+        for b in bs:
+            if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+                raise InvalidValueError(
+                    f"replay: checkpoints[{i}] holds {b!r}; a boundary is a block count >= 1"
+                )
