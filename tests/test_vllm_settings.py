@@ -30,7 +30,7 @@ from kvarena.integrations.vllm.settings import (
     ConnectorConfigError,
     ConnectorSettings,
 )
-from kvarena.integrations.vllm.tensors import LayerBlocks, expected_block_bytes
+from kvarena.integrations.vllm.tensors import BlockRun, LayerBlocks, expected_block_bytes
 
 
 @pytest.mark.parametrize(
@@ -47,6 +47,8 @@ from kvarena.integrations.vllm.tensors import LayerBlocks, expected_block_bytes
         ({"tiers": ["host:1GiB"], "namespace": 7}, "'namespace'"),
         ({"tiers": ["host:1GiB"], "host_unit_bytes": 100}, "'host_unit_bytes'"),
         ({"tiers": ["host:1GiB"], "host_unit_bytes": True}, "'host_unit_bytes'"),
+        ({"tiers": ["host:1GiB"], "layout": "BLHNC"}, "'layout'"),
+        ({"tiers": ["host:1GiB"], "layout": None}, "'layout'"),
         ([("tiers", "x")], "mapping"),
     ],
 )
@@ -62,6 +64,11 @@ def test_good_settings_parse():
         {"tiers": [" host:1GiB", "disk:/tmp/x:2GiB", "redis://h:1"], "namespace": "fleet-a"}
     )
     assert s.tiers == ("host:1GiB", "disk:/tmp/x:2GiB", "redis://h:1") and s.namespace == "fleet-a"
+    assert s.layout == "auto"
+    assert s.preferred_layout(cpu=True) is None and s.preferred_layout(cpu=False) == "BLHNC"
+    for layout, cpu, gpu in (("block-major", "BLHNC", "BLHNC"), ("engine", None, None)):
+        t = ConnectorSettings.parse({"tiers": ["host:1GiB"], "layout": layout})
+        assert (t.preferred_layout(cpu=True), t.preferred_layout(cpu=False)) == (cpu, gpu)
 
 
 def attention(bs=32, heads=2, size=64, dtype=torch.bfloat16):
@@ -153,7 +160,9 @@ def test_block_bytes_round_trip_exactly(kv_first, blocks, inner, dtype, data):
         layers=("l",),
         spec={"class": "MambaSpec", "shapes": [[per_block]], "dtypes": ["torch.int8"]},
     )
-    layer = LayerBlocks.of("l", src, num_blocks=blocks, group=group)
+    layer = BlockRun.of(
+        [LayerBlocks.of("l", src, num_blocks=blocks, group=group)], num_blocks=blocks
+    )
     ids = data.draw(st.lists(st.integers(0, blocks - 1), min_size=1, max_size=blocks, unique=True))
     rows = layer.gather(ids)
     raw = src.view(torch.uint8)
@@ -161,7 +170,7 @@ def test_block_bytes_round_trip_exactly(kv_first, blocks, inner, dtype, data):
         want = (raw[:, b] if kv_first else raw[b]).contiguous().reshape(-1).numpy()
         assert bytes(row) == bytes(want)
     dst = torch.zeros_like(src)
-    out = LayerBlocks.of("l", dst, num_blocks=blocks, group=group)
+    out = BlockRun.of([LayerBlocks.of("l", dst, num_blocks=blocks, group=group)], num_blocks=blocks)
     for row, b in zip(rows, ids, strict=True):
         out.scatter(b, memoryview(row))
     for b in range(blocks):

@@ -90,6 +90,16 @@ class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
                 groups=groups, namespace=namespace, tiers=tiers, block_size=block_size
             )
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        """Block-major where the settings ask for it (see ``ConnectorSettings.layout``):
+        vLLM takes a connector's layout as a preference, kept where every attention
+        backend lists it."""
+        from vllm.platforms import current_platform
+
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        return ConnectorSettings.parse(extra).preferred_layout(cpu=current_platform.is_cpu())
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a dropped save is a later miss

@@ -17,9 +17,14 @@ from ...checks import parse_bytes
 from ...errors import Error
 from ...tiers import SPEC_FORMS
 
-KEYS = ("tiers", "namespace", "host_unit_bytes")
+KEYS = ("tiers", "namespace", "host_unit_bytes", "layout")
 """Every key the connector reads; any other key is refused (a typo must not
 silently turn a tier off)."""
+
+
+LAYOUTS = ("auto", "block-major", "engine")
+BLOCK_MAJOR = "BLHNC"
+"""vLLM's block-major layout: ``[blocks, layers, heads, tokens, content]``."""
 
 
 class ConnectorConfigError(Error, ValueError):
@@ -41,11 +46,19 @@ class ConnectorSettings:
     revision), or to keep two fleets apart on one store.
 
     ``host_unit_bytes``: the host tier's allocation unit (default 64 KiB).
+
+    ``layout``: the KV cache layout the connector asks vLLM for. ``auto``
+    (default): the block-major ``BLHNC`` (a block of every layer of a group is
+    one range: one copy per block, not one per layer) except on vLLM's CPU
+    platform, whose attention backend declares ``LBHNC`` alone; ``block-major``:
+    ``BLHNC`` everywhere (vLLM keeps it where every backend lists it, else
+    falls back to its own choice with a warning); ``engine``: no preference.
     """
 
     tiers: tuple[str, ...]
     namespace: str = ""
     host_unit_bytes: int = 64 << 10
+    layout: str = "auto"
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -101,7 +114,23 @@ class ConnectorSettings:
             raise ConnectorConfigError(
                 f"{where}['host_unit_bytes'] must be an integer in 512..2**30, got {unit!r}"
             )
-        return cls(tiers=tuple(s.strip() for s in tiers), namespace=namespace, host_unit_bytes=unit)
+        layout = extra.get("layout", "auto")
+        if layout not in LAYOUTS:
+            raise ConnectorConfigError(
+                f"{where}['layout'] must be one of {', '.join(LAYOUTS)}, got {layout!r:.80}"
+            )
+        return cls(
+            tiers=tuple(s.strip() for s in tiers),
+            namespace=namespace,
+            host_unit_bytes=unit,
+            layout=layout,
+        )
+
+    def preferred_layout(self, *, cpu: bool) -> str | None:
+        """The layout to ask vLLM for (its ``KVCacheLayout`` name), None for none."""
+        if self.layout == "engine" or (self.layout == "auto" and cpu):
+            return None
+        return BLOCK_MAJOR
 
 
 def _size(spec: str, kind: str) -> str | None:

@@ -9,7 +9,13 @@ with the shapes named: a guessed layout would copy the wrong bytes silently.
 
 Every copy goes through a ``uint8`` view of the tensor, so a block's bytes are
 moved as they are (bfloat16 K/V, a float32 SSM state and its conv window
-alike), one batched gather or scatter per layer.
+alike). Consecutive layers of a group whose pages of one block lie side by
+side in one allocation are copied as one range (:class:`BlockRun`): in
+vLLM's block-major layouts (``BLHNC``, ``BLNHC``: a block of every layer of a
+group is one contiguous run) a block is one copy for the whole group, the
+one-range-per-entry idea inside vLLM; in its layer-major ones (``LBHNC``)
+every layer is its own run. The bytes, and so the images, are the same
+either way: a group's layers in its order, each layer's page as it is.
 """
 
 from __future__ import annotations
@@ -92,6 +98,40 @@ class LayerBlocks:
             )
         return cls(name=name, raw=raw, dim=dim, block_bytes=block_bytes)
 
+    def block_address(self) -> int | None:
+        """Where block 0's page starts, when one block's page is one contiguous range
+        and blocks are the first dimension (what a run can be made of), else None."""
+        if self.dim != 0 or not self.raw.select(0, 0).is_contiguous():
+            return None
+        return int(self.raw.data_ptr())
+
+
+@dataclass(frozen=True, eq=False)
+class BlockRun:
+    """Consecutive layers of one group whose pages of each block form one range.
+
+    ``raw`` views the run as ``[blocks, block_bytes]`` (or, for a single layer
+    that is no run of pages, that layer's own view with its block dimension
+    ``dim``): gathering or scattering a block is one copy for every layer in it."""
+
+    layers: tuple[str, ...]
+    raw: torch.Tensor
+    dim: int
+    block_bytes: int
+
+    @classmethod
+    def of(cls, layers: Sequence[LayerBlocks], *, num_blocks: int) -> BlockRun:
+        first = layers[0]
+        if len(layers) == 1:
+            return cls(
+                layers=(first.name,), raw=first.raw, dim=first.dim, block_bytes=first.block_bytes
+            )
+        total = sum(layer.block_bytes for layer in layers)
+        raw = torch.as_strided(
+            first.raw, (num_blocks, total), (first.raw.stride(0), 1), first.raw.storage_offset()
+        )
+        return cls(layers=tuple(layer.name for layer in layers), raw=raw, dim=0, block_bytes=total)
+
     def gather(self, block_ids: Sequence[int]) -> np.ndarray:
         """The bytes of ``block_ids``, a host array ``[len(block_ids), block_bytes]``
         (one copy; on CUDA it waits for the forward that wrote them)."""
@@ -108,12 +148,39 @@ class LayerBlocks:
         dst.copy_(src)
 
 
+def _continues(run: list[LayerBlocks], layer: LayerBlocks) -> bool:
+    """Whether ``layer``'s pages lie right behind ``run``'s in every block: the same
+    allocation, the same block stride, and all of them still inside one block."""
+    head, start = run[0], run[0].block_address()
+    at = layer.block_address()
+    if start is None or at is None or layer.raw.device != head.raw.device:
+        return False
+    if layer.raw.untyped_storage().data_ptr() != head.raw.untyped_storage().data_ptr():
+        return False
+    stride = head.raw.stride(0)
+    size = sum(x.block_bytes for x in run)
+    return (
+        layer.raw.stride(0) == stride and at == start + size and size + layer.block_bytes <= stride
+    )
+
+
+def block_runs(layers: Sequence[LayerBlocks], *, num_blocks: int) -> list[BlockRun]:
+    """A group's layers, in order, joined into runs wherever their pages are adjacent."""
+    runs: list[list[LayerBlocks]] = []
+    for layer in layers:
+        if runs and _continues(runs[-1], layer):
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    return [BlockRun.of(run, num_blocks=num_blocks) for run in runs]
+
+
 def layer_blocks(
     kv_caches: Mapping[str, torch.Tensor], groups: Sequence[Group], *, num_blocks: int
-) -> dict[int, list[LayerBlocks]]:
-    """Each group's layers as :class:`LayerBlocks`, in the group's layer order;
-    a layer the config names but vLLM did not register is refused."""
-    out: dict[int, list[LayerBlocks]] = {}
+) -> dict[int, list[BlockRun]]:
+    """Each group's layers as :class:`BlockRun` s, in the group's layer order; a
+    layer the config names but vLLM did not register is refused."""
+    out: dict[int, list[BlockRun]] = {}
     for g in groups:
         rows = []
         for name in g.layers:
@@ -123,5 +190,5 @@ def layer_blocks(
                     f"registered cache tensor (registered: {', '.join(list(kv_caches)[:4])}...)"
                 )
             rows.append(LayerBlocks.of(name, kv_caches[name], num_blocks=num_blocks, group=g))
-        out[g.index] = rows
+        out[g.index] = block_runs(rows, num_blocks=num_blocks)
     return out

@@ -7,7 +7,8 @@ scheduler names; an object that fails anywhere is tried in the next tier, and
 a load no tier can serve is reported by its block ids so vLLM recomputes them
 (``kv_load_failure_policy="recompute"``). Nothing unchecked is ever copied.
 
-Saves take the step's bytes after its forward (one gather per layer), then
+Saves take the step's bytes after its forward (one gather per run of layers:
+per layer in vLLM's layer-major layouts, per group in its block-major ones), then
 hand checksumming and the tier writes to one background thread: the forward
 never waits for a disk or a network. Every save is written through to every
 tier, so a restarted engine finds it on disk and another engine in the store.
@@ -28,7 +29,7 @@ from ...tiers.host import HostTier
 from ...tiers.image import object_name
 from .groups import Group
 from .records import BlockCopy, Load, StepPlan, WorkerReport
-from .tensors import LayerBlocks, layer_blocks
+from .tensors import BlockRun, layer_blocks
 
 log = logging.getLogger("kvarena.vllm")
 
@@ -45,7 +46,7 @@ class WorkerSide:
         self.namespace = namespace
         self.tiers = tiers
         self.block_size = block_size
-        self.layers: dict[int, list[LayerBlocks]] = {}
+        self.runs: dict[int, list[BlockRun]] = {}  # each group's layers, as runs of pages
         self._errors: set[int] = set()
         self._received: set[str] = set()  # requests whose load ran (or failed) this step
         self._failed_requests: set[str] = set()
@@ -62,11 +63,11 @@ class WorkerSide:
         self._thread.start()
 
     def register(self, kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> None:
-        self.layers = layer_blocks(kv_caches, self.groups, num_blocks=num_blocks)
+        self.runs = layer_blocks(kv_caches, self.groups, num_blocks=num_blocks)
 
     # -- what an object is ----------------------------------------------------------
     def _payload_bytes(self, groups: Sequence[Group]) -> int:
-        return sum(layer.block_bytes for g in groups for layer in self.layers[g.index])
+        return sum(run.block_bytes for g in groups for run in self.runs[g.index])
 
     def _expected(self, kind: ImageKind, copy: BlockCopy) -> Expected:
         bs = self.block_size
@@ -131,9 +132,9 @@ class WorkerSide:
     def _scatter(self, groups: Sequence[Group], copy: BlockCopy, payload: memoryview) -> None:
         pos = 0
         for gi, g in enumerate(groups):
-            for layer in self.layers[g.index]:
-                layer.scatter(copy.blocks[gi], payload[pos : pos + layer.block_bytes])
-                pos += layer.block_bytes
+            for run in self.runs[g.index]:
+                run.scatter(copy.blocks[gi], payload[pos : pos + run.block_bytes])
+                pos += run.block_bytes
 
     def load(self, plan: StepPlan) -> None:
         for job in plan.loads:
@@ -190,8 +191,8 @@ class WorkerSide:
         groups = self.kv_groups if kind is ImageKind.KV_BLOCK else self.state_groups
         parts: list[list[memoryview]] = [[] for _ in copies]
         for gi, g in enumerate(groups):
-            for layer in self.layers[g.index]:
-                rows = layer.gather([c.blocks[gi] for c in copies])
+            for run in self.runs[g.index]:
+                rows = run.gather([c.blocks[gi] for c in copies])
                 for j in range(len(copies)):
                     parts[j].append(memoryview(rows[j]))
         return [(kind, c, p) for c, p in zip(copies, parts, strict=True)]
