@@ -1,0 +1,157 @@
+"""The connector's copies per request in vLLM's layer-major and block-major layouts.
+
+.venv-vllm/bin/python benchmarks/bench_vllm_layout.py [--tokens 4096] [--rounds 15] [--device cpu]
+
+vLLM's own code (``get_kv_cache_config_from_groups``, ``allocate_kv_cache``)
+allocates the cache of Qwen3-Next-80B-A3B at TP 8 as vLLM lays it out for one
+rank: 12 full-attention layers (one KV head of 256, bfloat16) and 36 Gated
+DeltaNet layers (a 1,024-channel conv window and 4 heads of 128x128 state,
+bfloat16; 137,216 B a layer), in four KV cache groups of 12 layers, pages
+unified at 144-token blocks (each state page padded to the 147,456 B of an
+attention page, as vLLM's page unification does). Per layout, the
+connector's save of one request (its full KV blocks and one state at its
+last boundary) and the load of the same objects back: ``copy calls`` (one
+batched gather per run of layers on save, one scatter per run and block on
+load), ``ranges`` (contiguous byte ranges moved), and time as a speed beside
+a copy of the same bytes as one contiguous range (the physical limit: for a
+load, into memory already there; for a save, which hands new host buffers to
+its writer thread, into memory just allocated), every method once per round,
+rounds interleaved. The images' bytes are the same in every
+layout (``tests/test_vllm_layouts.py``).
+
+On vLLM's CPU platform the engine itself runs ``LBHNC`` only (its attention
+backend declares no other); the block-major rows are vLLM's allocation of
+the layout a CUDA backend may take, copied on this device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _timing import side_by_side
+from vllm.config import VllmConfig
+from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MambaSpec
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.worker.utils import allocate_kv_cache
+
+from kvarena.integrations.vllm.groups import classify
+from kvarena.integrations.vllm.tensors import BlockRun, layer_blocks
+
+BLOCK = 144
+ATTN = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=256, dtype=torch.bfloat16)
+
+
+def gdn(padded: bool) -> MambaSpec:
+    return MambaSpec(
+        block_size=BLOCK,
+        shapes=((3, 1024), (4, 128, 128)),
+        dtypes=(torch.bfloat16, torch.bfloat16),
+        mamba_cache_mode="align",
+        page_size_padded=ATTN.page_size_bytes if padded else None,
+    )
+
+
+def allocate(layout: str, blocks: int, padded: bool, device: torch.device):
+    cfg = VllmConfig()
+    cfg.cache_config.kv_cache_layout = layout
+    groups = [KVCacheGroupSpec([f"model.layers.{4 * i + 3}.self_attn" for i in range(12)], ATTN)]
+    for g in range(3):
+        names = [f"model.layers.{4 * i + g}.linear_attn" for i in range(12)]
+        groups.append(KVCacheGroupSpec(names, gdn(padded)))
+    per_block = 12 * ATTN.page_size_bytes
+    kc = get_kv_cache_config_from_groups(cfg, groups, per_block * blocks)
+    caches = allocate_kv_cache(kc, device, KVCacheLayout[layout])
+    for t in caches.values():
+        t.view(torch.uint8).random_(0, 256)
+    return layer_blocks(caches, classify(kc), num_blocks=kc.num_blocks)
+
+
+def ranges(run: BlockRun) -> int:
+    """Contiguous ranges one block of ``run`` is: one for a run of pages, else the
+    pieces of a layer's block (K and V apart in a ``[2, blocks, ...]`` tensor)."""
+    return 1 if run.dim == 0 and run.raw.select(0, 0).is_contiguous() else 2
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=4096, help="the request's prompt tokens")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    full = args.tokens // BLOCK
+    blocks = 2 * full + 8
+    print(
+        f"Qwen3-Next-80B-A3B TP 8 as vLLM lays it out: a {args.tokens:,}-token request = "
+        f"{full} KV blocks of {BLOCK} tokens x 12 layers + 1 state x 36 layers; {device}"
+    )
+    head = (
+        f"{'layout':<28} {'save calls':>10} {'load calls':>10} {'ranges':>7} {'bytes':>12} "
+        f"{'save µs':>9} {'load µs':>9} {'save speed':>11} {'load speed':>11}"
+    )
+    print(head)
+    for layout, padded in (("LBHNC", True), ("BLHNC", True), ("BLHNC", False)):
+        label = f"{layout}{' (states padded)' if padded else ' (states unpadded)'}"
+        print(f"{label:<28} " + measure(layout, padded, blocks, full, device, args.rounds))
+
+
+def measure(
+    layout: str, padded: bool, blocks: int, full: int, device: torch.device, rounds: int
+) -> str:
+    """One layout's row: copy calls, ranges and bytes of a request's save and load,
+    and their times beside a memcpy of the same bytes."""
+    runs = allocate(layout, blocks, padded, device)
+    kv_runs, state_runs = runs[0], [r for g in (1, 2, 3) for r in runs[g]]
+    kv_ids = list(range(3, 3 + full))  # the request's blocks (attention group)
+    state_id = blocks - 2  # its state at the last boundary (every state group)
+    nbytes = sum(r.block_bytes for r in kv_runs) * full + sum(r.block_bytes for r in state_runs)
+    saved: list[np.ndarray] = []
+
+    def save() -> None:
+        saved.clear()
+        saved.extend(r.gather(kv_ids) for r in kv_runs)
+        saved.extend(r.gather([state_id]) for r in state_runs)
+
+    save()
+    rows = list(saved)
+
+    def load() -> None:
+        for r, got in zip(kv_runs, rows, strict=False):
+            for j, b in enumerate(kv_ids):
+                r.scatter(b, memoryview(got[j]))
+        for r, got in zip(state_runs, rows[len(kv_runs) :], strict=True):
+            r.scatter(state_id, memoryview(got[0]))
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 256)
+    dst = torch.empty_like(src)
+    methods = {
+        "save": save,
+        "load": load,
+        "memcpy": lambda: dst.copy_(src),
+        # A save hands new host buffers to the writer thread: the limit for it is a
+        # copy into memory just allocated (its first touch included).
+        "memcpy to new memory": lambda: torch.empty_like(src).copy_(src),
+    }
+    t = side_by_side(methods, rounds, device)
+    save_calls = len(kv_runs) + len(state_runs)
+    load_calls = len(kv_runs) * full + len(state_runs)
+    n_ranges = sum(ranges(r) for r in kv_runs) * full + sum(ranges(r) for r in state_runs)
+    return (
+        f"{save_calls:>10,} {load_calls:>10,} {n_ranges:>7,} {nbytes:>12,} "
+        f"{t['save'] * 1e6:>9,.0f} {t['load'] * 1e6:>9,.0f} "
+        f"{t.speed('save', 'memcpy to new memory'):>10.2f}x {t.speed('load', 'memcpy'):>10.2f}x"
+    )
+
+
+if __name__ == "__main__":
+    main()
