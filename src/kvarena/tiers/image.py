@@ -81,6 +81,18 @@ def object_name(kind: ImageKind, key: bytes) -> str:
     return f"{kind.prefix}-{key.hex()}"
 
 
+def parse_object_name(name: str) -> tuple[ImageKind, bytes]:
+    """The kind and key an :func:`object_name` was made of."""
+    prefix, _, digits = name.partition("-")
+    for kind in ImageKind:
+        if kind.prefix == prefix and digits:
+            try:
+                return kind, bytes.fromhex(digits)
+            except ValueError:
+                break
+    raise InvalidValueError(f"{name!r} is no object name (kv-HEX or st-HEX)")
+
+
 class ImageMismatch(Error, ValueError):
     """An object that is not what the caller asked for; ``reason`` is one word
     (``truncated``, ``magic``, ``version``, ``checksum``, ``kind``, ``namespace``,

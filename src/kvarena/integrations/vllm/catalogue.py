@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 from ...tiers import RedisTier
 from ...tiers.disk import SUFFIX
 from ...tiers.stack import first_holders
+from .ranks import rank_dir
 from .settings import ConnectorSettings
 
 
@@ -33,17 +34,21 @@ def disk_dir(spec: str) -> str:
 class Catalogue:
     """Which tier holds each name, as the scheduler can know it."""
 
-    def __init__(self, settings: ConnectorSettings) -> None:
+    def __init__(self, settings: ConnectorSettings, ranks: int = 1) -> None:
+        """``ranks``: the engine's tensor-parallel size (each rank's worker writes
+        its disk objects into a directory of its own, :func:`.ranks.rank_dir`)."""
         self.kinds: list[str] = []
         self._host: set[str] = set()
-        self._disk: str | None = None
+        self._disk: list[str] = []
         self._redis: RedisTier | None = None
         for spec in settings.tiers:
             if spec.startswith("host:"):
                 self.kinds.append("host")
             elif spec.startswith("disk:"):
                 self.kinds.append("disk")
-                self._disk = os.path.join(disk_dir(spec), "")
+                self._disk = [
+                    os.path.join(rank_dir(disk_dir(spec), r, ranks), "") for r in range(ranks)
+                ]
             else:
                 self.kinds.append("redis")
                 url = spec
@@ -66,8 +71,10 @@ class Catalogue:
         if kind == "host":
             return lambda asked: [n in self._host for n in asked]
         if kind == "disk":
-            prefix = self._disk
-            return lambda asked: [os.path.isfile(f"{prefix}{n}{SUFFIX}") for n in asked]
+            dirs = self._disk  # a name is one rank's: it lies in that rank's directory
+            return lambda asked: [
+                any(os.path.isfile(f"{d}{n}{SUFFIX}") for d in dirs) for n in asked
+            ]
         assert self._redis is not None
         return self._redis.contains_many
 

@@ -29,6 +29,7 @@ from ...errors import Error
 from ...tiers import TierStack
 from .catalogue import Catalogue
 from .groups import classify, namespace_json
+from .ranks import rank_tier_specs
 from .records import StepPlan
 from .scheduler_side import SchedulerSide
 from .settings import ConnectorConfigError, ConnectorSettings
@@ -37,27 +38,39 @@ from .worker_side import WorkerSide
 _SOURCES = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
 
 
-def _identity(vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings):
+def _identity(
+    vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings, rank: int | None
+):
+    """The groups, the namespace (the engine's with ``rank`` None, else that
+    rank's), the block size and the tensor-parallel size."""
     groups = classify(kv_cache_config)
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+    if parallel.pipeline_parallel_size != 1:
         raise ConnectorConfigError(
-            "kvarena connector: serves tensor_parallel_size=1 and pipeline_parallel_size=1 "
-            f"(got {parallel.tensor_parallel_size} and {parallel.pipeline_parallel_size})"
+            "kvarena connector: serves pipeline_parallel_size=1 (got "
+            f"{parallel.pipeline_parallel_size}); tensor parallelism is served"
         )
     model = vllm_config.model_config
+    ranks = int(parallel.tensor_parallel_size)
     namespace = namespace_json(
         model=str(model.model),
         revision=model.revision,
         word=settings.namespace,
         groups=groups,
         layout=str(getattr(vllm_config.cache_config, "kv_cache_layout", "") or ""),
-        tp_rank=0,
-        tp_size=1,
+        tp_rank=rank,
+        tp_size=ranks,
         pp_size=1,
     )
     block_size = int(groups[0].spec["block_size"])
-    return groups, namespace, block_size
+    return groups, namespace, block_size, ranks
+
+
+def _tp_rank() -> int:
+    """This worker's tensor-parallel rank (vLLM has set up its groups by now)."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
 
 
 class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
@@ -69,7 +82,11 @@ class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         settings = ConnectorSettings.parse(extra)
-        groups, namespace, block_size = _identity(vllm_config, kv_cache_config, settings)
+        worker = role != KVConnectorRole.SCHEDULER
+        rank = _tp_rank() if worker else None
+        groups, namespace, block_size, ranks = _identity(
+            vllm_config, kv_cache_config, settings, rank
+        )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._num_blocks = int(kv_cache_config.num_blocks)
@@ -78,16 +95,23 @@ class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = SchedulerSide(
                 groups=groups,
                 namespace=namespace,
-                catalogue=Catalogue(settings),
+                catalogue=Catalogue(settings, ranks),
                 block_size=block_size,
+                ranks=ranks,
             )
         else:
             try:
-                tiers = TierStack.from_specs(settings.tiers, unit_bytes=settings.host_unit_bytes)
+                specs = rank_tier_specs(settings.tiers, rank or 0, ranks)
+                tiers = TierStack.from_specs(specs, unit_bytes=settings.host_unit_bytes)
             except Error as exc:
                 raise ConnectorConfigError(f"kv_connector_extra_config['tiers']: {exc}") from None
             self._worker = WorkerSide(
-                groups=groups, namespace=namespace, tiers=tiers, block_size=block_size
+                groups=groups,
+                namespace=namespace,
+                tiers=tiers,
+                block_size=block_size,
+                rank=rank or 0,
+                ranks=ranks,
             )
 
     @classmethod

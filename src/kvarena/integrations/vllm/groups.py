@@ -100,14 +100,15 @@ def namespace_json(
     word: str,
     groups: Sequence[Group],
     layout: str,
-    tp_rank: int,
+    tp_rank: int | None,
     tp_size: int,
     pp_size: int,
 ) -> bytes:
     """The canonical JSON of everything two engines must share for one's saved
     bytes to be the other's: the model's identity (path or name, revision, the
     operator's word), every group's spec and layers, the tensor layout, and the
-    parallel rank. Hashed into every key's root and written into every image."""
+    parallel sizes; with ``tp_rank`` None, the engine's (hashed into every key's
+    root), with a rank, that rank's (written into its images and checked on load)."""
     return json.dumps(
         {
             "format": FORMAT,

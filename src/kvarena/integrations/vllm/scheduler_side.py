@@ -24,6 +24,7 @@ from ...prefix.keys import KEY_BYTES, block_keys
 from ...prefix.lookup import TierFinds, locate_in_tiers, resume_boundary
 from .catalogue import Catalogue
 from .groups import Group
+from .ranks import AllRanks
 from .records import BlockCopy, Load, StepPlan, WorkerReport
 
 
@@ -39,21 +40,29 @@ class Found:
 
 class SchedulerSide:
     def __init__(
-        self, *, groups: list[Group], namespace: bytes, catalogue: Catalogue, block_size: int
+        self,
+        *,
+        groups: list[Group],
+        namespace: bytes,
+        catalogue: Catalogue,
+        block_size: int,
+        ranks: int = 1,
     ) -> None:
+        """``namespace``: the engine's (all ranks'); ``ranks``: its tensor-parallel size."""
         self.groups = groups
         self.kv_groups = [g for g in groups if g.kind == "kv"]
         self.state_groups = [g for g in groups if g.kind == "state"]
         self.block_size = block_size
         self.root = hashlib.blake2b(namespace, digest_size=KEY_BYTES).digest()
         self.catalogue = catalogue
+        self._failed: set[str] = set()  # rank names a load could not use, until saved again
+        self._objects = AllRanks(catalogue, ranks, self._failed)  # what a lookup asks
         self._requests: dict[str, Any] = {}
         self._keys: dict[str, list[bytes]] = {}
         self._found: dict[str, Found] = {}
         self._saved: dict[str, int] = {}  # KV blocks below this are in the tiers
         self._floor: dict[str, int] = {}  # state boundaries up to this are in the tiers
         self._loads: list[Load] = []
-        self._failed: set[str] = set()  # names a load could not use, until saved again
         self.lookups = 0
         self.hit_tokens = 0
         self.hit_tokens_by_tier: dict[str, int] = {}  # by the deepest tier a load reads
@@ -98,7 +107,7 @@ class SchedulerSide:
         self.lookups += 1
         keys = self._keys_of(request, limit)
         finds = locate_in_tiers(
-            self.catalogue,
+            self._objects,
             keys,
             kv_end=local,
             limit=limit,
@@ -106,7 +115,6 @@ class SchedulerSide:
             has_state=bool(self.state_groups),
             device_kv=lambda _key: False,
             device_image=lambda _b: False,
-            skip=self._failed,
         )
         boundary = resume_boundary(
             finds.kv_end, bool(self.state_groups), lambda b: b in finds.state

@@ -84,13 +84,13 @@ class ConnectorSettings:
                 raise ConnectorConfigError(
                     f"{where}['tiers'][{i}] must be a tier spec ({SPEC_FORMS}), got {spec!r}"
                 )
-        kinds = [_kind(s) for s in tiers]
+        kinds = [tier_kind(s) for s in tiers]
         for i, kind in enumerate(kinds):
             if kind is None:
                 raise ConnectorConfigError(
                     f"{where}['tiers'][{i}] = {tiers[i]!r}: use {SPEC_FORMS}"
                 )
-            size = _size(tiers[i], kind)
+            size = tier_size(tiers[i], kind)
             if size is not None:
                 try:
                     parse_bytes(size)
@@ -133,7 +133,7 @@ class ConnectorSettings:
         return BLOCK_MAJOR
 
 
-def _size(spec: str, kind: str) -> str | None:
+def tier_size(spec: str, kind: str) -> str | None:
     """The size part of a host or disk spec (``host:SIZE``, ``disk:DIR:SIZE``)."""
     text = spec.strip()
     if kind == "host":
@@ -143,7 +143,7 @@ def _size(spec: str, kind: str) -> str | None:
     return None
 
 
-def _kind(spec: str) -> str | None:
+def tier_kind(spec: str) -> str | None:
     """A spec's tier kind (``host``, ``disk``, ``redis``), None if it names none."""
     text = spec.strip()
     if text.startswith(("redis://", "rediss://", "unix://", "redis+cluster://")):

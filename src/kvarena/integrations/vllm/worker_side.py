@@ -17,6 +17,7 @@ tier, so a restarted engine finds it on disk and another engine in the store.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
@@ -28,6 +29,7 @@ from ...tiers import Expected, ImageKind, ImageMismatch, TierObject, TierStack, 
 from ...tiers.host import HostTier
 from ...tiers.image import object_name
 from .groups import Group
+from .ranks import rank_key
 from .records import BlockCopy, Load, StepPlan, WorkerReport
 from .tensors import BlockRun, layer_blocks
 
@@ -38,9 +40,19 @@ _Job = tuple[ImageKind, BlockCopy, list[memoryview]]
 
 class WorkerSide:
     def __init__(
-        self, *, groups: list[Group], namespace: bytes, tiers: TierStack, block_size: int
+        self,
+        *,
+        groups: list[Group],
+        namespace: bytes,
+        tiers: TierStack,
+        block_size: int,
+        rank: int = 0,
+        ranks: int = 1,
     ) -> None:
+        """``namespace``: this rank's (written into and checked in every image);
+        ``rank`` of ``ranks``: which shard of each object this worker holds."""
         self.groups = groups
+        self.rank, self.ranks = rank, ranks
         self.kv_groups = [g for g in groups if g.kind == "kv"]
         self.state_groups = [g for g in groups if g.kind == "state"]
         self.namespace = namespace
@@ -136,9 +148,18 @@ class WorkerSide:
                 run.scatter(copy.blocks[gi], payload[pos : pos + run.block_bytes])
                 pos += run.block_bytes
 
+    def _own(self, copy: BlockCopy) -> BlockCopy:
+        """The plan names a prefix's object; this rank copies its own."""
+        if self.ranks == 1:
+            return copy
+        return dataclasses.replace(copy, key=rank_key(copy.key, self.rank, self.ranks))
+
     def load(self, plan: StepPlan) -> None:
         for job in plan.loads:
-            self._load_one(job)
+            own = None if job.state is None else self._own(job.state)
+            self._load_one(
+                dataclasses.replace(job, kv=tuple(self._own(c) for c in job.kv), state=own)
+            )
 
     def _load_one(self, job: Load) -> None:
         self._received.add(job.request)
@@ -200,9 +221,9 @@ class WorkerSide:
     def save(self, plan: StepPlan) -> None:
         jobs: list[_Job] = []
         if plan.kv_saves:
-            jobs += self._gather(ImageKind.KV_BLOCK, plan.kv_saves)
+            jobs += self._gather(ImageKind.KV_BLOCK, [self._own(c) for c in plan.kv_saves])
         if plan.state_saves:
-            jobs += self._gather(ImageKind.STATE, plan.state_saves)
+            jobs += self._gather(ImageKind.STATE, [self._own(c) for c in plan.state_saves])
         if jobs:
             self._jobs.put(jobs)
 

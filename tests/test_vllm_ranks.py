@@ -1,0 +1,77 @@
+"""Tensor-parallel ranks: each rank's keys, names and tiers, and a lookup that
+counts an object only where every rank's shard of it is."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+pytest.importorskip("vllm")
+
+from kvarena import InvalidValueError
+from kvarena.integrations.vllm.catalogue import Catalogue
+from kvarena.integrations.vllm.ranks import (
+    AllRanks,
+    rank_key,
+    rank_names,
+    rank_tier_specs,
+)
+from kvarena.integrations.vllm.settings import ConnectorSettings
+from kvarena.tiers import TierStack
+from kvarena.tiers.image import ImageKind, object_name, parse_object_name
+
+keys = st.binary(min_size=16, max_size=16)
+
+
+@given(key=keys, kind=st.sampled_from(list(ImageKind)))
+def test_object_names_parse_back(key, kind):
+    assert parse_object_name(object_name(kind, key)) == (kind, key)
+
+
+@pytest.mark.parametrize("name", ["kv", "xx-00", "kv-zz", "", "st-0"])
+def test_a_name_no_object_has_is_refused(name):
+    with pytest.raises(InvalidValueError, match="no object name"):
+        parse_object_name(name)
+
+
+@given(key=keys, ranks=st.integers(2, 8))
+def test_each_rank_has_a_key_of_its_own_and_one_rank_keeps_the_prefix_key(key, ranks):
+    assert rank_key(key, 0, 1) == key
+    derived = [rank_key(key, r, ranks) for r in range(ranks)]
+    assert len(set(derived) | {key}) == ranks + 1 and all(len(k) == len(key) for k in derived)
+    name = object_name(ImageKind.STATE, key)
+    assert rank_names(name, ranks) == [object_name(ImageKind.STATE, k) for k in derived]
+    assert rank_names(name, 1) == [name]
+
+
+def test_each_rank_opens_its_share_of_the_tiers_in_a_directory_of_its_own(tmp_path):
+    specs = ["host:4GiB", f"disk:{tmp_path}/kv:200GiB", "redis://store:6379"]
+    assert rank_tier_specs(specs, 0, 1) == tuple(specs)
+    got = rank_tier_specs(specs, 1, 4)
+    assert got == (
+        f"host:{1 << 30}",
+        f"disk:{tmp_path}/kv/tp1:{50 << 30}",
+        "redis://store:6379",
+    )
+    stack = TierStack.from_specs(got[:2], unit_bytes=64 << 10)  # what a worker opens
+    try:
+        assert stack.names == ["host", "disk"]
+    finally:
+        stack.close()
+
+
+def test_a_lookup_counts_an_object_where_every_rank_holds_it(tmp_path):
+    disk = tmp_path / "kv"
+    settings = ConnectorSettings.parse({"tiers": ["host:1GiB", f"disk:{disk}:1GiB"]})
+    catalogue = Catalogue(settings, ranks=2)
+    full, split, half, bad = (object_name(ImageKind.KV_BLOCK, bytes([i]) * 16) for i in range(4))
+    # full: both ranks in host; split: rank 0 in host, rank 1 on disk;
+    # half: only rank 0 anywhere; bad: both in host, but rank 1's failed a load.
+    catalogue.hosted([*rank_names(full, 2), rank_names(split, 2)[0], rank_names(half, 2)[0]], [])
+    catalogue.hosted(rank_names(bad, 2), [])
+    (disk / "tp1").mkdir(parents=True)
+    (disk / "tp1" / f"{rank_names(split, 2)[1]}.kvi").write_bytes(b"x")
+    failed = {rank_names(bad, 2)[1]}
+    view = AllRanks(catalogue, 2, failed)
+    assert view.locate([full, split, half, bad]) == [0, 1, None, None]
+    failed.clear()  # saved again: found again
+    assert view.locate([bad]) == [0]

@@ -1,0 +1,90 @@
+"""KvarenaConnector under tensor parallelism: two ranks through the real engine.
+
+vLLM's CPU build runs ``tensor_parallel_size=2`` with one worker process per
+rank (the ``mp`` executor; each rank's threads bound to one core). Each rank
+saves and loads its own shard of every block and state; the scheduler hashes
+the tokens once and hits only where both ranks' objects are there. An engine
+computes the prompts cold (nothing to hit: its outputs are the reference),
+shuts down (its workers finish their saves), and a restarted engine over the
+same disk must hit each prompt's last full block with the same tokens. Runs
+in ``.venv-vllm``; skipped where vLLM is not installed or fewer than two
+cores are usable.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+from kvarena.testing.vllm_models import save_tiny  # noqa: E402
+
+CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+pytestmark = pytest.mark.skipif(len(CORES) < 2, reason="two ranks need two usable cores")
+
+
+def engine(model: Path, disk: Path):
+    from vllm import LLM
+
+    from kvarena.integrations.vllm import kv_transfer_config
+
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"{CORES[0]}|{CORES[1]}"
+    return LLM(
+        model=str(model),
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        kv_cache_memory_bytes=64 << 20,
+        dtype="bfloat16",
+        enable_prefix_caching=True,
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+        max_model_len=4096,
+        kv_transfer_config=kv_transfer_config([f"disk:{disk}:256MiB"]),
+    )
+
+
+def close(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()  # the workers close their tiers: saves flushed
+    del llm
+    gc.collect()
+
+
+def run(llm, prompts):
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=8, temperature=0, detokenize=False)
+    tokens, cached = [], []
+    for p in prompts:  # one at a time, as a later prompt may hit an earlier one
+        (out,) = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)
+        tokens.append(list(out.outputs[0].token_ids))
+        cached.append(out.num_cached_tokens)
+    return tokens, cached
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next"])
+def test_two_ranks_save_their_shards_and_a_restarted_engine_hits_both(tmp_path, kind):
+    model = save_tiny(kind, tmp_path)
+    disk = tmp_path / "disk"
+    first = engine(model, disk)
+    block = first.llm_engine.vllm_config.cache_config.block_size
+    rng = random.Random(5)
+    base = [rng.randrange(3, 500) for _ in range(4 * block)]
+    prompts = [base[: 2 * block + 11], base[: 3 * block + 5]]
+    reference, cold_cached = run(first, prompts)
+    close(first)
+    assert cold_cached[0] == 0
+    # Each rank wrote its shard of every object into its own directory, under
+    # names of its own (each rank's key is derived from the prefix's).
+    ranks = [sorted(f.name for f in (disk / f"tp{r}").glob("*.kvi")) for r in (0, 1)]
+    assert ranks[0] and len(ranks[0]) == len(ranks[1]) and not set(ranks[0]) & set(ranks[1])
+    assert {n[:3] for n in ranks[0]} == {"kv-", "st-"}  # KV blocks and states alike
+    second = engine(model, disk)
+    warm, warm_cached = run(second, prompts)
+    close(second)
+    assert warm == reference
+    assert warm_cached == [2 * block, 3 * block]
