@@ -30,6 +30,7 @@ from kvarena.tiers import (
     encode,
     parse_tier,
     read_header,
+    seal,
 )
 from kvarena.tiers.disk import LOCK_NAME
 from kvarena.tiers.image import HEAD_BYTES
@@ -362,6 +363,29 @@ def test_stack_cascades_evictions_down(tmp_path):
     assert disk.names() == [o.name for o in objs[:2]]
     assert stack.locate([o.name for o in objs] + ["kv-none"]) == [1, 1, 0, 0, None]
     assert bytes(stack.fetch(1, [objs[0].name])[0]) == objs[0].to_bytes()
+
+
+@pytest.mark.parametrize("kind", ["host", "disk"])
+def test_evictions_come_back_with_their_bytes_or_as_names_alone(tmp_path, kind):
+    objs = [image(key=bytes([i]) * 16, payload=(bytes([i]) * 1000,))[0] for i in range(5)]
+    size = objs[0].logical_bytes
+    for want in (True, False):
+        where = tmp_path / f"{kind}-{want}"
+        tier = HostTier(2 * size, unit_bytes=size) if kind == "host" else DiskTier(where, 2 * size)
+        try:
+            first = tier.put_many(objs[:2], want_evicted=want)
+            evicted = tier.put_many(objs[2:], want_evicted=want)  # one batch: its own first go
+            assert first == []
+            assert [o.name for o in evicted] == [o.name for o in objs[:3]]
+            assert [o.logical_bytes for o in evicted] == [size] * 3
+            for o, was in zip(evicted, objs, strict=False):
+                # Asked for: the bytes as stored; not asked: none read back at all.
+                assert b"".join(bytes(p) for p in o.parts) == (
+                    (was.to_bytes() if kind == "host" else seal(was).to_bytes()) if want else b""
+                )
+            assert tier.names() == [o.name for o in objs[3:]]
+        finally:
+            tier.close()
 
 
 def test_tier_warnings_are_a_category():

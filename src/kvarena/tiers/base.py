@@ -69,8 +69,10 @@ class Tier(abc.ABC):
         self, objects: Sequence[TierObject], *, want_evicted: bool = True
     ) -> list[TierObject]:
         """Store each object (an existing name is refreshed, not rewritten); return
-        the objects evicted to make room, oldest first, for the next tier down
-        (none, and none read back, when ``want_evicted`` is False: nothing below)."""
+        the objects evicted to make room, oldest first, for the next tier down.
+        With ``want_evicted`` False nothing below takes them, so none is read
+        back: they come as names and logical sizes alone (no parts), for a
+        caller that keeps a book of what the tier holds."""
 
     @abc.abstractmethod
     def get_many(self, names: Sequence[str]) -> list[bytes | bytearray | memoryview | None]:

@@ -319,13 +319,15 @@ class DiskTier(IndexedTier):
                     # they never land (their temporaries go), and go down as they are.
                     gone, gone_tmp = pending.pop(old)
                     self._discard(gone_tmp)
+                    evicted.append(gone if want_evicted else TierObject(old, (), gone.logical_bytes))
                     self._removed(old)
-                    if want_evicted:
-                        evicted.append(gone)
                 else:
-                    data = self._read(old) if want_evicted else None
-                    if data is not None:
-                        evicted.append(TierObject(old, (data,), self._index[old]))
+                    if not want_evicted:
+                        evicted.append(TierObject(old, (), self._index[old]))
+                    else:
+                        data = self._read(old)
+                        if data is not None:
+                            evicted.append(TierObject(old, (data,), self._index[old]))
                     self._drop(old)
                 self.metrics.evictions += 1
             tmp = self._write_tmp(obj)

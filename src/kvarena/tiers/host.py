@@ -154,8 +154,8 @@ class HostTier(IndexedTier):
             need = self._units_for(obj.logical_bytes)
             while len(self._free) < need:
                 old = next(iter(self._index))
-                if want_evicted:
-                    evicted.append(TierObject(old, (self._read(old),), self._index[old]))
+                parts = (self._read(old),) if want_evicted else ()
+                evicted.append(TierObject(old, parts, self._index[old]))
                 self._drop(old)
                 self.metrics.evictions += 1
             units = (

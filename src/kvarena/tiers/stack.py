@@ -155,7 +155,7 @@ class TierStack:
             below = i + 1 < len(self.tiers) and tier.cascades
             evicted = tier.put_many(batch, want_evicted=below)
             self.seconds[i] += time.perf_counter() - start
-            batch = evicted
+            batch = evicted if below else []  # (names alone otherwise: nothing goes down)
 
     @synchronized
     def close(self) -> None:

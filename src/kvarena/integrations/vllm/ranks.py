@@ -16,15 +16,12 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from ...checks import parse_bytes
 from ...prefix.keys import KEY_BYTES
+from ...prefix.lookup import Locates
 from ...tiers.image import object_name, parse_object_name
 from .settings import tier_kind, tier_size
-
-if TYPE_CHECKING:
-    from .catalogue import Catalogue
 
 
 def rank_key(key: bytes, rank: int, ranks: int) -> bytes:
@@ -76,7 +73,7 @@ class AllRanks:
     rank's object is (at the deepest tier any of them is in), and not at all
     where one is missing or once failed a load (``failed``: rank names)."""
 
-    def __init__(self, catalogue: Catalogue, ranks: int, failed: set[str]) -> None:
+    def __init__(self, catalogue: Locates, ranks: int, failed: set[str]) -> None:
         self.catalogue, self.ranks, self.failed = catalogue, ranks, failed
 
     def locate(self, names: Sequence[str]) -> list[int | None]:
