@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The checks a CUDA machine runs, in one go: the CUDA tests, then the GPU rows
 # of the copy benchmarks (one Triton launch per batch vs the per-layer loop vs
-# one large copy_ of the same bytes), then the CPU checkpoint rows on that
-# machine's cores. Each part's output is kept in $OUT (or /tmp/kvarena-gpu) as
+# one large copy_ of the same bytes), the vLLM connector's copies per layout
+# where vLLM is installed, then the CPU checkpoint rows on that machine's cores. Each part's output is kept in $OUT (or /tmp/kvarena-gpu) as
 # it is printed, so a run stopped by a time limit keeps what it finished.
 #
 #     bash benchmarks/gpu_check.sh            # from the repository root
@@ -31,6 +31,13 @@ status=0
     tee "$out/bench_entry_copy_cuda.txt" || status=1
 "$py" benchmarks/bench_checkpoint.py --device cuda --requests 64 --repeats 20 \
     --placement allocated shuffled 2>&1 | tee "$out/bench_checkpoint_cuda.txt" || status=1
+
+# Where vLLM is installed (vllm==0.32.*): the connector's copies of a request in
+# vLLM's layer-major and block-major layouts, on the device (vLLM's own allocation).
+if "$py" -c "import vllm" 2>/dev/null; then
+    "$py" benchmarks/bench_vllm_layout.py --device cuda 2>&1 |
+        tee "$out/bench_vllm_layout_cuda.txt" || status=1
+fi
 
 # Last, as it is the longest and needs no GPU: the CPU rows on a many-core host.
 "$py" benchmarks/bench_checkpoint.py --device cpu --requests 64 --repeats 5 \
