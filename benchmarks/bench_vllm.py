@@ -239,15 +239,22 @@ class ConnectorClock:
 
 def decode_pairs(model: Path, device: int, out: int, pairs: int) -> dict:
     """Decode tokens/s of vLLM alone and with the connector (a host tier), in
-    alternating engines so that a drift of the machine falls on both (one pair
-    first to warm up, not counted): the ratio of each pair and their median; and
+    alternating engines, each pair in the other order than the last, so that a
+    drift of the machine falls on both (one pair first to warm up, not counted): the ratio of each pair and their median; and
     the connector's own time per engine step over the connector's runs."""
     ratios, alone, tiered = [], [], []
     clock = ConnectorClock()
     for p in range(pairs + 1):
-        a = decode_rate(model, device, None, out)
-        with clock:
-            k = decode_rate(model, device, ["host:2GiB"], out)
+        # Each pair in the other order than the last (ABBA): a machine that speeds
+        # up or slows down over the run favours neither side.
+        if p % 2:
+            with clock:
+                k = decode_rate(model, device, ["host:2GiB"], out)
+            a = decode_rate(model, device, None, out)
+        else:
+            a = decode_rate(model, device, None, out)
+            with clock:
+                k = decode_rate(model, device, ["host:2GiB"], out)
         if p:
             alone.append(a)
             tiered.append(k)
