@@ -121,3 +121,10 @@ def test_replay_refuses_checkpoints_that_do_not_fit_the_trace() -> None:
         replay(HYBRID, trace, cfg, checkpoints=[()] * (len(trace) - 1))
     with pytest.raises(InvalidValueError, match=r"checkpoints\[2\] holds 0"):
         replay(HYBRID, trace, cfg, checkpoints=[(), (), (0,)] + [()] * (len(trace) - 3))
+
+
+def test_parting_points_refuse_what_is_no_trace_or_block_size() -> None:
+    with pytest.raises(InvalidValueError, match="block_size"):
+        parting_points(_trace(0), 0)
+    with pytest.raises(InvalidValueError, match="TraceRequest"):
+        parting_points([[1, 2, 3]], 16)  # type: ignore[list-item]

@@ -3,10 +3,12 @@
 :mod:`.trace` reads traces, :mod:`.run` replays one through a prefix cache
 (bookkeeping on torch's ``meta`` device, or real bytes with ``verify``),
 :mod:`.policies` runs the same trace under several policies beside the
-infinite-cache bound, :mod:`.sweep` repeats that over budgets, and
+infinite-cache bound, :mod:`.clairvoyant` places images knowing the whole trace
+(what placement alone can reach), :mod:`.sweep` repeats a comparison over budgets, and
 :mod:`.timeline` is what one replay records over its simulated time.
 """
 
+from .clairvoyant import clairvoyant_bound, parting_points
 from .policies import compare, infinite_bound
 from .run import ReplayConfig, ReplayResult, host_memory_available, replay
 from .trace import MOONCAKE_BLOCK, TraceError, TraceRequest, load_trace, parse_trace
@@ -17,10 +19,12 @@ __all__ = [
     "ReplayResult",
     "TraceError",
     "TraceRequest",
+    "clairvoyant_bound",
     "compare",
     "host_memory_available",
     "infinite_bound",
     "load_trace",
     "parse_trace",
+    "parting_points",
     "replay",
 ]

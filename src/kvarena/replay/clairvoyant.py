@@ -19,6 +19,8 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
+from ..checks import check_count
+from ..errors import InvalidValueError
 from ..models import ModelCache
 from ..prefix.keys import block_keys
 from .run import ReplayConfig, ReplayResult, replay
@@ -33,6 +35,9 @@ def parting_points(trace: Sequence[TraceRequest], block_size: int) -> list[tuple
     the two share, capped as that request's hit is (``len(prompt) - 1`` tokens).
     Every boundary a later request could resume from, with this request's image
     or any image before it evicted."""
+    block_size = check_count(block_size, "parting_points: block_size", lo=1)
+    if not all(isinstance(r, TraceRequest) for r in trace):
+        raise InvalidValueError("parting_points: trace must hold TraceRequest records")
     keys = [block_keys(_ROOT, r.tokens, block_size) for r in trace]
     passing: dict[bytes, list[int]] = {}  # a boundary's key -> requests through it, ascending
     resumable: dict[bytes, list[int]] = {}  # ... that could resume at it
