@@ -388,6 +388,22 @@ def test_evictions_come_back_with_their_bytes_or_as_names_alone(tmp_path, kind):
             tier.close()
 
 
+def test_host_object_split_over_units_apart_reads_back_whole():
+    import numpy as np
+
+    unit = 1024
+    tier = HostTier(4 * unit, unit_bytes=unit)
+    fill = [TierObject(f"f{i}", (bytes([i]) * unit,), unit) for i in range(4)]
+    tier.put_many(fill, want_evicted=False)
+    tier.delete_many(["f1", "f3"])  # free units 1 and 3: apart
+    grid = np.arange(1200, dtype=np.uint8).reshape(40, 30)  # a 2-D buffer: 1,200 bytes
+    obj = TierObject("split", (b"head" * 100, memoryview(grid)), 1600)
+    assert tier.put_many([obj], want_evicted=False) == []
+    (got,) = tier.get_many(["split"])
+    assert bytes(got) == b"head" * 100 + grid.tobytes()
+    tier.check_books()
+
+
 def test_tier_warnings_are_a_category():
     assert issubclass(TierWarning, UserWarning)
 

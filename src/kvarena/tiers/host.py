@@ -108,9 +108,11 @@ class HostTier(IndexedTier):
             pos += take
         return out
 
-    def _write(self, units: list[int], parts: Sequence[bytes | memoryview]) -> None:
+    def _write(self, units: list[int], parts: Sequence[bytes | memoryview]) -> int:
+        """Write ``parts`` into ``units`` in order; the bytes written."""
         if units[-1] - units[0] == len(units) - 1:  # one run (units are sorted): the usual case
-            pos, mv = units[0] * self.unit_bytes, self._mv
+            start = pos = units[0] * self.unit_bytes
+            mv = self._mv
             for part in parts:
                 if type(part) is bytes:
                     n = len(part)
@@ -120,7 +122,7 @@ class HostTier(IndexedTier):
                     n = view.nbytes
                     mv[pos : pos + n] = view
                 pos += n
-            return
+            return pos - start
         runs = _runs(units)
         r, run_pos = 0, 0  # run index, bytes written into it
         for part in parts:
@@ -136,6 +138,7 @@ class HostTier(IndexedTier):
                 run_pos += take
                 if run_pos == count * self.unit_bytes:
                     r, run_pos = r + 1, 0
+        return sum(memoryview(p).nbytes for p in parts)  # (the rare path: every part's bytes)
 
     def _drop(self, name: str) -> None:
         for u in self._units.pop(name):
@@ -161,9 +164,8 @@ class HostTier(IndexedTier):
             units = (
                 [self._free.pop()] if need == 1 else sorted(self._free.pop() for _ in range(need))
             )
-            self._write(units, obj.parts)
             self._units[obj.name] = units
-            self._stored[obj.name] = obj.stored_bytes
+            self._stored[obj.name] = self._write(units, obj.parts)
             self._added(obj.name, obj.logical_bytes)
         return evicted
 

@@ -71,6 +71,9 @@ class ImageKind(enum.IntEnum):
         return "kv" if self is ImageKind.KV_BLOCK else "st"
 
 
+_PREFIXES = {kind: kind.prefix for kind in ImageKind}
+
+
 def image_bytes(namespace: bytes, payload_bytes: int) -> int:
     """An image's logical size (header, namespace, payload): what tiers count."""
     return HEAD_BYTES + len(namespace) + payload_bytes
@@ -216,9 +219,16 @@ def encode(
         raise InvalidValueError(
             f"encode: namespace must be bytes, at most {MAX_NAMESPACE_BYTES:,} of them"
         )
-    start = check_int(start, "encode: start", lo=0, hi=MAX_SPAN)
-    end = check_int(end, "encode: end", lo=start, hi=MAX_SPAN)
-    payload_bytes = check_bytes(payload_bytes, "encode: payload_bytes")
+    if not (  # the saver's hot path: plain ints in range, checked in one expression
+        type(start) is int
+        and type(end) is int
+        and type(payload_bytes) is int
+        and 0 <= start <= end <= MAX_SPAN
+        and 0 <= payload_bytes <= MAX_BYTES
+    ):
+        start = check_int(start, "encode: start", lo=0, hi=MAX_SPAN)
+        end = check_int(end, "encode: end", lo=start, hi=MAX_SPAN)
+        payload_bytes = check_bytes(payload_bytes, "encode: payload_bytes")
     parts = tuple(payload) if payload is not None else ()
     if payload is not None and sum(map(_nbytes, parts)) != payload_bytes:
         raise ImageMismatch("length", f"payload parts do not add up to {payload_bytes} bytes")
@@ -232,9 +242,9 @@ def encode(
         packed = bytes(head)
     # Every field was checked above; the payload's length matches its parts.
     return TierObject._checked(
-        object_name(kind, key),
+        f"{_PREFIXES[kind]}-{key.hex()}",  # object_name's, without two calls
         (packed + namespace, *parts),
-        image_bytes(namespace, payload_bytes),
+        HEAD_BYTES + len(namespace) + payload_bytes,  # image_bytes'
     )
 
 
