@@ -23,12 +23,7 @@ from ...tiers import RedisTier
 from ...tiers.disk import SUFFIX
 from ...tiers.stack import first_holders
 from .ranks import rank_dir
-from .settings import ConnectorSettings
-
-
-def disk_dir(spec: str) -> str:
-    """The directory of a ``disk:DIR:SIZE`` spec."""
-    return spec.strip()[len("disk:") :].rsplit(":", 1)[0]
+from .settings import ConnectorSettings, disk_dir
 
 
 class Catalogue:

@@ -21,7 +21,7 @@ from ...checks import parse_bytes
 from ...prefix.keys import KEY_BYTES
 from ...prefix.lookup import Locates
 from ...tiers.image import object_name, parse_object_name
-from .settings import tier_kind, tier_size
+from .settings import disk_dir, tier_kind, tier_size
 
 
 def rank_key(key: bytes, rank: int, ranks: int) -> bytes:
@@ -54,8 +54,7 @@ def rank_tier_specs(specs: Sequence[str], rank: int, ranks: int) -> tuple[str, .
         if kind == "host" and size:
             spec = f"host:{parse_bytes(size) // ranks}"
         elif kind == "disk" and size:
-            directory = spec.strip()[len("disk:") :].rsplit(":", 1)[0]
-            spec = f"disk:{rank_dir(directory, rank, ranks)}:{parse_bytes(size) // ranks}"
+            spec = f"disk:{rank_dir(disk_dir(spec), rank, ranks)}:{parse_bytes(size) // ranks}"
         out.append(spec)
     return tuple(out)
 

@@ -143,6 +143,11 @@ def tier_size(spec: str, kind: str) -> str | None:
     return None
 
 
+def disk_dir(spec: str) -> str:
+    """The directory of a ``disk:DIR:SIZE`` spec."""
+    return spec.strip()[len("disk:") :].rsplit(":", 1)[0]
+
+
 def tier_kind(spec: str) -> str | None:
     """A spec's tier kind (``host``, ``disk``, ``redis``), None if it names none."""
     text = spec.strip()
