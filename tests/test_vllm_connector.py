@@ -26,7 +26,7 @@ import pytest
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 vllm = pytest.importorskip("vllm")
 
-from kvarena.testing.vllm_models import save_tiny  # noqa: E402
+from kvarena.testing.vllm_models import engine_args, save_tiny  # noqa: E402
 
 PROMPT_BLOCKS = (2, 4, 5)  # shared prefixes, in blocks of the model's attention block
 
@@ -40,16 +40,7 @@ def engine(model: Path, *, tiers=None, block_size=None, extra=None):
     if tiers is not None:
         kw["kv_transfer_config"] = kv_transfer_config(tiers, **(extra or {}))
     return LLM(
-        model=str(model),
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        kv_cache_memory_bytes=64 << 20,
-        dtype="bfloat16",
-        enable_prefix_caching=True,
-        distributed_executor_backend="uni",
-        max_model_len=4096,
-        block_size=block_size,
-        **kw,
+        **engine_args(model, distributed_executor_backend="uni", block_size=block_size, **kw)
     )
 
 

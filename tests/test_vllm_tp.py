@@ -24,7 +24,7 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 
-from kvarena.testing.vllm_models import save_tiny  # noqa: E402
+from kvarena.testing.vllm_models import engine_args, save_tiny  # noqa: E402
 
 CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 pytestmark = pytest.mark.skipif(len(CORES) < 2, reason="two ranks need two usable cores")
@@ -40,16 +40,12 @@ def engine(model: Path, disk: Path):
 
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"{CORES[0]}|{CORES[1]}"
     return LLM(
-        model=str(model),
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        kv_cache_memory_bytes=64 << 20,
-        dtype="bfloat16",
-        enable_prefix_caching=True,
-        tensor_parallel_size=2,
-        distributed_executor_backend="mp",
-        max_model_len=4096,
-        kv_transfer_config=kv_transfer_config([f"disk:{disk}:256MiB"]),
+        **engine_args(
+            model,
+            tensor_parallel_size=2,
+            distributed_executor_backend="mp",
+            kv_transfer_config=kv_transfer_config([f"disk:{disk}:256MiB"]),
+        )
     )
 
 

@@ -58,6 +58,23 @@ TINY: dict[str, dict[str, Any]] = {
 }
 
 
+def engine_args(model: str | Path, **overrides: Any) -> dict[str, Any]:
+    """``vllm.LLM`` keyword arguments for a tiny model in a test: token ids in (no
+    tokenizer), eager, a 64 MiB KV cache, prefix caching on, 4k tokens; any of them
+    overridden, anything more (an executor, a connector) added."""
+    args: dict[str, Any] = dict(
+        model=str(model),
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        kv_cache_memory_bytes=64 << 20,
+        dtype="bfloat16",
+        enable_prefix_caching=True,
+        max_model_len=4096,
+    )
+    args.update(overrides)
+    return args
+
+
 def save_tiny(kind: str, directory: str | Path, *, seed: int = 0) -> Path:
     """Save the tiny ``kind`` model (a key of :data:`TINY`) under ``directory``."""
     import torch

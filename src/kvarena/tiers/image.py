@@ -71,9 +71,6 @@ class ImageKind(enum.IntEnum):
         return "kv" if self is ImageKind.KV_BLOCK else "st"
 
 
-_PREFIXES = {kind: kind.prefix for kind in ImageKind}
-
-
 def image_bytes(namespace: bytes, payload_bytes: int) -> int:
     """An image's logical size (header, namespace, payload): what tiers count."""
     return HEAD_BYTES + len(namespace) + payload_bytes
@@ -242,9 +239,9 @@ def encode(
         packed = bytes(head)
     # Every field was checked above; the payload's length matches its parts.
     return TierObject._checked(
-        f"{_PREFIXES[kind]}-{key.hex()}",  # object_name's, without two calls
+        object_name(kind, key),
         (packed + namespace, *parts),
-        HEAD_BYTES + len(namespace) + payload_bytes,  # image_bytes'
+        image_bytes(namespace, payload_bytes),
     )
 
 

@@ -156,10 +156,10 @@ class WorkerSide:
 
     def load(self, plan: StepPlan) -> None:
         for job in plan.loads:
-            own = None if job.state is None else self._own(job.state)
-            self._load_one(
-                dataclasses.replace(job, kv=tuple(self._own(c) for c in job.kv), state=own)
-            )
+            if self.ranks > 1:
+                own = None if job.state is None else self._own(job.state)
+                job = dataclasses.replace(job, kv=tuple(self._own(c) for c in job.kv), state=own)
+            self._load_one(job)
 
     def _load_one(self, job: Load) -> None:
         self._received.add(job.request)
