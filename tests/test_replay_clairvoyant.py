@@ -51,9 +51,7 @@ def _brute(prompts: list[list[int]], bs: int) -> list[tuple[int, ...]]:
 
 
 # Prompts over a two-letter alphabet with tiny blocks share and part often.
-prompts_st = st.lists(
-    st.lists(st.integers(0, 1), min_size=1, max_size=14), min_size=1, max_size=12
-)
+prompts_st = st.lists(st.lists(st.integers(0, 1), min_size=1, max_size=14), min_size=1, max_size=12)
 
 
 @settings(max_examples=300, deadline=None)

@@ -56,6 +56,12 @@ def test_sealing_later_gives_the_bytes_sealing_at_once_gives(parts):
     assert seal(type(later)(later.name, (later.to_bytes(),), later.logical_bytes)).to_bytes() == (
         now.to_bytes()
     )
+    # Header and namespace in one part, the payload's parts after (another
+    # writer's way of splitting it): the same bytes again.
+    whole = later.to_bytes()
+    head = len(whole) - sum(len(p) for p in parts)
+    split = type(later)(later.name, (whole[:head], *parts), later.logical_bytes)
+    assert seal(split).to_bytes() == now.to_bytes()
     assert bytes(decode(now.to_bytes(), exp)) == b"".join(parts)
 
 

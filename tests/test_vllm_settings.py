@@ -25,12 +25,20 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from kvarena.errors import Error
+from kvarena.integrations.vllm.connector import _host_unit
 from kvarena.integrations.vllm.groups import classify, namespace_json
 from kvarena.integrations.vllm.settings import (
     ConnectorConfigError,
     ConnectorSettings,
 )
-from kvarena.integrations.vllm.tensors import BlockRun, LayerBlocks, expected_block_bytes
+from kvarena.integrations.vllm.tensors import (
+    BlockRun,
+    LayerBlocks,
+    expected_block_bytes,
+    payload_bytes,
+)
+from kvarena.tiers import HostTier
+from kvarena.tiers.image import HEAD_BYTES
 
 
 @pytest.mark.parametrize(
@@ -93,6 +101,26 @@ def config(*specs):
             for i, s in enumerate(specs)
         ],
     )
+
+
+def test_the_host_unit_is_one_kv_block_image_unless_given():
+    """By default a KV block's image takes exactly one host unit (no unit wasted
+    on the header and namespace's few bytes past a round size); a state image a
+    run of them; the settings' value wins; no attention layer: the tier's default."""
+    cfg = config(mamba(), attention(), attention())
+    groups = classify(cfg)
+    kv = [g for g in groups if g.kind == "kv"]
+    ns = b'{"rank":0}' * 30
+    block = 2 * (32 * 2 * 2 * 64 * 2)  # two attention layers' blocks
+    assert payload_bytes(kv) == block
+    unit = _host_unit(ConnectorSettings.parse({"tiers": ["host:1MiB"]}), groups, ns)
+    assert unit == HEAD_BYTES + len(ns) + block
+    tier = HostTier(10 * unit, unit_bytes=unit)
+    assert tier._units_for(unit) == 1 and tier._units_for(unit + 1) == 2
+    given = ConnectorSettings.parse({"tiers": ["host:1MiB"], "host_unit_bytes": 4096})
+    assert _host_unit(given, groups, ns) == 4096
+    states = classify(config(mamba()))
+    assert _host_unit(ConnectorSettings.parse({"tiers": ["host:1MiB"]}), states, ns) == 64 << 10
 
 
 def test_groups_are_kv_or_state_and_others_are_refused_by_name():

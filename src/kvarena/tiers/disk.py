@@ -319,7 +319,9 @@ class DiskTier(IndexedTier):
                     # they never land (their temporaries go), and go down as they are.
                     gone, gone_tmp = pending.pop(old)
                     self._discard(gone_tmp)
-                    evicted.append(gone if want_evicted else TierObject(old, (), gone.logical_bytes))
+                    evicted.append(
+                        gone if want_evicted else TierObject(old, (), gone.logical_bytes)
+                    )
                     self._removed(old)
                 else:
                     if not want_evicted:

@@ -117,6 +117,9 @@ class HostTier(IndexedTier):
                 if type(part) is bytes:
                     n = len(part)
                     mv[pos : pos + n] = part
+                elif type(part) is memoryview and part.ndim == 1 and part.format == "B":
+                    n = part.nbytes  # a flat byte view (a saver's rows): no cast to make
+                    mv[pos : pos + n] = part
                 else:
                     view = memoryview(part).cast("B")
                     n = view.nbytes
@@ -151,22 +154,30 @@ class HostTier(IndexedTier):
         self, objects: Sequence[TierObject], *, want_evicted: bool = True
     ) -> list[TierObject]:
         evicted: list[TierObject] = []
+        index, free, unit = self._index, self._free, self.unit_bytes
+        metrics = self.metrics
+        puts = written = 0
         for obj in objects:
-            if not self._admit(obj):
+            name, logical = obj.name, obj.logical_bytes
+            if name in index or logical > self._capacity or self.disabled is not None:
+                self._admit(obj)  # held (refreshed) or refused: counted there
                 continue
-            need = self._units_for(obj.logical_bytes)
-            while len(self._free) < need:
-                old = next(iter(self._index))
+            need = -(-logical // unit)
+            while len(free) < need:
+                old = next(iter(index))
                 parts = (self._read(old),) if want_evicted else ()
-                evicted.append(TierObject(old, parts, self._index[old]))
+                evicted.append(TierObject(old, parts, index[old]))
                 self._drop(old)
-                self.metrics.evictions += 1
-            units = (
-                [self._free.pop()] if need == 1 else sorted(self._free.pop() for _ in range(need))
-            )
-            self._units[obj.name] = units
-            self._stored[obj.name] = self._write(units, obj.parts)
-            self._added(obj.name, obj.logical_bytes)
+                metrics.evictions += 1
+            units = [free.pop()] if need == 1 else sorted(free.pop() for _ in range(need))
+            self._units[name] = units
+            self._stored[name] = self._write(units, obj.parts)
+            index[name] = logical  # IndexedTier._added, inline: its counts are summed below
+            self._used += logical
+            puts += 1
+            written += logical
+        metrics.puts += puts
+        metrics.put_bytes += written
         return evicted
 
     def _fetch(self, name: str) -> memoryview:

@@ -78,7 +78,11 @@ def image_bytes(namespace: bytes, payload_bytes: int) -> int:
 
 def object_name(kind: ImageKind, key: bytes) -> str:
     """A tier's name for an object: its kind and its key (which embeds the namespace)."""
-    return f"{kind.prefix}-{key.hex()}"
+    return _NAME_PREFIX[kind] + key.hex()
+
+
+_NAME_PREFIX = {kind: f"{kind.prefix}-" for kind in ImageKind}
+"""Each kind's name prefix, computed once: naming is on every put's path."""
 
 
 def parse_object_name(name: str) -> tuple[ImageKind, bytes]:
@@ -134,11 +138,13 @@ class TierObject:
     @classmethod
     def _checked(cls, name: str, parts: tuple[bytes | memoryview, ...], logical: int) -> TierObject:
         """An object whose fields its maker has already checked (``encode``, a
-        tier reading back what it stored): the hot path skips re-checking them."""
+        tier reading back what it stored): the hot path skips re-checking them,
+        and sets the slots through their descriptors (half the cost of
+        ``object.__setattr__`` on a frozen class)."""
         obj = object.__new__(cls)
-        object.__setattr__(obj, "name", name)
-        object.__setattr__(obj, "parts", parts)
-        object.__setattr__(obj, "logical_bytes", logical)
+        _SET_NAME(obj, name)
+        _SET_PARTS(obj, parts)
+        _SET_LOGICAL(obj, logical)
         return obj
 
     @property
@@ -151,6 +157,11 @@ class TierObject:
             if len(self.parts) == 1 and isinstance(self.parts[0], bytes)
             else (b"".join(self.parts))
         )
+
+
+_SET_NAME = TierObject.name.__set__  # type: ignore[attr-defined,misc]
+_SET_PARTS = TierObject.parts.__set__  # type: ignore[attr-defined,misc]
+_SET_LOGICAL = TierObject.logical_bytes.__set__  # type: ignore[attr-defined,misc]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -226,12 +237,21 @@ def encode(
         start = check_int(start, "encode: start", lo=0, hi=MAX_SPAN)
         end = check_int(end, "encode: end", lo=start, hi=MAX_SPAN)
         payload_bytes = check_bytes(payload_bytes, "encode: payload_bytes")
-    parts = tuple(payload) if payload is not None else ()
-    if payload is not None and sum(map(_nbytes, parts)) != payload_bytes:
-        raise ImageMismatch("length", f"payload parts do not add up to {payload_bytes} bytes")
-    flags = (FLAG_ELIDED if payload is None else 0) | (0 if seal else FLAG_UNSEALED)
+    if payload is None:
+        parts: tuple[bytes | memoryview, ...] = ()
+        flags = FLAG_ELIDED
+    else:
+        parts = tuple(payload)
+        given = 0
+        for part in parts:  # inline: this loop runs for every part of every save
+            given += len(part) if type(part) is bytes else _nbytes(part)
+        if given != payload_bytes:
+            raise ImageMismatch("length", f"payload parts do not add up to {payload_bytes} bytes")
+        flags = 0
+    if not seal:
+        flags |= FLAG_UNSEALED
     packed = _HEAD.pack(
-        MAGIC, FORMAT_VERSION, int(kind), flags, len(namespace), start, end, payload_bytes, key, 0
+        MAGIC, FORMAT_VERSION, kind, flags, len(namespace), start, end, payload_bytes, key, 0
     )
     if seal:
         head = bytearray(packed)
@@ -239,9 +259,9 @@ def encode(
         packed = bytes(head)
     # Every field was checked above; the payload's length matches its parts.
     return TierObject._checked(
-        object_name(kind, key),
-        (packed + namespace, *parts),
-        image_bytes(namespace, payload_bytes),
+        _NAME_PREFIX[kind] + key.hex(),
+        (packed, namespace, *parts),  # apart: joining them would copy the namespace again
+        HEAD_BYTES + len(namespace) + payload_bytes,  # image_bytes, inline
     )
 
 
@@ -272,14 +292,13 @@ def seal(obj: TierObject) -> TierObject:
     if is_sealed(obj):
         return obj
     first = memoryview(obj.parts[0]).cast("B")
-    ns_len = struct.unpack_from("<I", first, 12)[0]
     head = bytearray(first[:HEAD_BYTES])
     head[_FLAGS_AT] &= ~FLAG_UNSEALED & 0xFF
     struct.pack_into("<Q", head, _CHECKSUM_AT, 0)
-    rest = [first[HEAD_BYTES:], *obj.parts[1:]]  # namespace (and payload) in order
-    ns = bytes(first[HEAD_BYTES : HEAD_BYTES + ns_len])
-    payload = [first[HEAD_BYTES + ns_len :], *obj.parts[1:]]
-    _stamp(head, ns, payload)
+    # What follows the header, namespace then payload, in order: parts of their
+    # own (as encode makes them) or one buffer (as the host tier reads it back).
+    rest = [p for p in (first[HEAD_BYTES:], *obj.parts[1:]) if _nbytes(p)]
+    _stamp(head, b"", rest)
     return TierObject(obj.name, (bytes(head), *rest), obj.logical_bytes)
 
 
@@ -352,11 +371,13 @@ def decode(
             raise ImageMismatch("checksum", "header or payload changed since it was written")
     if kind != expect.kind:
         raise ImageMismatch("kind", f"kind {kind}, expected {int(expect.kind)}")
-    namespace = view[HEAD_BYTES:head_bytes]
+    # As bytes: comparing a memoryview with bytes unpacks it item by item (~1 ns
+    # a byte), and an engine's namespace runs to kilobytes.
+    namespace = view[HEAD_BYTES:head_bytes].tobytes()
     if namespace != expect.namespace:
         raise ImageMismatch(
             "namespace",
-            f"written by {bytes(namespace[:200])!r}, expected {expect.namespace[:200]!r}",
+            f"written by {namespace[:200]!r}, expected {expect.namespace[:200]!r}",
         )
     if key != expect.key:
         raise ImageMismatch("key", f"key {key.hex()}, expected {expect.key.hex()}")

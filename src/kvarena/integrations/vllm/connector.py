@@ -27,12 +27,15 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...errors import Error
 from ...tiers import TierStack
+from ...tiers.host import DEFAULT_UNIT_BYTES, MIN_UNIT_BYTES
+from ...tiers.image import image_bytes
 from .catalogue import Catalogue
-from .groups import classify, namespace_json
+from .groups import Group, classify, namespace_json
 from .ranks import rank_tier_specs
 from .records import StepPlan
 from .scheduler_side import SchedulerSide
 from .settings import ConnectorConfigError, ConnectorSettings
+from .tensors import payload_bytes
 from .worker_side import WorkerSide
 
 _SOURCES = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
@@ -64,6 +67,17 @@ def _identity(
     )
     block_size = int(groups[0].spec["block_size"])
     return groups, namespace, block_size, ranks
+
+
+def _host_unit(settings: ConnectorSettings, groups: list[Group], namespace: bytes) -> int:
+    """The host tier's unit: the settings' where given, else one KV block's image
+    on this rank (a model with no attention layer: the tier's default)."""
+    if settings.host_unit_bytes is not None:
+        return settings.host_unit_bytes
+    kv = [g for g in groups if g.kind == "kv"]
+    if not kv:
+        return DEFAULT_UNIT_BYTES
+    return max(MIN_UNIT_BYTES, image_bytes(namespace, payload_bytes(kv)))
 
 
 def _tp_rank() -> int:
@@ -102,7 +116,9 @@ class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             try:
                 specs = rank_tier_specs(settings.tiers, rank or 0, ranks)
-                tiers = TierStack.from_specs(specs, unit_bytes=settings.host_unit_bytes)
+                tiers = TierStack.from_specs(
+                    specs, unit_bytes=_host_unit(settings, groups, namespace)
+                )
             except Error as exc:
                 raise ConnectorConfigError(f"kv_connector_extra_config['tiers']: {exc}") from None
             self._worker = WorkerSide(

@@ -45,7 +45,11 @@ class ConnectorSettings:
     mean — for two checkpoints that vLLM cannot tell apart (same path, no
     revision), or to keep two fleets apart on one store.
 
-    ``host_unit_bytes``: the host tier's allocation unit (default 64 KiB).
+    ``host_unit_bytes``: the host tier's allocation unit. By default (None) one
+    KV block's image on this rank, so a block takes exactly one unit and a state
+    image a run of them with less than a unit to spare; a fixed 64 KiB would
+    give a 256 KiB block's image (its header and namespace make it a little
+    more) five units, a fifth of them empty.
 
     ``layout``: the KV cache layout the connector asks vLLM for. ``auto``
     (default): the block-major ``BLHNC`` (a block of every layer of a group is
@@ -57,7 +61,7 @@ class ConnectorSettings:
 
     tiers: tuple[str, ...]
     namespace: str = ""
-    host_unit_bytes: int = 64 << 10
+    host_unit_bytes: int | None = None
     layout: str = "auto"
 
     @classmethod
@@ -109,10 +113,13 @@ class ConnectorSettings:
                 f"{where}['namespace'] must be a string of at most 256 characters, "
                 f"got {namespace!r:.80}"
             )
-        unit = extra.get("host_unit_bytes", 64 << 10)
-        if isinstance(unit, bool) or not isinstance(unit, int) or not 512 <= unit <= 1 << 30:
+        unit = extra.get("host_unit_bytes")
+        if unit is not None and (
+            isinstance(unit, bool) or not isinstance(unit, int) or not 512 <= unit <= 1 << 30
+        ):
             raise ConnectorConfigError(
-                f"{where}['host_unit_bytes'] must be an integer in 512..2**30, got {unit!r}"
+                f"{where}['host_unit_bytes'] must be an integer in 512..2**30 (or absent: "
+                f"one KV block's image), got {unit!r}"
             )
         layout = extra.get("layout", "auto")
         if layout not in LAYOUTS:

@@ -60,6 +60,13 @@ def expected_block_bytes(group: Group) -> int:
     )
 
 
+def payload_bytes(groups: Sequence[Group]) -> int:
+    """The payload of one image of ``groups`` (a KV block of every full-attention
+    layer, or a state page of every state layer): what every layer's block holds
+    by its spec. The registered tensors are checked against the same numbers."""
+    return sum(expected_block_bytes(g) * len(g.layers) for g in groups)
+
+
 @dataclass(frozen=True, eq=False)
 class LayerBlocks:
     """One layer's cache tensor as blocks of raw bytes."""

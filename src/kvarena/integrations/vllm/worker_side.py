@@ -31,7 +31,7 @@ from ...tiers.image import object_name
 from .groups import Group
 from .ranks import rank_key
 from .records import BlockCopy, Load, StepPlan, WorkerReport
-from .tensors import BlockRun, layer_blocks
+from .tensors import BlockRun, layer_blocks, payload_bytes
 
 log = logging.getLogger("kvarena.vllm")
 
@@ -78,9 +78,6 @@ class WorkerSide:
         self.runs = layer_blocks(kv_caches, self.groups, num_blocks=num_blocks)
 
     # -- what an object is ----------------------------------------------------------
-    def _payload_bytes(self, groups: Sequence[Group]) -> int:
-        return sum(run.block_bytes for g in groups for run in self.runs[g.index])
-
     def _expected(self, kind: ImageKind, copy: BlockCopy) -> Expected:
         bs = self.block_size
         start, end = (
@@ -98,7 +95,7 @@ class WorkerSide:
             namespace=self.namespace,
             start=start,
             end=end,
-            payload_bytes=self._payload_bytes(groups),
+            payload_bytes=payload_bytes(groups),
             elided=False,
         )
 
