@@ -58,7 +58,7 @@ chromium:
 test: $(STAMP) $(VLLM_STAMP) redis-server chromium
 	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(PY) -m pytest -q -n auto --maxprocesses 4
-	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/test_vllm_connector.py tests/test_vllm_settings.py tests/test_vllm_layouts.py tests/test_vllm_ranks.py tests/test_vllm_tp.py
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider $(wildcard tests/test_vllm_*.py)
 
 # Type-check the package (not part of `make test`, which must stay fast on 2 cores).
 lint: $(STAMP)

@@ -2,6 +2,7 @@
 
 .venv-vllm/bin/python benchmarks/bench_vllm.py [--requests 240] [--tokens-per-hash 32]
     [--model qwen3_next] [--device-kv 20MiB] [--max-out 8] [--decode-out 128]
+    [--decode-rounds 12]
 
 The trace's requests name their prompts by hash ids, one per 512-token block
 shared between requests. Each hash id is expanded here into ``--tokens-per-hash``
@@ -22,9 +23,12 @@ device cache and the connector's loads together; the connector's share and
 the deepest tier each load read), TTFT p50/p99, decode tokens/s (over the
 requests that decoded), and whether every request's tokens equal vLLM alone's.
 Then the TTFT of a shared 4,096-token prefix, cold and warm from the host
-tier, and decode tokens/s over 128-token outputs in alternating engine pairs
-(vLLM alone, then with the connector, three times: the ratio of each pair).
-The engines run in this process (the ``uni`` executor), one after another.
+tier; decode tokens/s over 128-token outputs with the engines alive side by
+side (``bench_vllm_decode.py``, in a process of its own: vLLM alone, vLLM with a
+connector that does nothing, vLLM with kvarena; per round ratios); and
+kvarena's own time inside the connector's per-step methods, timed in place.
+The trace's engines run in this process (the ``uni`` executor), one after
+another.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ import json
 import os
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -83,19 +89,19 @@ def engine(model: Path, device_kv: int, tiers: list[str] | None, max_len: int):
     from vllm import LLM
 
     from kvarena.integrations.vllm import kv_transfer_config
+    from kvarena.testing.vllm_models import engine_args
 
     kw = {}
     if tiers is not None:
         kw["kv_transfer_config"] = kv_transfer_config(tiers)
     return LLM(
-        model=str(model),
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        kv_cache_memory_bytes=device_kv,
-        enable_prefix_caching=True,
-        distributed_executor_backend="uni",
-        max_model_len=max_len,
-        disable_log_stats=False,
+        **engine_args(
+            model,
+            kv_cache_memory_bytes=device_kv,
+            distributed_executor_backend="uni",
+            max_model_len=max_len,
+            disable_log_stats=False,
+        ),
         **kw,
     )
 
@@ -206,9 +212,8 @@ CONNECTOR_CALLS = (
 
 class ConnectorClock:
     """Wall time spent inside the connector's per-step methods (both halves run in
-    this process): what the connector itself adds to a decode step, measured
-    directly instead of read off a tokens/s difference that the machine's noise
-    swamps."""
+    this process): what kvarena itself adds to a decode step, measured directly
+    instead of read off a tokens/s difference that the machine's noise swamps."""
 
     def __init__(self) -> None:
         from kvarena.integrations.vllm.connector import KvarenaConnector
@@ -237,39 +242,34 @@ class ConnectorClock:
             setattr(self.cls, name, f)
 
 
-def decode_pairs(model: Path, device: int, out: int, pairs: int) -> dict:
-    """Decode tokens/s of vLLM alone and with the connector (a host tier), in
-    alternating engines, each pair in the other order than the last, so that a
-    drift of the machine falls on both (one pair first to warm up, not counted): the ratio of each pair and their median; and
-    the connector's own time per engine step over the connector's runs."""
-    ratios, alone, tiered = [], [], []
-    clock = ConnectorClock()
-    for p in range(pairs + 1):
-        # Each pair in the other order than the last (ABBA): a machine that speeds
-        # up or slows down over the run favours neither side.
-        if p % 2:
-            with clock:
-                k = decode_rate(model, device, ["host:2GiB"], out)
-            a = decode_rate(model, device, None, out)
-        else:
-            a = decode_rate(model, device, None, out)
-            with clock:
-                k = decode_rate(model, device, ["host:2GiB"], out)
-        if p:
-            alone.append(a)
-            tiered.append(k)
-            ratios.append(k / a)
-    step_s = 1 / statistics.median(alone)
+def connector_time(model: Path, device: int, out: int) -> dict:
+    """kvarena's own time in each engine step of a decode (a host tier), and its
+    share of the step."""
+    with ConnectorClock() as clock:
+        rate = decode_rate(model, device, ["host:2GiB"], out)
     per_step = clock.seconds / max(1, clock.steps)
-    return {
-        "out": out,
-        "alone_tok_s": statistics.median(alone),
-        "kvarena_tok_s": statistics.median(tiered),
-        "ratios": ratios,
-        "ratio": statistics.median(ratios),
-        "connector_us_per_step": 1e6 * per_step,
-        "connector_share": per_step / step_s,
-    }
+    return {"tok_s": rate, "us_per_step": 1e6 * per_step, "share": per_step * rate}
+
+
+def side_by_side(model_kind: str, device_kv: str, out: int, rounds: int) -> dict:
+    """``bench_vllm_decode.py``'s engines side by side (vLLM alone, a connector that
+    does nothing, kvarena), run in a process of its own: it needs vLLM's
+    multiprocessing mode, which this process has turned off."""
+    cmd = [
+        sys.executable,
+        str(Path(__file__).with_name("bench_vllm_decode.py")),
+        "--json",
+        f"--model={model_kind}",
+        f"--device-kv={device_kv}",
+        f"--out={out}",
+        f"--rounds={rounds}",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
+    # vLLM logs to stdout too: the result is the last line that is a JSON object.
+    last = [line for line in done.stdout.splitlines() if line.startswith("{")][-1]
+    return json.loads(last)
 
 
 def main() -> None:
@@ -285,7 +285,7 @@ def main() -> None:
     ap.add_argument("--max-out", type=int, default=8)
     ap.add_argument("--prefix", type=int, default=4096, help="the shared-prefix TTFT row's prefix")
     ap.add_argument("--decode-out", type=int, default=128, help="the decode rows' output tokens")
-    ap.add_argument("--decode-pairs", type=int, default=3, help="alternating engine pairs")
+    ap.add_argument("--decode-rounds", type=int, default=12, help="side-by-side decode rounds")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -313,7 +313,8 @@ def main() -> None:
         shut(llm)
     limit = bound(work, block)
     warm = shared_prefix(model, device, args.prefix, 3)
-    decode = decode_pairs(model, device, args.decode_out, args.decode_pairs)
+    own = connector_time(model, device, args.decode_out)
+    decode = side_by_side(args.model, args.device_kv, args.decode_out, args.decode_rounds)
     ref = rows[0]["tokens"]
     for r in rows:
         r["identical"] = r.pop("tokens") == ref
@@ -327,6 +328,7 @@ def main() -> None:
                     "device_tokens": device_tokens,
                     "rows": rows,
                     "warm": warm,
+                    "connector_time": own,
                     "decode": decode,
                 },
                 indent=1,
@@ -360,13 +362,19 @@ def main() -> None:
         f"warm from the host tier {warm['warm_ms']:.1f} ms ({warm['ratio']:.2f}x cold; "
         f"hit {'yes' if warm['hit'] else 'NO'})"
     )
+    over = decode["over_alone"]
     print(
-        f"decode of {decode['out']} tokens after a 256-token prompt, {len(decode['ratios'])} "
-        f"alternating engine pairs: vLLM alone {decode['alone_tok_s']:.1f} t/s, with kvarena "
-        f"{decode['kvarena_tok_s']:.1f} t/s; kvarena / alone per pair "
-        f"{', '.join(f'{r:.3f}' for r in decode['ratios'])} (median {decode['ratio']:.3f}); "
-        f"the connector's own time {decode['connector_us_per_step']:.0f} µs a step = "
-        f"{100 * decode['connector_share']:.2f}% of vLLM alone's decode step"
+        f"decode of {decode['out']} tokens after a {decode['prompt']}-token prompt, engines "
+        f"side by side, {decode['rounds']} rounds (benchmarks/bench_vllm_decode.py; per round "
+        f"ratios, medians): vLLM alone {decode['tok_s']['alone']:.1f} t/s; a connector that "
+        f"does nothing {over['noop']['median']:.3f}x alone; kvarena "
+        f"{over['kvarena']['median']:.3f}x alone ({decode['over_noop']['kvarena']['median']:.3f}x "
+        f"the no-op connector); kvarena with alone's core binding "
+        f"({decode['bound_by']}) {over['kvarena_bound']['median']:.3f}x alone"
+    )
+    print(
+        f"kvarena's own time in the connector's per-step methods: {own['us_per_step']:.0f} µs "
+        f"a step = {100 * own['share']:.2f}% of a decode step at {own['tok_s']:.1f} t/s"
     )
 
 
