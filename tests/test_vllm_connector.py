@@ -172,6 +172,40 @@ def test_outputs_equal_vllm_alone_cold_warm_restarted_shared_and_corrupted(
     close(fifth)
 
 
+def test_saves_past_the_backlog_are_skipped_and_cost_only_misses(models, caplog):
+    """A save backlog of one KV block (tiny Llama: 2 layers x K,V x 32 tokens x 2
+    heads x 64 x 2 bytes): a prompt whose prefill saves two blocks in one step is
+    skipped whole (nothing gathered, nothing found later); the next prompt's one
+    block fits and is saved. Warm after ``reset_prefix_cache``: the first prompt
+    computes everything, the second resumes at its block, tokens as cold."""
+    from kvarena.testing.vllm_models import _COMMON, TINY
+
+    block = 32
+    one_block = 2 * 2 * block * _COMMON["num_key_value_heads"] * _COMMON["head_dim"]
+    one_block *= TINY["llama"]["num_hidden_layers"]
+    llm = engine(
+        models["llama"], block_size=block, tiers=["host:16MiB"], extra={"save_backlog": one_block}
+    )
+    try:
+        rng = random.Random(11)
+        prompts = [
+            [rng.randrange(3, 500) for _ in range(2 * block + 17)],  # two blocks: past it
+            [rng.randrange(3, 500) for _ in range(block + 10)],  # one block: fits
+        ]
+        cold = []
+        for p in prompts:
+            cold += generate(llm, [p])[0]
+            worker_connector()._worker.flush()  # the backlog empty before the next
+        worker = worker_connector()._worker
+        assert worker.skipped == 2 and worker.saved == 1 and worker.backlog == 0
+        assert "saves skipped" in caplog.text and "save_backlog" in caplog.text
+        llm.reset_prefix_cache()
+        warm, warm_cached = one_by_one(llm, prompts)
+        assert warm == cold and warm_cached == [0, block]
+    finally:
+        close(llm)
+
+
 def test_granite_mamba2_hybrid_is_unchanged_as_far_as_vllm_alone_runs_it(models, tmp_path):
     """vLLM's own CPU Mamba2 path fails on prompts longer than one attention
     block with prefix caching on (an IndexError in ``mamba_mixer2``, with or

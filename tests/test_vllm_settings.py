@@ -57,6 +57,10 @@ from kvarena.tiers.image import HEAD_BYTES
         ({"tiers": ["host:1GiB"], "host_unit_bytes": True}, "'host_unit_bytes'"),
         ({"tiers": ["host:1GiB"], "layout": "BLHNC"}, "'layout'"),
         ({"tiers": ["host:1GiB"], "layout": None}, "'layout'"),
+        ({"tiers": ["host:1GiB"], "save_backlog": 0}, "'save_backlog'"),
+        ({"tiers": ["host:1GiB"], "save_backlog": "lots"}, "'save_backlog'"),
+        ({"tiers": ["host:1GiB"], "save_backlog": True}, "'save_backlog'"),
+        ({"tiers": ["host:1GiB"], "save_backlog": 1.5}, "'save_backlog'"),
         ([("tiers", "x")], "mapping"),
     ],
 )
@@ -72,7 +76,10 @@ def test_good_settings_parse():
         {"tiers": [" host:1GiB", "disk:/tmp/x:2GiB", "redis://h:1"], "namespace": "fleet-a"}
     )
     assert s.tiers == ("host:1GiB", "disk:/tmp/x:2GiB", "redis://h:1") and s.namespace == "fleet-a"
-    assert s.layout == "auto"
+    assert s.layout == "auto" and s.save_backlog == 1 << 30
+    for backlog, want in (("512MiB", 512 << 20), (4096, 4096), ("1", 1)):
+        t = ConnectorSettings.parse({"tiers": ["host:1GiB"], "save_backlog": backlog})
+        assert t.save_backlog == want
     assert s.preferred_layout(cpu=True) is None and s.preferred_layout(cpu=False) == "BLHNC"
     for layout, cpu, gpu in (("block-major", "BLHNC", "BLHNC"), ("engine", None, None)):
         t = ConnectorSettings.parse({"tiers": ["host:1GiB"], "layout": layout})

@@ -128,6 +128,7 @@ class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
                 block_size=block_size,
                 rank=rank or 0,
                 ranks=ranks,
+                save_backlog=settings.save_backlog,
             )
 
     @classmethod

@@ -17,7 +17,7 @@ from ...checks import parse_bytes
 from ...errors import Error
 from ...tiers import SPEC_FORMS
 
-KEYS = ("tiers", "namespace", "host_unit_bytes", "layout")
+KEYS = ("tiers", "namespace", "host_unit_bytes", "layout", "save_backlog")
 """Every key the connector reads; any other key is refused (a typo must not
 silently turn a tier off)."""
 
@@ -57,12 +57,19 @@ class ConnectorSettings:
     platform, whose attention backend declares ``LBHNC`` alone; ``block-major``:
     ``BLHNC`` everywhere (vLLM keeps it where every backend lists it, else
     falls back to its own choice with a warning); ``engine``: no preference.
+
+    ``save_backlog``: the most bytes of saves a worker holds gathered and not yet
+    written to its tiers (a size, ``"1GiB"`` by default). A step's saves that
+    would go past it are skipped, before anything is copied: the forward outruns
+    a slow disk or store by costing future misses, never by growing host memory
+    without a bound.
     """
 
     tiers: tuple[str, ...]
     namespace: str = ""
     host_unit_bytes: int | None = None
     layout: str = "auto"
+    save_backlog: int = 1 << 30
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -126,11 +133,24 @@ class ConnectorSettings:
             raise ConnectorConfigError(
                 f"{where}['layout'] must be one of {', '.join(LAYOUTS)}, got {layout!r:.80}"
             )
+        backlog = extra.get("save_backlog", cls.save_backlog)
+        try:
+            if isinstance(backlog, bool) or not isinstance(backlog, (int, str)):
+                raise TypeError
+            backlog_bytes = parse_bytes(backlog) if isinstance(backlog, str) else backlog
+            if backlog_bytes < 1:
+                raise ValueError
+        except (Error, TypeError, ValueError):
+            raise ConnectorConfigError(
+                f"{where}['save_backlog'] must be a size of at least 1 byte (an integer "
+                f"or a string such as '1GiB'), got {backlog!r:.80}"
+            ) from None
         return cls(
             tiers=tuple(s.strip() for s in tiers),
             namespace=namespace,
             host_unit_bytes=unit,
             layout=layout,
+            save_backlog=backlog_bytes,
         )
 
     def preferred_layout(self, *, cpu: bool) -> str | None:

@@ -12,6 +12,9 @@ per layer in vLLM's layer-major layouts, per group in its block-major ones), the
 hand checksumming and the tier writes to one background thread: the forward
 never waits for a disk or a network. Every save is written through to every
 tier, so a restarted engine finds it on disk and another engine in the store.
+What waits for that thread is bounded (``save_backlog`` bytes): a step's saves
+that would go past the bound are skipped before anything is gathered, so a
+writer slower than the forward costs misses later, never host memory.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from .tensors import BlockRun, layer_blocks, payload_bytes
 log = logging.getLogger("kvarena.vllm")
 
 _Job = tuple[ImageKind, BlockCopy, list[memoryview]]
+_Batch = tuple[list[_Job], int]  # one step's saves and their payload bytes
 
 
 class WorkerSide:
@@ -48,9 +52,11 @@ class WorkerSide:
         block_size: int,
         rank: int = 0,
         ranks: int = 1,
+        save_backlog: int = 1 << 30,
     ) -> None:
         """``namespace``: this rank's (written into and checked in every image);
-        ``rank`` of ``ranks``: which shard of each object this worker holds."""
+        ``rank`` of ``ranks``: which shard of each object this worker holds;
+        ``save_backlog``: the most payload bytes gathered and not yet written."""
         self.groups = groups
         self.rank, self.ranks = rank, ranks
         self.kv_groups = [g for g in groups if g.kind == "kv"]
@@ -70,7 +76,11 @@ class WorkerSide:
         self.loaded = 0
         self.load_failures = 0
         self.saved = 0
-        self._jobs: queue.Queue[list[_Job] | None] = queue.Queue()
+        self.save_backlog = save_backlog
+        self.backlog = 0  # payload bytes gathered, not yet in the tiers (under _lock)
+        self.skipped = 0  # objects not saved because the backlog was full
+        self._skipping = False  # in a run of skipped steps (one warning a run)
+        self._jobs: queue.Queue[_Batch | None] = queue.Queue()
         self._thread = threading.Thread(target=self._write_loop, name="kvarena-save", daemon=True)
         self._thread.start()
 
@@ -216,24 +226,51 @@ class WorkerSide:
         return [(kind, c, p) for c, p in zip(copies, parts, strict=True)]
 
     def save(self, plan: StepPlan) -> None:
+        kv, state = plan.kv_saves, plan.state_saves
+        if not (kv or state):
+            return
+        nbytes = len(kv) * payload_bytes(self.kv_groups) + len(state) * payload_bytes(
+            self.state_groups
+        )
+        with self._lock:
+            full = self.backlog + nbytes > self.save_backlog
+            if not full:
+                self.backlog += nbytes
+        if full:
+            # Skipped whole, before any copy: a lookup finds none of it (the
+            # scheduler learns of an object only once a tier holds it).
+            self.skipped += len(kv) + len(state)
+            if not self._skipping:
+                log.warning(
+                    "kvarena: saves skipped: %d bytes wait for the tiers and %d more would "
+                    "pass save_backlog (%d); the tiers are slower than the forward",
+                    self.backlog,
+                    nbytes,
+                    self.save_backlog,
+                )
+            self._skipping = True
+            return
+        self._skipping = False
         jobs: list[_Job] = []
-        if plan.kv_saves:
-            jobs += self._gather(ImageKind.KV_BLOCK, [self._own(c) for c in plan.kv_saves])
-        if plan.state_saves:
-            jobs += self._gather(ImageKind.STATE, [self._own(c) for c in plan.state_saves])
-        if jobs:
-            self._jobs.put(jobs)
+        if kv:
+            jobs += self._gather(ImageKind.KV_BLOCK, [self._own(c) for c in kv])
+        if state:
+            jobs += self._gather(ImageKind.STATE, [self._own(c) for c in state])
+        self._jobs.put((jobs, nbytes))
 
     def _write_loop(self) -> None:
         while True:
-            jobs = self._jobs.get()
+            batch = self._jobs.get()
             try:
-                if jobs is None:
+                if batch is None:
                     return
-                self._write(jobs)
+                self._write(batch[0])
             except Exception:  # a failed save is a future miss, never a failed request
                 log.exception("kvarena: a save failed")
             finally:
+                if batch is not None:
+                    with self._lock:
+                        self.backlog -= batch[1]
                 self._jobs.task_done()
 
     def _write(self, jobs: list[_Job]) -> None:
