@@ -1,9 +1,10 @@
 """A vLLM KV connector that does nothing: the floor any connector pays.
 
-vLLM runs extra code in every step once a connector is configured, whatever
-the connector does (its metadata built and bound, its output carried back to
-the scheduler, and on this CPU build a second busy worker thread). A
-benchmark that compares kvarena's connector with vLLM alone mixes that cost
+vLLM does more once a connector is configured, whatever the connector does:
+its metadata built and bound every step, its output carried back to the
+scheduler, and on vLLM's CPU platform one more core reserved per rank for the
+connector (on a machine without it to spare, none, so the worker's threads
+share the engine core's). A benchmark that compares kvarena's connector with vLLM alone mixes that cost
 with kvarena's own; next to this connector, the difference is kvarena's.
 It finds nothing, loads nothing and saves nothing.
 """

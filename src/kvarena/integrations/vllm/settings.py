@@ -135,16 +135,14 @@ class ConnectorSettings:
             )
         backlog = extra.get("save_backlog", cls.save_backlog)
         try:
-            if isinstance(backlog, bool) or not isinstance(backlog, (int, str)):
-                raise TypeError
             backlog_bytes = parse_bytes(backlog) if isinstance(backlog, str) else backlog
-            if backlog_bytes < 1:
-                raise ValueError
-        except (Error, TypeError, ValueError):
+        except Error:
+            backlog_bytes = None
+        if isinstance(backlog, bool) or not isinstance(backlog_bytes, int) or backlog_bytes < 1:
             raise ConnectorConfigError(
                 f"{where}['save_backlog'] must be a size of at least 1 byte (an integer "
                 f"or a string such as '1GiB'), got {backlog!r:.80}"
-            ) from None
+            )
         return cls(
             tiers=tuple(s.strip() for s in tiers),
             namespace=namespace,

@@ -52,7 +52,7 @@ class WorkerSide:
         block_size: int,
         rank: int = 0,
         ranks: int = 1,
-        save_backlog: int = 1 << 30,
+        save_backlog: int,
     ) -> None:
         """``namespace``: this rank's (written into and checked in every image);
         ``rank`` of ``ranks``: which shard of each object this worker holds;
@@ -61,6 +61,11 @@ class WorkerSide:
         self.rank, self.ranks = rank, ranks
         self.kv_groups = [g for g in groups if g.kind == "kv"]
         self.state_groups = [g for g in groups if g.kind == "state"]
+        # One image's payload of each kind: fixed by the groups, asked per object.
+        self._payload = {
+            ImageKind.KV_BLOCK: payload_bytes(self.kv_groups),
+            ImageKind.STATE: payload_bytes(self.state_groups),
+        }
         self.namespace = namespace
         self.tiers = tiers
         self.block_size = block_size
@@ -98,14 +103,13 @@ class WorkerSide:
                 copy.index * bs,
             )
         )
-        groups = self.kv_groups if kind is ImageKind.KV_BLOCK else self.state_groups
         return Expected(
             kind=kind,
             key=copy.key,
             namespace=self.namespace,
             start=start,
             end=end,
-            payload_bytes=payload_bytes(groups),
+            payload_bytes=self._payload[kind],
             elided=False,
         )
 
@@ -229,11 +233,11 @@ class WorkerSide:
         kv, state = plan.kv_saves, plan.state_saves
         if not (kv or state):
             return
-        nbytes = len(kv) * payload_bytes(self.kv_groups) + len(state) * payload_bytes(
-            self.state_groups
-        )
+        nbytes = len(kv) * self._payload[ImageKind.KV_BLOCK]
+        nbytes += len(state) * self._payload[ImageKind.STATE]
         with self._lock:
-            full = self.backlog + nbytes > self.save_backlog
+            waiting = self.backlog
+            full = waiting + nbytes > self.save_backlog
             if not full:
                 self.backlog += nbytes
         if full:
@@ -244,7 +248,7 @@ class WorkerSide:
                 log.warning(
                     "kvarena: saves skipped: %d bytes wait for the tiers and %d more would "
                     "pass save_backlog (%d); the tiers are slower than the forward",
-                    self.backlog,
+                    waiting,
                     nbytes,
                     self.save_backlog,
                 )
