@@ -24,7 +24,7 @@ from transformers.cache_utils import Cache
 
 from ...errors import InvalidValueError
 from ...pools import BlockTable
-from .layers import LinearLayer, NoneLayer, PagedLayer, RingLayer
+from .layers import LinearLayer, NoneLayer, PagedLayer, RingLayer, _cropped
 from .layout import LINEAR, NONE, PAGED, RING, HfLayout
 from .rollback import _Replay
 from .rows import Rows
@@ -75,7 +75,7 @@ class KvarenaCache(Cache):
             elif kind == RING:
                 layers.append(RingLayer(rows, i, g, tokens, layout.window))
             elif kind == LINEAR:
-                layers.append(LinearLayer(rows, i, g, started))
+                layers.append(LinearLayer(rows, i, g, tokens, started))
             else:
                 assert kind == NONE
                 layers.append(NoneLayer())
@@ -90,11 +90,40 @@ class KvarenaCache(Cache):
                 )
             self._replay = _Replay(self, model)
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(
+        self, recurrent_states_to_keep: int | None = None, **kwargs: Any
+    ) -> None:
         """transformers asks before a draft is verified: from now on the cache keeps
-        what ``crop`` needs (the linear layers' inputs and earlier states)."""
+        what ``crop`` needs. Linear layers keep the states the model hands over
+        (``recurrent_states_to_keep``, transformers >= 5.25); a cache made with
+        ``model=`` also records the mixers' inputs, to replay what those states
+        do not cover (transformers 5.24 hands none)."""
+        self._check_live()
+        for layer in self.layers:
+            if isinstance(layer, LinearLayer):
+                # checks the count before anything is recorded
+                layer.activate_past_recording(recurrent_states_to_keep)
         self.recording = True
-        super().activate_past_recording()
+        for layer in self.layers:
+            if not isinstance(layer, LinearLayer) and hasattr(layer, "activate_past_recording"):
+                layer.activate_past_recording()
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        """How many intermediate recurrent states a forward should hand layer
+        ``layer_idx`` (the most over all layers for None): 0 unless recording."""
+        keep = {
+            i: x.states_to_keep
+            for i, x in enumerate(self.layers)
+            if isinstance(x, LinearLayer) and x.record_past
+        }
+        if layer_idx is None:
+            return max(keep.values(), default=0)
+        return keep.get(layer_idx, 0)
+
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        layer = self.layers[layer_idx]
+        if isinstance(layer, LinearLayer):
+            layer.increase_count(state_idx)
 
     def close(self) -> None:
         """Remove the hooks this cache placed on the model, and refuse every later
@@ -140,9 +169,23 @@ class KvarenaCache(Cache):
         self.rows.check_live()
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens cached: layer ``layer_idx``'s count where it attends, else the
+        first attending layer's (transformers 5.24's rule; in 5.25 linear layers
+        count too, and agree), else the first linear layer's."""
         self._check_live()
-        if any(isinstance(layer, (PagedLayer, RingLayer)) for layer in self.layers):
-            return super().get_seq_length(layer_idx)
+        if not 0 <= layer_idx < len(self.layers):
+            raise InvalidValueError(
+                f"get_seq_length: layer_idx {layer_idx} is not a layer of this "
+                f"{len(self.layers)}-layer cache"
+            )
+        attending = (PagedLayer, RingLayer)
+        at = self.layers[layer_idx]
+        if isinstance(at, attending):
+            return at.get_seq_length()
+        for kinds in (attending, LinearLayer):
+            for layer in self.layers:
+                if isinstance(layer, kinds):
+                    return layer.get_seq_length()
         return 0
 
     # -- batch-wide operations: once for every layer --------------------------------
@@ -168,6 +211,9 @@ class KvarenaCache(Cache):
                 for b in old:
                     alloc.release(b)
             rows.changed()
+        for layer in self.layers:
+            if isinstance(layer, LinearLayer):
+                layer.forget()  # kept states are in the old row order
         if rows.slots:
             rows.sync()
             src = [rows.slots[i] for i in order]
@@ -187,14 +233,19 @@ class KvarenaCache(Cache):
         (a cache made with ``model=`` in a pool with ``rollback_tokens``;
         refused otherwise). Every check runs before anything changes."""
         self._check_live()
-        linear = [layer.layer_idx for layer in self.layers if isinstance(layer, LinearLayer)]
-        if linear and self._replay is None:
+        _cropped(1 << 62, tokens_to_remove)
+        linear = [layer for layer in self.layers if isinstance(layer, LinearLayer)]
+        # Kept states roll back without a replay when they cover every linear layer.
+        kept = all(layer.rollback_covers(-tokens_to_remove) for layer in linear)
+        if linear and not kept and self._replay is None:
             raise InvalidValueError(
-                f"crop: layers {linear[:4]} are linear attention, whose state cannot roll back "
-                "without a rollback entry (KvarenaPool(..., rollback_tokens=N) and "
-                "new_cache(..., model=model))"
+                f"crop({tokens_to_remove}): layers {[x.layer_idx for x in linear][:4]} are "
+                "linear attention, whose state cannot roll back without the states from "
+                "before the last forward (activate_past_recording(recurrent_states_to_keep=N) "
+                "on transformers >= 5.25, or a rollback entry: KvarenaPool(..., "
+                "rollback_tokens=N) and new_cache(..., model=model))"
             )
-        if self._replay is not None:
+        if linear and not kept and self._replay is not None:
             self._replay.check(tokens_to_remove)
         for layer in self.layers:
             if isinstance(layer, RingLayer):
@@ -207,13 +258,25 @@ class KvarenaCache(Cache):
             for t in self.rows.tables:
                 t.truncate(min(keep, t.tokens))
         self.rows.changed()
-        if self._replay is not None:
+        if kept:
+            for layer in linear:
+                layer.roll_back(-tokens_to_remove)
+            if self._replay is not None:
+                self._replay.forget()
+        elif self._replay is not None:
+            target = [layer.tokens + tokens_to_remove for layer in linear]
             self._replay.roll_back(-tokens_to_remove)
+            for layer, n in zip(linear, target, strict=True):
+                layer.tokens = n  # the replay counted its accepted tokens again
+                layer.forget()
 
     @property
     def is_croppable(self) -> bool:
+        """Whether a draft can be taken back: rings with rollback rows, and linear
+        layers through a replay (a cache made with ``model=``) or, once recording
+        with ``recurrent_states_to_keep``, through the states the model hands over."""
         return all(
-            (self._replay is not None)
+            (self._replay is not None or (layer.record_past and layer.states_to_keep > 0))
             if isinstance(layer, LinearLayer)
             else getattr(layer, "is_croppable", True)
             for layer in self.layers

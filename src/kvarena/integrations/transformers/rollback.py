@@ -132,6 +132,10 @@ class _Replay:
                     self.replaying = False
         self.inputs.clear()
 
+    def forget(self) -> None:
+        """Drop the recorded inputs (the crop was served without a replay)."""
+        self.inputs.clear()
+
     def close(self) -> None:
         for h in self.handles:
             h.remove()
