@@ -24,8 +24,9 @@ from transformers.cache_utils import Cache
 
 from ...errors import InvalidValueError
 from ...pools import BlockTable
-from .layers import LinearLayer, NoneLayer, PagedLayer, RingLayer, _cropped
+from .layers import NoneLayer, PagedLayer, RingLayer, _cropped
 from .layout import LINEAR, NONE, PAGED, RING, HfLayout
+from .linear import LinearLayer
 from .rollback import _Replay
 from .rows import Rows
 

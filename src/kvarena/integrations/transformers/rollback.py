@@ -9,7 +9,8 @@ from typing import Any, Protocol
 import torch
 
 from ...errors import InvalidValueError
-from .layers import LinearLayer, _cropped
+from .layers import _cropped
+from .linear import LinearLayer
 from .rows import Rows
 
 
