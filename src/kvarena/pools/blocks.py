@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checks import MAX_ENTRIES, check_count, check_ids, check_int
+from ..checks import MAX_ENTRIES, check_count, check_ids, check_int, check_key
 from ..errors import Error, InvalidValueError
 from .block_region import EVICTABLE, FREE, LIVE, BlockRegion
 from .cached_keys import CachedKeys, Evicted
@@ -136,6 +136,9 @@ class BlockAllocator(BlockRegion):
         """Hold ``key`` in ``blocks`` (live, uncached, each named once): at their last
         release they age in the LRU instead of going free. ``after`` names a key
         without which this one is worthless: evicting that one evicts this one too."""
+        check_key(key, "cache: key")
+        if after is not None:
+            check_key(after, "cache: after")
         ids = self.check_held(blocks, "cache: blocks", writing=True)
         if ids.size == 0 or len(set(ids.tolist())) != ids.size:
             raise InvalidValueError(

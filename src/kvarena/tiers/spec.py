@@ -1,0 +1,106 @@
+"""``TierSpec``: one tier as its spec string names it, parsed once.
+
+The grammar (:data:`SPEC_FORMS`) is read here and nowhere else: the CLI's
+``--tier``, the vLLM connector's ``tiers`` setting, each tensor-parallel
+rank's share of them and the scheduler's catalogue all hold ``TierSpec``
+records, and a tier is opened from one (:meth:`TierSpec.open`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+from ..checks import parse_bytes
+from ..errors import Error, InvalidValueError
+from .base import Tier
+from .disk import DiskTier
+from .host import DEFAULT_UNIT_BYTES, HostTier
+from .redis_tier import RedisTier
+
+SPEC_FORMS = "host:SIZE, disk:DIR:SIZE, redis://HOST:PORT[/DB], redis+cluster://HOST:PORT"
+KINDS = ("host", "disk", "redis")
+_REDIS = ("redis://", "rediss://", "unix://")
+_CLUSTER = "redis+cluster://"
+
+
+class TierSpecError(InvalidValueError):
+    """A spec string that names no tier; ``reason`` says why, without the spec
+    (a caller that names the spec its own way, a settings key, adds it)."""
+
+    def __init__(self, spec: object, reason: str) -> None:
+        super().__init__(f"tier {spec!r}: {reason}")
+        self.reason = reason
+
+
+@dataclass(frozen=True, kw_only=True)
+class TierSpec:
+    """A tier's kind and where it lives: ``size`` for host and disk (bytes),
+    ``directory`` for disk, ``url`` (as redis-py takes it) and ``cluster`` for a
+    shared store. ``str()`` gives the spec back in its canonical form."""
+
+    kind: str
+    size: int | None = None
+    directory: str | None = None
+    url: str | None = None
+    cluster: bool = False
+
+    @classmethod
+    def parse(cls, spec: object) -> TierSpec:
+        """The spec string's tier, refused (naming the forms) where it names none."""
+        if isinstance(spec, TierSpec):
+            return spec
+        if not isinstance(spec, str) or not spec.strip():
+            raise TierSpecError(spec, f"use {SPEC_FORMS}")
+        text = spec.strip()
+        if text.startswith(_REDIS):
+            return cls(kind="redis", url=text)
+        if text.startswith(_CLUSTER):
+            return cls(kind="redis", url="redis://" + text[len(_CLUSTER) :], cluster=True)
+        kind, _, rest = text.partition(":")
+        size: str | None = None
+        directory = None
+        if kind == "host" and rest:
+            size = rest
+        elif kind == "disk":
+            m = re.fullmatch(r"(.+):([^:]+)", rest)
+            if m:
+                directory, size = m.group(1), m.group(2)
+        if size is None:
+            raise TierSpecError(spec, f"use {SPEC_FORMS}")
+        try:
+            nbytes = parse_bytes(size)
+        except Error as exc:
+            raise TierSpecError(spec, str(exc)) from None
+        return cls(kind=kind, size=nbytes, directory=directory)
+
+    def __str__(self) -> str:
+        if self.kind == "host":
+            return f"host:{self.size}"
+        if self.kind == "disk":
+            return f"disk:{self.directory}:{self.size}"
+        assert self.url is not None
+        return _CLUSTER + self.url[len("redis://") :] if self.cluster else self.url
+
+    def share(self, parts: int, *, directory: str | None = None) -> TierSpec:
+        """This tier's ``1/parts`` share (a host or disk size divided; a shared
+        store is shared whole), in ``directory`` where given (disk)."""
+        if self.size is None:
+            return self
+        return dataclasses.replace(
+            self,
+            size=self.size // parts,
+            directory=directory if directory is not None else self.directory,
+        )
+
+    def open(self, *, unit_bytes: int = DEFAULT_UNIT_BYTES, pin_memory: bool = False) -> Tier:
+        """Open the tier (a directory is taken, a server connected to)."""
+        if self.kind == "host":
+            assert self.size is not None
+            return HostTier(self.size, unit_bytes=unit_bytes, pin_memory=pin_memory)
+        if self.kind == "disk":
+            assert self.size is not None and self.directory is not None
+            return DiskTier(self.directory, self.size)
+        assert self.url is not None
+        return RedisTier(self.url, cluster=self.cluster)
