@@ -9,7 +9,7 @@ import torch
 from conftest import plan_for
 
 from kvarena import EntryField, ServingOptions, model_cache, plan_cache
-from kvarena.prefix import CheckpointPolicy, ImageState, Namespace, PrefixCache
+from kvarena.prefix import CheckpointPolicy, ImageState, PrefixCache, key_root, plan_namespace
 from kvarena.prefix.keys import block_keys
 
 PAGE = [EntryField("k", 2, (4, 8), torch.bfloat16)]
@@ -47,12 +47,12 @@ def test_keys_are_chained_and_namespaced():
     assert pc.keys(tokens, extra=["lora-a"]) != keys
     # Another layout (dtype), block size or rank is another namespace: no key matches.
     plan = pc.cache.plan
-    ns = Namespace.of(plan)
-    assert Namespace.of(plan, tp_rank=0).digest == ns.digest
+    ns = plan_namespace(plan)
+    assert plan_namespace(plan, tp_rank=0).digest == ns.digest == key_root(ns.to_json())
     state16 = [EntryField("ssm", 2, (2, 16), torch.float16), STATE[1]]
     other_plan = plan_for(PAGE, state16, 64 * 1024, 4, block_size=BS)
-    assert Namespace.of(other_plan).digest != ns.digest
-    assert block_keys(Namespace.of(other_plan).digest, tokens, BS) != keys
+    assert plan_namespace(other_plan).digest != ns.digest
+    assert block_keys(plan_namespace(other_plan).digest, tokens, BS) != keys
 
 
 def test_hit_needs_kv_and_an_image_at_exactly_that_boundary():

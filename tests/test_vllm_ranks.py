@@ -16,7 +16,7 @@ from kvarena.integrations.vllm.ranks import (
     rank_tier_specs,
 )
 from kvarena.integrations.vllm.settings import ConnectorSettings
-from kvarena.tiers import TierStack
+from kvarena.tiers import TierSpec, TierStack
 from kvarena.tiers.image import ImageKind, object_name, parse_object_name
 
 keys = st.binary(min_size=16, max_size=16)
@@ -44,10 +44,12 @@ def test_each_rank_has_a_key_of_its_own_and_one_rank_keeps_the_prefix_key(key, r
 
 
 def test_each_rank_opens_its_share_of_the_tiers_in_a_directory_of_its_own(tmp_path):
-    specs = ["host:4GiB", f"disk:{tmp_path}/kv:200GiB", "redis://store:6379"]
+    specs = [
+        TierSpec.parse(s) for s in ("host:4GiB", f"disk:{tmp_path}/kv:200GiB", "redis://store:6379")
+    ]
     assert rank_tier_specs(specs, 0, 1) == tuple(specs)
     got = rank_tier_specs(specs, 1, 4)
-    assert got == (
+    assert tuple(map(str, got)) == (
         f"host:{1 << 30}",
         f"disk:{tmp_path}/kv/tp1:{50 << 30}",
         "redis://store:6379",

@@ -37,7 +37,7 @@ from kvarena.integrations.vllm.tensors import (
     expected_block_bytes,
     payload_bytes,
 )
-from kvarena.tiers import HostTier
+from kvarena.tiers import HostTier, TierSpec
 from kvarena.tiers.image import HEAD_BYTES
 
 
@@ -75,7 +75,12 @@ def test_good_settings_parse():
     s = ConnectorSettings.parse(
         {"tiers": [" host:1GiB", "disk:/tmp/x:2GiB", "redis://h:1"], "namespace": "fleet-a"}
     )
-    assert s.tiers == ("host:1GiB", "disk:/tmp/x:2GiB", "redis://h:1") and s.namespace == "fleet-a"
+    assert s.tiers == (
+        TierSpec(kind="host", size=1 << 30),
+        TierSpec(kind="disk", size=2 << 30, directory="/tmp/x"),
+        TierSpec(kind="redis", url="redis://h:1"),
+    )
+    assert s.namespace == "fleet-a"
     assert s.layout == "auto" and s.save_backlog == 1 << 30
     for backlog, want in (("512MiB", 512 << 20), (4096, 4096), ("1", 1)):
         t = ConnectorSettings.parse({"tiers": ["host:1GiB"], "save_backlog": backlog})

@@ -24,7 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ..errors import InvalidValueError
 from ..models import ModelCache
 from ..pools import plan_cache
-from ..prefix.keys import Namespace
+from ..prefix.records import plan_namespace
 from ..replay.run import ReplayConfig, ReplayResult
 from ..replay.summary import REPLAY_COLUMNS, SWEEP_COLUMNS, replay_rows, sweep_rows
 from ..replay.sweep import Sweep, parse_budgets, plan_sweep, sweep
@@ -126,7 +126,7 @@ def _identity(trace: str, m: ModelCache, cfg: ReplayConfig, results: list[Replay
         ("block size", f"{m.block_size} tokens"),
         ("PAGE fingerprint", plan.page_fingerprint or "(no paged layers)"),
         ("STATE fingerprint", plan.state_fingerprint or "(no state)"),
-        ("namespace", Namespace.of(plan).digest.hex()),
+        ("namespace", plan_namespace(plan).digest.hex()),
         ("checkpoint policy", cfg.policy.describe()),
         ("max seqs", f"{cfg.max_seqs}"),
     )

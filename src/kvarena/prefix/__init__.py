@@ -1,10 +1,18 @@
 """The prefix cache: keys, the lookup contract, checkpoint policy, one LRU."""
 
 from .cache import PrefixCache
-from .keys import Namespace, block_keys
+from .keys import Namespace, block_keys, key_root
 from .lookup import TierFinds, locate_in_tiers, resume_boundary
 from .policy import DEFAULT_POLICY, CheckpointPolicy
-from .records import Admission, Image, ImageState, PrefixHit, PrefixMetrics, image_key
+from .records import (
+    Admission,
+    Image,
+    ImageState,
+    PrefixHit,
+    PrefixMetrics,
+    image_key,
+    plan_namespace,
+)
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -19,6 +27,8 @@ __all__ = [
     "TierFinds",
     "block_keys",
     "image_key",
+    "key_root",
     "locate_in_tiers",
+    "plan_namespace",
     "resume_boundary",
 ]

@@ -15,8 +15,7 @@ holds which key (a KV block its chained key, an image's units
 :func:`~kvarena.prefix.records.image_key`, worthless without the KV block
 ending at its boundary). The pool's one LRU ages both; its write-down sink
 (:class:`~.tiering.WriteDown`) writes each victim to the tiers while its
-bytes are intact; a boundary move relocates keys inside the pool and remaps
-each request's holding in place, so nothing here follows it.
+bytes are intact; a boundary move relocates keys and remaps holdings in place.
 """
 
 from __future__ import annotations
@@ -34,7 +33,8 @@ from ..pools import BlockAllocationError, BoundaryMove, CachePlan, StateAllocati
 from ..pools.unified import UnifiedCache
 from ..tiers import Tier, TierStack
 from ..tiers.image import ImageKind, object_name
-from .keys import Namespace, as_tokens, block_keys
+from . import records
+from .keys import as_tokens, block_keys
 from .lookup import TierFinds, locate_in_tiers, resume_boundary
 from .placement import Placement
 from .policy import CheckpointPolicy
@@ -65,7 +65,7 @@ class PrefixCache(TierSide):
         if not isinstance(self.policy, CheckpointPolicy):
             raise InvalidValueError(f"policy must be a CheckpointPolicy, got {policy!r}")
         self.policy.check_block_size(plan.block_size)
-        self.namespace = Namespace.of(plan, tp_rank=tp_rank)
+        self.namespace = records.plan_namespace(plan, tp_rank=tp_rank)
         self.root = self.namespace.digest
         check_device(device)
         if not isinstance(reuse, bool):

@@ -23,10 +23,7 @@ import torch
 
 from ..checks import check_count
 from ..errors import InvalidValueError
-from ..layout import dtype_name
-from ..pools import CachePlan
-
-KEY_BYTES = 16
+from ..tiers.image import KEY_BYTES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,19 +42,6 @@ class Namespace:
         check_count(self.block_size, "Namespace: block_size", lo=1)
         check_count(self.tp_size, "Namespace: tp_size", lo=1)
         check_count(self.tp_rank, "Namespace: tp_rank", hi=self.tp_size - 1)
-
-    @classmethod
-    def of(cls, plan: CachePlan, *, tp_rank: int = 0) -> Namespace:
-        dtypes = sorted({dtype_name(f.dtype) for f in (*plan.page_fields, *plan.state_fields)})
-        return cls(
-            model=plan.model.name,
-            page_fingerprint=plan.page_fingerprint,
-            state_fingerprint=plan.state_fingerprint,
-            dtypes=tuple(dtypes),
-            block_size=plan.block_size,
-            tp_rank=tp_rank,
-            tp_size=plan.model.options.tp,
-        )
 
     def to_json(self) -> bytes:
         """The namespace as canonical JSON: hashed into the key root, and written
@@ -79,7 +63,13 @@ class Namespace:
     @property
     def digest(self) -> bytes:
         """The root of every key chain in this namespace."""
-        return hashlib.blake2b(self.to_json(), digest_size=KEY_BYTES).digest()
+        return key_root(self.to_json())
+
+
+def key_root(namespace: bytes) -> bytes:
+    """The root of every key chain in the namespace whose canonical bytes are
+    ``namespace`` (a :class:`Namespace`'s JSON, an engine's namespace)."""
+    return hashlib.blake2b(namespace, digest_size=KEY_BYTES).digest()
 
 
 def as_tokens(tokens: object, what: str = "tokens") -> np.ndarray:

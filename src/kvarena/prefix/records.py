@@ -15,7 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from ..pools import BlockAllocator, Holding
+from ..layout import dtype_name
+from ..pools import BlockAllocator, CachePlan, Holding
+from .keys import Namespace
 
 
 class ImageState(enum.Enum):
@@ -106,3 +108,18 @@ class Admission:
     @property
     def slots(self) -> tuple[int, ...]:
         return self.holding.slots
+
+
+def plan_namespace(plan: CachePlan, *, tp_rank: int = 0) -> Namespace:
+    """The namespace of a planned cache: its model, both layouts' fingerprints,
+    its dtypes, block size and this rank's place."""
+    dtypes = sorted({dtype_name(f.dtype) for f in (*plan.page_fields, *plan.state_fields)})
+    return Namespace(
+        model=plan.model.name,
+        page_fingerprint=plan.page_fingerprint,
+        state_fingerprint=plan.state_fingerprint,
+        dtypes=tuple(dtypes),
+        block_size=plan.block_size,
+        tp_rank=tp_rank,
+        tp_size=plan.model.options.tp,
+    )

@@ -40,8 +40,7 @@ from ..errors import InvalidValueError
 from ..models import ModelCache
 from ..pools import BlockAllocationError, StateAllocationError, blocks_for, plan_cache
 from ..prefix import CheckpointPolicy, PrefixCache
-from ..prefix.keys import Namespace
-from ..prefix.records import Admission
+from ..prefix.records import Admission, plan_namespace
 from ..tiers import TierStack
 from ..tiers.image import image_bytes
 from .timeline import Sample
@@ -119,7 +118,7 @@ class _Replay:
         plan = plan_cache(model, budget_bytes=cfg.budget_bytes, max_seqs=cfg.max_seqs)
         device = torch.device("cpu" if cfg.verify else "meta")
         # A host tier's unit is one KV block's image, so a block takes exactly one.
-        unit = image_bytes(Namespace.of(plan).to_json(), plan.block_bytes)
+        unit = image_bytes(plan_namespace(plan).to_json(), plan.block_bytes)
         self.tiers = TierStack.from_specs(cfg.tiers, unit_bytes=unit)
         try:
             self.pc = PrefixCache(

@@ -17,7 +17,8 @@ from .image import (
     seal,
 )
 from .redis_tier import RedisTier
-from .stack import SPEC_FORMS, TierStack, parse_tier
+from .spec import SPEC_FORMS, TierSpec, TierSpecError
+from .stack import TierStack, parse_tier
 
 __all__ = [
     "SPEC_FORMS",
@@ -32,6 +33,8 @@ __all__ = [
     "TierError",
     "TierMetrics",
     "TierObject",
+    "TierSpec",
+    "TierSpecError",
     "TierStack",
     "TierWarning",
     "decode",

@@ -51,12 +51,13 @@ FLAG_ELIDED = 1
 FLAG_UNSEALED = 2  # no checksum yet: only ever held in this process's memory
 _FLAGS_AT = 11  # the flags byte: after magic (8), version (2) and kind (1)
 
-_HEAD = struct.Struct("<8sHBBIQQQ16sQ")
+KEY_BYTES = 16
+"""A prefix key's length: the header's key field and every key chain's digest."""
+_HEAD = struct.Struct(f"<8sHBBIQQQ{KEY_BYTES}sQ")
 """magic, version, kind, flags, namespace length, span start, span end,
 payload length, key, checksum — 64 bytes, little-endian, no padding."""
 HEAD_BYTES = _HEAD.size
 _CHECKSUM_AT = HEAD_BYTES - 8
-KEY_BYTES = 16
 MAX_NAMESPACE_BYTES = 1 << 16
 MAX_SPAN = (1 << 64) - 1
 """A token span's ends are unsigned 64-bit fields of the header."""

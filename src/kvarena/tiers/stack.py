@@ -10,21 +10,16 @@ block evicted again costs nothing where it is still held.
 from __future__ import annotations
 
 import functools
-import re
 import threading
 import time
 from collections.abc import Callable, Sequence
 
-from ..checks import parse_bytes
 from ..errors import InvalidValueError
 from ..locking import synchronized
 from .base import Tier
-from .disk import DiskTier
-from .host import DEFAULT_UNIT_BYTES, HostTier
+from .host import DEFAULT_UNIT_BYTES
 from .image import TierObject
-from .redis_tier import RedisTier
-
-SPEC_FORMS = "host:SIZE, disk:DIR:SIZE, redis://HOST:PORT[/DB], redis+cluster://HOST:PORT"
+from .spec import TierSpec
 
 
 def first_holders(
@@ -50,24 +45,10 @@ def first_holders(
 
 
 def parse_tier(
-    spec: str, *, unit_bytes: int = DEFAULT_UNIT_BYTES, pin_memory: bool = False
+    spec: str | TierSpec, *, unit_bytes: int = DEFAULT_UNIT_BYTES, pin_memory: bool = False
 ) -> Tier:
-    """A tier from its spec string (the CLI's ``--tier``); opens it."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise InvalidValueError(f"tier {spec!r}: use {SPEC_FORMS}")
-    text = spec.strip()
-    if text.startswith(("redis://", "rediss://", "unix://")):
-        return RedisTier(text)
-    if text.startswith("redis+cluster://"):
-        return RedisTier("redis://" + text[len("redis+cluster://") :], cluster=True)
-    kind, _, rest = text.partition(":")
-    if kind == "host" and rest:
-        return HostTier(parse_bytes(rest), unit_bytes=unit_bytes, pin_memory=pin_memory)
-    if kind == "disk":
-        m = re.fullmatch(r"(.+):([^:]+)", rest)
-        if m:
-            return DiskTier(m.group(1), parse_bytes(m.group(2)))
-    raise InvalidValueError(f"tier {spec!r}: use {SPEC_FORMS}")
+    """A tier from its spec (the CLI's ``--tier``); opens it."""
+    return TierSpec.parse(spec).open(unit_bytes=unit_bytes, pin_memory=pin_memory)
 
 
 class TierStack:
@@ -86,7 +67,7 @@ class TierStack:
 
     @classmethod
     def from_specs(
-        cls, specs: Sequence[str], *, unit_bytes: int = DEFAULT_UNIT_BYTES, pin_memory: bool = False
+        cls, specs: Sequence[str | TierSpec], *, unit_bytes: int = DEFAULT_UNIT_BYTES, pin_memory: bool = False
     ) -> TierStack:
         """Tiers opened from spec strings, in order; if one fails, those already
         opened are closed again and the error names the spec."""

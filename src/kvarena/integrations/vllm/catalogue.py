@@ -23,7 +23,7 @@ from ...tiers import RedisTier
 from ...tiers.disk import SUFFIX
 from ...tiers.stack import first_holders
 from .ranks import rank_dir
-from .settings import ConnectorSettings, disk_dir
+from .settings import ConnectorSettings
 
 
 class Catalogue:
@@ -37,20 +37,14 @@ class Catalogue:
         self._disk: list[str] = []
         self._redis: RedisTier | None = None
         for spec in settings.tiers:
-            if spec.startswith("host:"):
-                self.kinds.append("host")
-            elif spec.startswith("disk:"):
-                self.kinds.append("disk")
+            self.kinds.append(spec.kind)
+            if spec.kind == "disk":
+                assert spec.directory is not None
                 self._disk = [
-                    os.path.join(rank_dir(disk_dir(spec), r, ranks), "") for r in range(ranks)
+                    os.path.join(rank_dir(spec.directory, r, ranks), "") for r in range(ranks)
                 ]
-            else:
-                self.kinds.append("redis")
-                url = spec
-                cluster = url.startswith("redis+cluster://")
-                if cluster:
-                    url = "redis://" + url[len("redis+cluster://") :]
-                self._redis = RedisTier(url, cluster=cluster)
+            elif spec.kind == "redis":
+                self._redis = spec.open()  # type: ignore[assignment]
 
     def hosted(self, added: Iterable[str], dropped: Iterable[str]) -> None:
         """Apply a worker's report of its host tier (puts, then drops)."""

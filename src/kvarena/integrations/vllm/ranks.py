@@ -17,11 +17,9 @@ import hashlib
 import os
 from collections.abc import Sequence
 
-from ...checks import parse_bytes
-from ...prefix.keys import KEY_BYTES
 from ...prefix.lookup import Locates
-from ...tiers.image import object_name, parse_object_name
-from .settings import disk_dir, tier_kind, tier_size
+from ...tiers import TierSpec
+from ...tiers.image import KEY_BYTES, object_name, parse_object_name
 
 
 def rank_key(key: bytes, rank: int, ranks: int) -> bytes:
@@ -40,23 +38,17 @@ def rank_dir(directory: str, rank: int, ranks: int) -> str:
     return directory if ranks == 1 else os.path.join(directory, f"tp{rank}")
 
 
-def rank_tier_specs(specs: Sequence[str], rank: int, ranks: int) -> tuple[str, ...]:
-    """The tier specs one rank's worker opens: the configured sizes are the
-    engine's, so each rank's host and disk tier holds its share of them, and its
-    disk tier lives in its own directory (:func:`rank_dir`); a shared store is
-    shared as it is (the ranks' names differ)."""
+def rank_tier_specs(specs: Sequence[TierSpec], rank: int, ranks: int) -> tuple[TierSpec, ...]:
+    """The tiers one rank's worker opens: the configured sizes are the engine's,
+    so each rank's host and disk tier holds its share of them, and its disk tier
+    lives in its own directory (:func:`rank_dir`); a shared store is shared as it
+    is (the ranks' names differ)."""
     if ranks == 1:
         return tuple(specs)
-    out = []
-    for spec in specs:
-        kind = tier_kind(spec)
-        size = tier_size(spec, kind) if kind else None
-        if kind == "host" and size:
-            spec = f"host:{parse_bytes(size) // ranks}"
-        elif kind == "disk" and size:
-            spec = f"disk:{rank_dir(disk_dir(spec), rank, ranks)}:{parse_bytes(size) // ranks}"
-        out.append(spec)
-    return tuple(out)
+    return tuple(
+        s.share(ranks, directory=rank_dir(s.directory, rank, ranks) if s.directory else None)
+        for s in specs
+    )
 
 
 def rank_names(name: str, ranks: int) -> list[str]:

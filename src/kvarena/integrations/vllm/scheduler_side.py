@@ -14,13 +14,12 @@ moment that block is known to hold exactly that boundary's state.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ...prefix.keys import KEY_BYTES, block_keys
+from ...prefix.keys import block_keys, key_root
 from ...prefix.lookup import TierFinds, locate_in_tiers, resume_boundary
 from .catalogue import Catalogue
 from .groups import Group
@@ -53,7 +52,7 @@ class SchedulerSide:
         self.kv_groups = [g for g in groups if g.kind == "kv"]
         self.state_groups = [g for g in groups if g.kind == "state"]
         self.block_size = block_size
-        self.root = hashlib.blake2b(namespace, digest_size=KEY_BYTES).digest()
+        self.root = key_root(namespace)
         self.catalogue = catalogue
         self._failed: set[str] = set()  # rank names a load could not use, until saved again
         self._objects = AllRanks(catalogue, ranks, self._failed)  # what a lookup asks

@@ -15,7 +15,8 @@ from typing import Any
 
 from ...checks import parse_bytes
 from ...errors import Error
-from ...tiers import SPEC_FORMS
+from ...tiers import SPEC_FORMS, TierSpec, TierSpecError
+from ...tiers.host import MIN_UNIT_BYTES
 
 KEYS = ("tiers", "namespace", "host_unit_bytes", "layout", "save_backlog")
 """Every key the connector reads; any other key is refused (a typo must not
@@ -65,7 +66,7 @@ class ConnectorSettings:
     without a bound.
     """
 
-    tiers: tuple[str, ...]
+    tiers: tuple[TierSpec, ...]
     namespace: str = ""
     host_unit_bytes: int | None = None
     layout: str = "auto"
@@ -95,25 +96,20 @@ class ConnectorSettings:
                 raise ConnectorConfigError(
                     f"{where}['tiers'][{i}] must be a tier spec ({SPEC_FORMS}), got {spec!r}"
                 )
-        kinds = [tier_kind(s) for s in tiers]
-        for i, kind in enumerate(kinds):
-            if kind is None:
+        specs: list[TierSpec] = []
+        for i, text in enumerate(tiers):
+            try:
+                spec = TierSpec.parse(text)
+            except TierSpecError as exc:
                 raise ConnectorConfigError(
-                    f"{where}['tiers'][{i}] = {tiers[i]!r}: use {SPEC_FORMS}"
-                )
-            size = tier_size(tiers[i], kind)
-            if size is not None:
-                try:
-                    parse_bytes(size)
-                except Error as exc:
-                    raise ConnectorConfigError(
-                        f"{where}['tiers'][{i}] = {tiers[i]!r}: {exc}"
-                    ) from None
-            if kind in kinds[:i]:
+                    f"{where}['tiers'][{i}] = {text!r}: {exc.reason}"
+                ) from None
+            if spec.kind in [x.kind for x in specs]:
                 raise ConnectorConfigError(
-                    f"{where}['tiers'][{i}] = {tiers[i]!r}: a second {kind} tier; "
+                    f"{where}['tiers'][{i}] = {text!r}: a second {spec.kind} tier; "
                     "name each kind once"
                 )
+            specs.append(spec)
         namespace = extra.get("namespace", "")
         if not isinstance(namespace, str) or len(namespace) > 256:
             raise ConnectorConfigError(
@@ -122,10 +118,12 @@ class ConnectorSettings:
             )
         unit = extra.get("host_unit_bytes")
         if unit is not None and (
-            isinstance(unit, bool) or not isinstance(unit, int) or not 512 <= unit <= 1 << 30
+            isinstance(unit, bool)
+            or not isinstance(unit, int)
+            or not MIN_UNIT_BYTES <= unit <= 1 << 30
         ):
             raise ConnectorConfigError(
-                f"{where}['host_unit_bytes'] must be an integer in 512..2**30 (or absent: "
+                f"{where}['host_unit_bytes'] must be an integer in {MIN_UNIT_BYTES}..2**30 (or absent: "
                 f"one KV block's image), got {unit!r}"
             )
         layout = extra.get("layout", "auto")
@@ -144,7 +142,7 @@ class ConnectorSettings:
                 f"or a string such as '1GiB'), got {backlog!r:.80}"
             )
         return cls(
-            tiers=tuple(s.strip() for s in tiers),
+            tiers=tuple(specs),
             namespace=namespace,
             host_unit_bytes=unit,
             layout=layout,
@@ -156,29 +154,3 @@ class ConnectorSettings:
         if self.layout == "engine" or (self.layout == "auto" and cpu):
             return None
         return BLOCK_MAJOR
-
-
-def tier_size(spec: str, kind: str) -> str | None:
-    """The size part of a host or disk spec (``host:SIZE``, ``disk:DIR:SIZE``)."""
-    text = spec.strip()
-    if kind == "host":
-        return text.partition(":")[2]
-    if kind == "disk":
-        return text.rsplit(":", 1)[1] if text.count(":") >= 2 else ""
-    return None
-
-
-def disk_dir(spec: str) -> str:
-    """The directory of a ``disk:DIR:SIZE`` spec."""
-    return spec.strip()[len("disk:") :].rsplit(":", 1)[0]
-
-
-def tier_kind(spec: str) -> str | None:
-    """A spec's tier kind (``host``, ``disk``, ``redis``), None if it names none."""
-    text = spec.strip()
-    if text.startswith(("redis://", "rediss://", "unix://", "redis+cluster://")):
-        return "redis"
-    kind, _, rest = text.partition(":")
-    if kind in ("host", "disk") and rest:
-        return kind
-    return None

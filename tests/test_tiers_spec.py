@@ -1,0 +1,78 @@
+"""``TierSpec``: the one parser of the tier spec grammar (kvarena.tiers.spec)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvarena.tiers import SPEC_FORMS, TierSpec, TierSpecError
+from kvarena.tiers.disk import DiskTier
+from kvarena.tiers.host import HostTier
+
+
+@pytest.mark.parametrize(
+    "text,want,canonical",
+    [
+        ("host:4GiB", TierSpec(kind="host", size=4 << 30), f"host:{4 << 30}"),
+        (" host:512 ", TierSpec(kind="host", size=512), "host:512"),
+        (
+            "disk:/var/kv:a:200GiB",  # the size is after the last colon
+            TierSpec(kind="disk", size=200 << 30, directory="/var/kv:a"),
+            f"disk:/var/kv:a:{200 << 30}",
+        ),
+        ("redis://h:6379/2", TierSpec(kind="redis", url="redis://h:6379/2"), "redis://h:6379/2"),
+        ("unix:///tmp/r.sock", TierSpec(kind="redis", url="unix:///tmp/r.sock"), None),
+        (
+            "redis+cluster://h:7000",
+            TierSpec(kind="redis", url="redis://h:7000", cluster=True),
+            "redis+cluster://h:7000",
+        ),
+    ],
+)
+def test_each_form_parses_and_prints_back(text, want, canonical):
+    spec = TierSpec.parse(text)
+    assert spec == want
+    assert str(spec) == (canonical or text.strip())
+    assert TierSpec.parse(str(spec)) == spec and TierSpec.parse(spec) is spec
+
+
+@pytest.mark.parametrize(
+    "bad,reason",
+    [
+        ("host", SPEC_FORMS),
+        ("host:", SPEC_FORMS),
+        ("disk:/x", SPEC_FORMS),
+        ("tape:1GiB", SPEC_FORMS),
+        ("", SPEC_FORMS),
+        (None, SPEC_FORMS),
+        (7, SPEC_FORMS),
+        ("host:lots", "lots"),
+        ("disk:/x:-1", "-1"),
+    ],
+)
+def test_a_spec_that_names_no_tier_is_refused_with_its_reason(bad, reason):
+    with pytest.raises(TierSpecError) as err:
+        TierSpec.parse(bad)
+    assert reason in err.value.reason and repr(bad) in str(err.value)
+    assert str(err.value) == f"tier {bad!r}: {err.value.reason}"
+
+
+def test_a_share_divides_sizes_and_moves_a_directory(tmp_path):
+    host, disk, redis = (
+        TierSpec.parse(s) for s in ("host:4GiB", f"disk:{tmp_path}:8GiB", "redis://h:1")
+    )
+    assert host.share(4) == TierSpec(kind="host", size=1 << 30)
+    assert disk.share(4, directory=f"{tmp_path}/tp3") == TierSpec(
+        kind="disk", size=2 << 30, directory=f"{tmp_path}/tp3"
+    )
+    assert redis.share(4) is redis
+
+
+def test_a_spec_opens_its_tier(tmp_path):
+    host = TierSpec.parse("host:1MiB").open(unit_bytes=4096)
+    disk = TierSpec.parse(f"disk:{tmp_path}/d:2MiB").open()
+    try:
+        assert isinstance(host, HostTier) and host.capacity_bytes == 1 << 20
+        assert isinstance(disk, DiskTier) and disk.capacity_bytes == 2 << 20
+    finally:
+        host.close()
+        disk.close()
