@@ -150,3 +150,53 @@ def test_the_prefix_cache_keeps_no_book_of_blocks():
                 assert not ("dict[bytes, int]" in ann or "dict[int, bytes]" in ann), (
                     f"{m}: self.{node.target.attr}: {ann}"
                 )
+
+
+def _calls(name: str) -> dict[str, int]:
+    """Modules calling ``name(...)`` (a plain name or an attribute), with counts."""
+    out: dict[str, int] = {}
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                f = node.func
+                called = f.id if isinstance(f, ast.Name) else getattr(f, "attr", None)
+                if called == name:
+                    out[module] = out.get(module, 0) + 1
+    return out
+
+
+def _prefix_tests(prefixes: tuple[str, ...]) -> set[str]:
+    """Modules that test a string for one of ``prefixes`` (``x.startswith(...)``):
+    where a grammar is parsed, not where a string of it is written."""
+    found = set()
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "attr", None) == "startswith"
+                and any(
+                    isinstance(c, ast.Constant) and str(c.value).startswith(prefixes)
+                    for arg in node.args
+                    for c in ast.walk(arg)
+                )
+            ):
+                found.add(module)
+    return found
+
+
+def test_each_rule_has_one_definition():
+    """What an object must be (the span rule), when it is sealed, and the tier
+    spec grammar are each written once: a second writer of any of them is
+    named here."""
+    assert _calls("Expected") == {"kvarena.tiers.checked": 1}
+    assert _calls("object_span") == {"kvarena.tiers.checked": 1}
+    assert _calls("seal") == {"kvarena.tiers.base": 1}
+    assert _prefix_tests(("host:", "disk:", "redis")) <= {"kvarena.tiers.spec"}
+    # a key (KEY_BYTES long) is derived in the key chain and per rank, nowhere else
+    keyed = set()
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "blake2b":
+                if any(getattr(k.value, "id", None) == "KEY_BYTES" for k in node.keywords):
+                    keyed.add(module)
+    assert keyed == {"kvarena.prefix.keys", "kvarena.integrations.vllm.ranks"}

@@ -32,6 +32,7 @@ from ..locking import synchronized
 from ..pools import BlockAllocationError, BoundaryMove, CachePlan, StateAllocationError
 from ..pools.unified import UnifiedCache
 from ..tiers import Tier, TierStack
+from ..tiers.checked import Expectations
 from ..tiers.image import ImageKind, object_name
 from . import records
 from .keys import as_tokens, block_keys
@@ -40,7 +41,7 @@ from .placement import Placement
 from .policy import CheckpointPolicy
 from .records import Admission, Image, ImageState, PrefixHit, PrefixMetrics, image_key
 from .tier_side import TierSide
-from .tiering import Expectations, WriteDown
+from .tiering import WriteDown
 
 
 class PrefixCache(TierSide):
@@ -84,8 +85,8 @@ class PrefixCache(TierSide):
         self._expect = Expectations(
             namespace=self.namespace.to_json(),
             block_size=plan.block_size,
-            block_bytes=self.cache.block_bytes,
-            image_bytes=self.spec.image_bytes if self.spec else 0,
+            kv_bytes=self.cache.block_bytes,
+            state_bytes=self.spec.image_bytes if self.spec else 0,
             elided=self.cache.device.type == "meta",  # no bytes: tier images are headers
         )
         self._write_down = WriteDown(

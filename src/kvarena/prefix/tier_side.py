@@ -18,9 +18,10 @@ from ..locking import synchronized
 from ..pools import BlockAllocator
 from ..pools.unified import UnifiedCache
 from ..tiers import TierStack
+from ..tiers.checked import Expectations, fetch_checked
 from ..tiers.image import Expected, ImageKind, TierObject, object_name
 from .records import Image, PrefixHit, PrefixMetrics
-from .tiering import Expectations, WriteDown, fetch_checked, host_bytes
+from .tiering import WriteDown, host_bytes
 
 
 class TierSide:
@@ -50,23 +51,28 @@ class TierSide:
         good: dict[str, memoryview] = {}
         skip: set[str] = set()
         while True:
-            wanted: dict[int, list[tuple[str, Expected]]] = {}
+            wanted: list[tuple[str, Expected]] = []
+            first: list[int] = []
             for i, src in enumerate(hit.sources):
-                if src != "device":
-                    name = object_name(ImageKind.KV_BLOCK, keys[i])
-                    wanted.setdefault(tier_of[src], []).append((name, self._expect.kv(keys[i], i)))
+                name = object_name(ImageKind.KV_BLOCK, keys[i])
+                if src != "device" and name not in good:
+                    wanted.append((name, self._expect.kv(keys[i], i)))
+                    first.append(tier_of[src])
             if hit.image_source not in (None, "device"):
                 b = hit.tokens // self.block_size
                 name = object_name(ImageKind.STATE, keys[b - 1])
-                wanted.setdefault(tier_of[hit.image_source], []).append(  # type: ignore[index]
-                    (name, self._expect.state(keys[b - 1], b))
-                )
-            failed: set[str] = set()
-            for t, items in wanted.items():
-                failed |= fetch_checked(self.tiers, t, items, good, self.metrics)
-            if not failed:
+                if name not in good:
+                    wanted.append((name, self._expect.state(keys[b - 1], b)))
+                    first.append(tier_of[hit.image_source])
+            got = fetch_checked(self.tiers, wanted, first=first)
+            for r in got.rejected:
+                self.metrics.tier_rejected[r.reason] = self.metrics.tier_rejected.get(r.reason, 0) + 1
+            for (name, _), payload in zip(wanted, got.payloads, strict=True):
+                if payload is not None:
+                    good[name] = payload
+            if not got.failed:
                 return hit, good
-            skip |= failed
+            skip |= set(got.failed)
             hit = self._answer(tok, keys, frozenset(skip))
 
     def _take_hit_blocks(

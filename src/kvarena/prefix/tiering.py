@@ -1,4 +1,4 @@
-"""Where a prefix cache's victims go, and how tier objects are checked on the way in.
+"""Where a prefix cache's victims go.
 
 :class:`WriteDown` is the block pool's one write-down sink: it sees each batch
 of evicted keys while their bytes are intact, encodes KV blocks and images
@@ -6,23 +6,22 @@ as checksummed tier objects, writes them to the top tier (whose own
 evictions flow down) and counts the evictions. It reads the cache's buffer,
 never the prefix cache: nothing calls back into the caller.
 
-:class:`Expectations` says what an object must be to be used (kind, key,
-namespace, token span, length); :func:`fetch_checked` fetches and decodes
-them, deleting and counting any that fail.
+Objects are encoded from the cache's :class:`~kvarena.tiers.checked.Expectations`
+(unsealed: a tier outside this process's memory seals what it is handed).
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from ..checkpoint import CheckpointSpec
 from ..pools import Evicted
 from ..tiers import TierStack
-from ..tiers.image import Expected, ImageKind, ImageMismatch, TierObject, decode, encode
+from ..tiers.checked import Expectations
+from ..tiers.image import ImageKind, TierObject
 from .records import PrefixMetrics
 
 
@@ -36,40 +35,6 @@ def host_bytes(data: memoryview) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # torch warns on read-only buffers
         return torch.frombuffer(data, dtype=torch.uint8)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Expectations:
-    """What a KV block's or an image's tier object must be (one namespace, one layout)."""
-
-    namespace: bytes
-    block_size: int
-    block_bytes: int
-    image_bytes: int
-    elided: bool  # a meta-device cache: objects carry headers only
-
-    def kv(self, key: bytes, index: int) -> Expected:
-        bs = self.block_size
-        return Expected(
-            kind=ImageKind.KV_BLOCK,
-            key=key,
-            namespace=self.namespace,
-            start=index * bs,
-            end=(index + 1) * bs,
-            payload_bytes=self.block_bytes,
-            elided=self.elided,
-        )
-
-    def state(self, key: bytes, boundary: int) -> Expected:
-        return Expected(
-            kind=ImageKind.STATE,
-            key=key,
-            namespace=self.namespace,
-            start=0,
-            end=boundary * self.block_size,
-            payload_bytes=self.image_bytes,
-            elided=self.elided,
-        )
 
 
 class WriteDown:
@@ -89,9 +54,6 @@ class WriteDown:
         self._buf, self._stride, self._spec = buf, block_stride, spec
         self._track = track  # keep the evicted KV keys for the owner to take (its ghosts)
         self._expect, self._tiers, self._metrics = expect, tiers, metrics
-        # Objects bound for a host tier stay unsealed: it holds them in this
-        # process's memory; a tier below seals what it is handed.
-        self._seal = not (tiers and tiers.tiers[0].trusted)
         self._gone: list[bytes] = []  # evicted KV blocks' keys, until taken
 
     def take_gone(self) -> list[bytes]:
@@ -102,17 +64,8 @@ class WriteDown:
     def kv_object(self, key: bytes, block: int, index: int) -> TierObject:
         e = self._expect
         at = block * self._stride
-        payload = None if e.elided else (host_view(self._buf[at : at + e.block_bytes]),)
-        return encode(
-            kind=ImageKind.KV_BLOCK,
-            namespace=e.namespace,
-            key=key,
-            start=index * e.block_size,
-            end=(index + 1) * e.block_size,
-            payload=payload,
-            payload_bytes=e.block_bytes,
-            seal=self._seal,
-        )
+        payload = None if e.elided else [host_view(self._buf[at : at + e.kv_bytes])]
+        return e.encode(ImageKind.KV_BLOCK, key, index, payload)
 
     def state_object(self, key: bytes, units: Sequence[int], boundary: int) -> TierObject:
         spec, e = self._spec, self._expect
@@ -125,16 +78,7 @@ class WriteDown:
                 at = u * self._stride
                 parts.append(host_view(self._buf[at : at + n]))
                 left -= n
-        return encode(
-            kind=ImageKind.STATE,
-            namespace=e.namespace,
-            key=key,
-            start=0,
-            end=boundary * e.block_size,
-            payload=parts,
-            payload_bytes=spec.image_bytes,
-            seal=self._seal,
-        )
+        return e.encode(ImageKind.STATE, key, boundary, parts)
 
     def __call__(self, victims: Sequence[Evicted]) -> None:
         """Write the victims down (when there are tiers), then count them: a tier
@@ -160,30 +104,3 @@ class WriteDown:
         if self._tiers:
             m.tier_blocks_written += blocks
             m.tier_images_written += images
-
-
-def fetch_checked(
-    tiers: TierStack,
-    tier: int,
-    items: Sequence[tuple[str, Expected]],
-    good: dict[str, memoryview],
-    metrics: PrefixMetrics,
-) -> set[str]:
-    """Fetch ``items`` (name, expectation) from ``tier`` into ``good``, checked in
-    full; the names that were missing or failed (a failing one is deleted from
-    the tier and counted by reason)."""
-    failed: set[str] = set()
-    todo = [(n, e) for n, e in items if n not in good]
-    trusted = tiers.tiers[tier].trusted
-    for (name, exp), data in zip(todo, tiers.fetch(tier, [n for n, _ in todo]), strict=True):
-        if data is None:
-            failed.add(name)
-            continue
-        try:
-            good[name] = decode(data, exp, trusted=trusted)
-        except ImageMismatch as exc:
-            r = metrics.tier_rejected
-            r[exc.reason] = r.get(exc.reason, 0) + 1
-            tiers.drop(tier, [name])
-            failed.add(name)
-    return failed

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 from ..errors import Error
 from ..locking import synchronized
-from .image import TierObject
+from .image import TierObject, seal
 
 
 class TierError(Error, RuntimeError):
@@ -112,6 +112,13 @@ class Tier(abc.ABC):
         nothing else can change them: its objects are loaded without
         recomputing checksums (and may be held unsealed)."""
         return False
+
+    def stored(self, objects: Sequence[TierObject]) -> list[TierObject]:
+        """The objects as this tier keeps them: the seal rule, owned here. A tier
+        outside this process's memory takes only sealed objects (anyone can
+        change a file or a store's value); sealing is idempotent, so an object
+        sealed for one such tier passes the next as it is."""
+        return list(objects) if self.trusted else [seal(o) for o in objects]
 
     @property
     def cascades(self) -> bool:

@@ -53,7 +53,7 @@ from ..checks import check_bytes
 from ..errors import InvalidValueError
 from ..locking import synchronized
 from .base import IndexedTier, TierError
-from .image import HEAD_BYTES, MAX_NAMESPACE_BYTES, ImageMismatch, TierObject, read_header, seal
+from .image import HEAD_BYTES, MAX_NAMESPACE_BYTES, ImageMismatch, TierObject, read_header
 
 SUFFIX = ".kvi"
 TMP_SUFFIX = ".tmp"
@@ -301,7 +301,7 @@ class DiskTier(IndexedTier):
         """Write the batch to temporary files, make them durable together, then
         rename each into place: a reader never sees an object before its bytes
         are on disk. Objects are sealed first (a file can be changed by anyone)."""
-        objects = [seal(o) for o in objects]
+        objects = self.stored(objects)
         for obj in objects:
             if not NAME.fullmatch(obj.name):
                 raise InvalidValueError(

@@ -26,7 +26,7 @@ from ..checks import check_timeout
 from ..errors import InvalidValueError
 from ..locking import synchronized
 from .base import Tier, TierError
-from .image import TierObject, seal
+from .image import TierObject
 
 DEFAULT_PREFIX = "kvarena:"
 INLINE_BYTES = 64 << 10
@@ -172,7 +172,7 @@ class RedisTier(Tier):
     ) -> list[TierObject]:
         """SETs in batches of about ``BATCH_BYTES``, each batch one round trip;
         objects are sealed first (a shared store can be changed by anyone)."""
-        objects = [seal(o) for o in objects]
+        objects = self.stored(objects)
         i = 0
         while i < len(objects):
             chunk: list[TierObject] = []

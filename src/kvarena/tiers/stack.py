@@ -139,6 +139,24 @@ class TierStack:
             batch = evicted if below else []  # (names alone otherwise: nothing goes down)
 
     @synchronized
+    def write_through(self, objects: Sequence[TierObject]) -> dict[str, list[str]]:
+        """Store every object in every tier, top first (a restarted engine finds
+        on disk, another engine in the shared store, what this one computed,
+        without waiting for an eviction); nothing evicted goes down, since every
+        tier below has it already. Returns each tier's evicted names."""
+        batch = list(objects)
+        evicted: dict[str, list[str]] = {}
+        for i, tier in enumerate(self.tiers):
+            if not batch:
+                break
+            start = time.perf_counter()
+            batch = tier.stored(batch)  # sealed once for the first tier that needs it
+            gone = tier.put_many(batch, want_evicted=False)
+            self.seconds[i] += time.perf_counter() - start
+            evicted[self.names[i]] = [o.name for o in gone]
+        return evicted
+
+    @synchronized
     def close(self) -> None:
         for t in self.tiers:
             t.close()

@@ -28,8 +28,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ...tiers import Expected, ImageKind, ImageMismatch, TierObject, TierStack, decode, encode, seal
-from ...tiers.host import HostTier
+from ...tiers import ImageKind, TierStack
+from ...tiers.checked import Expectations, fetch_checked
 from ...tiers.image import object_name
 from .groups import Group
 from .ranks import rank_key
@@ -61,11 +61,14 @@ class WorkerSide:
         self.rank, self.ranks = rank, ranks
         self.kv_groups = [g for g in groups if g.kind == "kv"]
         self.state_groups = [g for g in groups if g.kind == "state"]
-        # One image's payload of each kind: fixed by the groups, asked per object.
-        self._payload = {
-            ImageKind.KV_BLOCK: payload_bytes(self.kv_groups),
-            ImageKind.STATE: payload_bytes(self.state_groups),
-        }
+        # What every object of this rank must be (one image's payload of each
+        # kind fixed by the groups): what a load checks and a save encodes.
+        self.expect = Expectations(
+            namespace=namespace,
+            block_size=block_size,
+            kv_bytes=payload_bytes(self.kv_groups),
+            state_bytes=payload_bytes(self.state_groups),
+        )
         self.namespace = namespace
         self.tiers = tiers
         self.block_size = block_size
@@ -92,65 +95,24 @@ class WorkerSide:
     def register(self, kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> None:
         self.runs = layer_blocks(kv_caches, self.groups, num_blocks=num_blocks)
 
-    # -- what an object is ----------------------------------------------------------
-    def _expected(self, kind: ImageKind, copy: BlockCopy) -> Expected:
-        bs = self.block_size
-        start, end = (
-            (copy.index * bs, (copy.index + 1) * bs)
-            if kind is ImageKind.KV_BLOCK
-            else (
-                0,
-                copy.index * bs,
-            )
-        )
-        return Expected(
-            kind=kind,
-            key=copy.key,
-            namespace=self.namespace,
-            start=start,
-            end=end,
-            payload_bytes=self._payload[kind],
-            elided=False,
-        )
-
     # -- loads ----------------------------------------------------------------------
     def _fetch(
         self, wanted: list[tuple[ImageKind, BlockCopy]], held: contextlib.ExitStack
     ) -> list[memoryview | None]:
-        """Each object's checked payload, from the first tier that holds a good one.
-        A host tier's objects are read in place (``HostTier.borrow``, held open by
-        ``held`` until the caller has copied them out): one copy, host to device."""
-        out: list[memoryview | None] = [None] * len(wanted)
-        left = list(range(len(wanted)))
-        names = [object_name(kind, copy.key) for kind, copy in wanted]
-        for t, tier in enumerate(self.tiers.tiers):
-            if not left:
-                break
-            asked = [names[j] for j in left]
-            if isinstance(tier, HostTier):
-                got: list = held.enter_context(tier.borrow(asked))
-            else:
-                got = self.tiers.fetch(t, asked)
-            rest, bad = [], []
-            for j, data in zip(left, got, strict=True):
-                if data is not None:
-                    try:
-                        out[j] = decode(data, self._expected(*wanted[j]), trusted=tier.trusted)
-                        continue
-                    except ImageMismatch as exc:
-                        log.warning("kvarena: %s in %s: %s", names[j], self.tiers.names[t], exc)
-                        bad.append(names[j])
-                rest.append(j)
-            if bad:  # nobody should trip on it again
-                self.tiers.drop(t, bad)
-                if tier.kind == "host":
-                    with self._lock:
-                        self._dropped += bad
-            left = rest
-        if left:
-            with self._lock:
-                self._failed += [names[j] for j in left]
-        return out
+        """Each object's checked payload, from the first tier that holds a good one
+        (:func:`~kvarena.tiers.checked.fetch_checked`; a host tier's read in place,
+        held open by ``held`` until the caller has copied them out)."""
+        got = fetch_checked(
+            self.tiers,
+            [(object_name(k, c.key), self.expect.of(k, c.key, c.index)) for k, c in wanted],
+            held=held,
+        )
+        for r in got.rejected:
+            log.warning("kvarena: %s in %s: %s", r.name, r.tier, r.detail)
+        with self._lock:
+            self._dropped += got.dropped_hosted  # nobody should trip on them again
+            self._failed += got.failed
+        return got.payloads
 
     def _scatter(self, groups: Sequence[Group], copy: BlockCopy, payload: memoryview) -> None:
         pos = 0
@@ -233,8 +195,7 @@ class WorkerSide:
         kv, state = plan.kv_saves, plan.state_saves
         if not (kv or state):
             return
-        nbytes = len(kv) * self._payload[ImageKind.KV_BLOCK]
-        nbytes += len(state) * self._payload[ImageKind.STATE]
+        nbytes = len(kv) * self.expect.kv_bytes + len(state) * self.expect.state_bytes
         with self._lock:
             waiting = self.backlog
             full = waiting + nbytes > self.save_backlog
@@ -278,37 +239,15 @@ class WorkerSide:
                 self._jobs.task_done()
 
     def _write(self, jobs: list[_Job]) -> None:
-        objects: list[TierObject] = []
-        for kind, copy, parts in jobs:
-            exp = self._expected(kind, copy)
-            objects.append(
-                encode(
-                    kind=kind,
-                    namespace=self.namespace,
-                    key=copy.key,
-                    start=exp.start,
-                    end=exp.end,
-                    payload=parts,
-                    payload_bytes=exp.payload_bytes,
-                    seal=False,
-                )
-            )
-        # Trusted tiers (host memory) take the objects unsealed; the rest get
-        # them sealed, the checksum computed once for all of them.
-        tiers = sorted(self.tiers.tiers, key=lambda t: not t.trusted)
-        for tier in tiers:
-            if not tier.trusted:
-                objects = [seal(o) for o in objects]
-            hosted = tier.kind == "host"
-            # Every tier gets every save, so nothing evicted goes down: the host
-            # tier's evictions come back as names (no bytes read) for the report.
-            evicted = tier.put_many(objects, want_evicted=False)
-            if hosted:
-                with self._lock:
-                    self._added += [o.name for o in objects]
-                    self._dropped += [o.name for o in evicted]
+        objects = [self.expect.encode(kind, c.key, c.index, parts) for kind, c, parts in jobs]
+        evicted = self.tiers.write_through(objects)
+        names = [o.name for o in objects]
+        hosted = [n for n, t in zip(self.tiers.names, self.tiers.tiers, strict=True) if t.kind == "host"]
         with self._lock:
-            self._saved += [o.name for o in objects]
+            for tier in hosted:  # the host tier's evictions come back as names alone
+                self._added += names
+                self._dropped += evicted.get(tier, [])
+            self._saved += names
         self.saved += len(objects)
 
     def flush(self) -> None:

@@ -1,0 +1,156 @@
+"""One path for checked objects: what an object must be, and fetching it so.
+
+Both prefix caches above the tiers — kvarena's own :class:`PrefixCache` and the
+vLLM connector's worker — keep the same objects (a KV block, a state image)
+under the same keys, and load them the same way, here:
+
+- :func:`object_span` is the one span rule: KV block ``i`` covers tokens
+  ``[i·bs, (i+1)·bs)``; the state at boundary ``b`` covers ``[0, b·bs)``.
+- :class:`Expectations` says what an object must be to be used (kind, key,
+  namespace, span, payload length) for one namespace and layout; the saver
+  encodes from the same record.
+- :func:`fetch_checked` fetches objects down a stack: each from the first tier
+  that holds a good one, checked in full before a byte is used; one that
+  fails its checks is deleted from that tier (nobody trips on it again) and
+  looked for in the tiers below. It returns what it did — payloads, the
+  names no tier could serve, the rejections by reason — for the caller to
+  count, log or report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .host import HostTier
+from .image import Expected, ImageKind, ImageMismatch, TierObject, decode, encode
+from .stack import TierStack
+
+
+def object_span(kind: ImageKind, index: int, block_size: int) -> tuple[int, int]:
+    """The token span of an object: KV block ``index``, or the state at boundary
+    ``index`` (in blocks)."""
+    if kind is ImageKind.KV_BLOCK:
+        return index * block_size, (index + 1) * block_size
+    return 0, index * block_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class Expectations:
+    """What a KV block's or a state image's object must be in one namespace and
+    layout (``elided``: a meta-device cache, whose objects carry headers only)."""
+
+    namespace: bytes
+    block_size: int
+    kv_bytes: int
+    state_bytes: int
+    elided: bool = False
+
+    def of(self, kind: ImageKind, key: bytes, index: int) -> Expected:
+        """Object ``kind`` under ``key``: KV block ``index`` or the state at
+        boundary ``index``."""
+        start, end = object_span(kind, index, self.block_size)
+        return Expected(
+            kind=kind,
+            key=key,
+            namespace=self.namespace,
+            start=start,
+            end=end,
+            payload_bytes=self.kv_bytes if kind is ImageKind.KV_BLOCK else self.state_bytes,
+            elided=self.elided,
+        )
+
+    def kv(self, key: bytes, index: int) -> Expected:
+        return self.of(ImageKind.KV_BLOCK, key, index)
+
+    def state(self, key: bytes, boundary: int) -> Expected:
+        return self.of(ImageKind.STATE, key, boundary)
+
+    def encode(
+        self, kind: ImageKind, key: bytes, index: int, payload: Sequence[memoryview] | None
+    ) -> TierObject:
+        """The object a load of :meth:`of` would take (unsealed: a tier outside
+        this process's memory seals it on put, :meth:`Tier.stored`)."""
+        e = self.of(kind, key, index)
+        return encode(
+            kind=kind,
+            namespace=e.namespace,
+            key=key,
+            start=e.start,
+            end=e.end,
+            payload=None if self.elided else payload,
+            payload_bytes=e.payload_bytes,
+            seal=False,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rejected:
+    """An object a tier held that failed its checks (deleted from that tier)."""
+
+    tier: str
+    name: str
+    reason: str  # ImageMismatch.reason
+    detail: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fetched:
+    """What :func:`fetch_checked` did: ``payloads[i]`` is object ``i``'s checked
+    payload (None: no tier served it); ``failed`` names those; ``rejected`` the
+    objects deleted for failing their checks; ``dropped_hosted`` those of them
+    deleted from a host tier (a catalogue of its names must forget them)."""
+
+    payloads: list[memoryview | None]
+    failed: list[str] = field(default_factory=list)
+    rejected: list[Rejected] = field(default_factory=list)
+
+    @property
+    def dropped_hosted(self) -> list[str]:
+        return [r.name for r in self.rejected if r.tier.startswith("host")]
+
+
+def fetch_checked(
+    stack: TierStack,
+    wanted: Sequence[tuple[str, Expected]],
+    *,
+    first: Sequence[int] | None = None,
+    held: contextlib.ExitStack | None = None,
+) -> Fetched:
+    """Each ``(name, expectation)`` from the first tier at or below ``first[i]``
+    (default: the top) that holds a good one.
+
+    With ``held``, a host tier lends its objects in place (``HostTier.borrow``,
+    kept open by ``held`` until the caller has copied them out): one copy,
+    host to device; without it every payload is a tier's own copy."""
+    start = list(first) if first is not None else [0] * len(wanted)
+    out: list[memoryview | None] = [None] * len(wanted)
+    rejected: list[Rejected] = []
+    left = list(range(len(wanted)))
+    for t, tier in enumerate(stack.tiers):
+        asking = [j for j in left if start[j] <= t]
+        if not asking:
+            continue
+        names = [wanted[j][0] for j in asking]
+        if held is not None and isinstance(tier, HostTier):
+            got: Sequence[object] = held.enter_context(tier.borrow(names))
+        else:
+            got = stack.fetch(t, names)
+        served, bad = set(), []
+        for j, data in zip(asking, got, strict=True):
+            if data is None:
+                continue
+            name, exp = wanted[j]
+            try:
+                out[j] = decode(data, exp, trusted=tier.trusted)  # type: ignore[arg-type]
+                served.add(j)
+            except ImageMismatch as exc:
+                rejected.append(
+                    Rejected(tier=stack.names[t], name=name, reason=exc.reason, detail=str(exc))
+                )
+                bad.append(name)
+        if bad:
+            stack.drop(t, bad)
+        left = [j for j in left if j not in served]
+    return Fetched(payloads=out, failed=[wanted[j][0] for j in left], rejected=rejected)

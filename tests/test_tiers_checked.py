@@ -1,0 +1,98 @@
+"""One path for checked objects (kvarena.tiers.checked) and the stack's write
+paths: the span rule, fetch-check-drop-try-the-next-tier, and the seal rule."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+from kvarena.tiers import DiskTier, HostTier, TierStack
+from kvarena.tiers.checked import Expectations, fetch_checked, object_span
+from kvarena.tiers.image import ImageKind, TierObject, object_name, read_header
+
+BS = 16
+EXPECT = Expectations(namespace=b'{"m":"x"}', block_size=BS, kv_bytes=64, state_bytes=96)
+OTHER = Expectations(namespace=b'{"m":"y"}', block_size=BS, kv_bytes=64, state_bytes=96)
+
+
+def _key(i: int) -> bytes:
+    return bytes([i]) * 16
+
+
+def _kv(i: int, fill: int, expect: Expectations = EXPECT) -> TierObject:
+    return expect.encode(ImageKind.KV_BLOCK, _key(i), i, [memoryview(bytes([fill]) * 64)])
+
+
+def _bytes(obj: TierObject) -> bytes:
+    return b"".join(bytes(p) for p in obj.parts)
+
+
+@pytest.fixture
+def stack(tmp_path):
+    s = TierStack([HostTier(1 << 20, unit_bytes=4096), DiskTier(tmp_path / "d", 1 << 20)])
+    yield s
+    s.close()
+
+
+def test_the_span_rule():
+    assert object_span(ImageKind.KV_BLOCK, 3, BS) == (48, 64)
+    assert object_span(ImageKind.STATE, 3, BS) == (0, 48)
+    kv, state = EXPECT.kv(_key(1), 3), EXPECT.state(_key(1), 3)
+    assert (kv.start, kv.end, kv.payload_bytes) == (48, 64, 64)
+    assert (state.start, state.end, state.payload_bytes) == (0, 48, 96)
+    header = read_header(_bytes(EXPECT.encode(ImageKind.STATE, _key(1), 3, [memoryview(b"s" * 96)])))
+    assert (header.start, header.end) == (0, 48)  # the saver encodes what a load expects
+
+
+def test_write_through_puts_everything_everywhere_sealing_only_below_host(stack):
+    objects = [_kv(i, i) for i in range(3)]
+    assert stack.write_through(objects) == {"host": [], "disk": []}
+    host, disk = stack.tiers
+    assert host.contains_many([o.name for o in objects]) == [True] * 3
+    assert disk.contains_many([o.name for o in objects]) == [True] * 3
+    assert not read_header(bytes(host.get_many([objects[0].name])[0])).sealed
+    assert read_header(bytes(disk.get_many([objects[0].name])[0])).sealed
+    assert host.stored(objects) == objects  # trusted: as handed
+    assert all(read_header(_bytes(o)).sealed for o in disk.stored(objects))
+
+
+def test_a_failing_object_is_dropped_and_taken_from_the_tier_below(stack):
+    host, disk = stack.tiers
+    good, foreign = _kv(1, 7), _kv(1, 9, OTHER)
+    disk.put_many(disk.stored([good]))
+    host.put_many([foreign])  # same name, another namespace: fails its checks
+    wanted = [(good.name, EXPECT.kv(_key(1), 1)), (object_name(ImageKind.KV_BLOCK, _key(2)), EXPECT.kv(_key(2), 2))]
+    for held in (None, contextlib.ExitStack()):
+        with held or contextlib.nullcontext():
+            got = fetch_checked(stack, wanted, held=held)
+            assert bytes(got.payloads[0]) == bytes([7]) * 64 and got.payloads[1] is None
+        assert got.failed == [wanted[1][0]]
+        if held is not None:  # the host's copy was dropped by the first fetch
+            assert got.rejected == []
+            continue
+        assert [(r.tier, r.name, r.reason) for r in got.rejected] == [("host", good.name, "namespace")]
+        assert got.dropped_hosted == [good.name]
+        assert host.contains_many([good.name]) == [False]
+
+
+def test_first_skips_the_tiers_above_where_an_object_was_found(stack):
+    host, disk = stack.tiers
+    good, foreign = _kv(3, 5), _kv(3, 6, OTHER)
+    disk.put_many(disk.stored([good]))
+    host.put_many([foreign])
+    got = fetch_checked(stack, [(good.name, EXPECT.kv(_key(3), 3))], first=[1])
+    assert bytes(got.payloads[0]) == bytes([5]) * 64 and not got.rejected
+    assert host.contains_many([good.name]) == [True]  # never asked, never dropped
+
+
+def test_a_corrupt_object_below_everything_is_a_failure(stack):
+    _, disk = stack.tiers
+    obj = disk.stored([_kv(4, 1)])[0]
+    raw = bytearray(_bytes(obj))
+    raw[-1] ^= 0xFF  # a flipped payload byte: the checksum no longer matches
+    disk.put_many([TierObject(obj.name, (bytes(raw),), len(raw))])
+    got = fetch_checked(stack, [(obj.name, EXPECT.kv(_key(4), 4))])
+    assert got.payloads == [None] and got.failed == [obj.name]
+    assert [(r.tier, r.reason) for r in got.rejected] == [("disk", "checksum")]
+    assert disk.contains_many([obj.name]) == [False]
