@@ -12,69 +12,14 @@ every layout; what it scatters lands there and nowhere else.
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 pytest.importorskip("vllm")
-
-from vllm.config import VllmConfig
-from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MambaSpec
-from vllm.v1.kv_cache_layout import KVCacheLayout
-from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvarena.integrations.vllm.connector import KvarenaConnector
 from kvarena.integrations.vllm.groups import classify
 from kvarena.integrations.vllm.settings import ConnectorConfigError
 from kvarena.integrations.vllm.tensors import layer_blocks
-
-BLOCKS = 12
-ATTN = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
-
-
-def mamba(padded: bool) -> MambaSpec:
-    return MambaSpec(
-        block_size=16,
-        shapes=((3, 64), (2, 16, 16)),
-        dtypes=(torch.bfloat16, torch.float32),
-        mamba_cache_mode="align",
-        page_size_padded=ATTN.page_size_bytes if padded else None,
-    )
-
-
-def allocation(layout: str, *, padded: bool = True, attn_layers: int = 3):
-    """vLLM's config and per-layer tensors for one attention and two Mamba groups."""
-    cfg = VllmConfig()
-    cfg.cache_config.kv_cache_layout = layout
-    attn = [f"model.layers.{i}.attn" for i in range(attn_layers)]
-    groups = [
-        KVCacheGroupSpec(attn, ATTN),
-        KVCacheGroupSpec(
-            [f"model.layers.{i}.ssm" for i in range(10, 10 + attn_layers)], mamba(padded)
-        ),
-        KVCacheGroupSpec(
-            [f"model.layers.{i}.ssm" for i in range(20, 20 + attn_layers)], mamba(padded)
-        ),
-    ]
-    per_block = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups)
-    kc = get_kv_cache_config_from_groups(cfg, groups, per_block * BLOCKS)
-    caches = allocate_kv_cache(kc, torch.device("cpu"), KVCacheLayout[layout])
-    return kc, caches
-
-
-def page(tensor: torch.Tensor, block: int) -> bytes:
-    """One layer's page of ``block`` as vLLM's own view reads it."""
-    return tensor[block].contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
-
-
-def fill(caches: dict[str, torch.Tensor], seed: int) -> None:
-    """Each layer's page of each block its own bytes, written through vLLM's views
-    (the logical content, the same in every layout)."""
-    g = torch.Generator().manual_seed(seed)
-    for name in sorted(caches):
-        t = caches[name]
-        raw = torch.randint(0, 256, (t.shape[0], t[0].numel() * t.element_size()), generator=g)
-        t.copy_(raw.to(torch.uint8).view(t.dtype).view(t.shape))
-
+from kvarena.testing.vllm_tensors import ATTN, BLOCKS, allocation, fill, page
 
 # Block ids owned by one group each, as vLLM's block pool hands them out (block-major
 # groups alias the same bytes from byte 0, so a block belongs to one group at a time).

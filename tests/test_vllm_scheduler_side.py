@@ -1,0 +1,176 @@
+"""The connector's scheduler half over vLLM's own request and scheduler-output
+objects, without an engine: what a lookup answers, what a step loads and saves.
+
+Runs in the ``.venv-vllm`` environment; skipped where vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch
+from vllm import SamplingParams
+from vllm.v1.core.sched.output import (
+    CachedRequestData,
+    KVConnectorBlockState,
+    NewRequestData,
+    SchedulerOutput,
+)
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+)
+from vllm.v1.request import Request
+
+from kvarena.integrations.vllm.catalogue import Catalogue
+from kvarena.integrations.vllm.groups import classify
+from kvarena.integrations.vllm.records import WorkerReport
+from kvarena.integrations.vllm.scheduler_side import SchedulerSide
+from kvarena.integrations.vllm.settings import ConnectorSettings
+from kvarena.prefix.keys import block_keys, key_root
+from kvarena.tiers.image import ImageKind, object_name
+
+BS = 16
+NS = b'{"model":"tiny"}'
+
+
+def _groups(*kinds: str):
+    specs = {
+        "kv": FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.float32),
+        "state": MambaSpec(
+            block_size=BS,
+            shapes=((3, 32), (2, 8, 8)),
+            dtypes=(torch.float32, torch.float32),
+            mamba_cache_mode="align",
+        ),
+    }
+    return classify(
+        KVCacheConfig(
+            num_blocks=64,
+            kv_cache_tensors=[],
+            kv_cache_groups=[
+                KVCacheGroupSpec(layer_names=[f"layer.{i}"], kv_cache_spec=specs[k])
+                for i, k in enumerate(kinds)
+            ],
+        )
+    )
+
+
+def _side(*kinds: str) -> SchedulerSide:
+    settings = ConnectorSettings.parse({"tiers": ["host:1GiB"]})
+    return SchedulerSide(
+        groups=_groups(*kinds), namespace=NS, catalogue=Catalogue(settings), block_size=BS
+    )
+
+
+def _request(rid: str, n: int, seed: int = 0) -> Request:
+    tokens = [(seed * 7919 + i * 31) % 1000 + 1 for i in range(n)]
+    return Request(rid, tokens, SamplingParams(max_tokens=4), None)
+
+
+def _blocks(rid: str, groups: int, n: int = 16) -> tuple[list[int], ...]:
+    """Distinct, non-null block ids for each group of a request."""
+    base = 1 + 100 * int(rid[-1])
+    return tuple([base + 40 * g + i for i in range(n)] for g in range(groups))
+
+
+def _step(
+    requests: list[Request],
+    counts: dict[str, int],
+    started: dict[str, int],
+    groups: int,
+    offers: dict[str, list[tuple[int, int, int]]] | None = None,
+) -> SchedulerOutput:
+    """One step's output: ``counts`` tokens scheduled per request from ``started``
+    (the first step of a request lists it as new, later ones as cached)."""
+    out = SchedulerOutput.make_empty()
+    cached = CachedRequestData.make_empty()
+    for r in requests:
+        if started[r.request_id] == 0:
+            out.scheduled_new_reqs.append(
+                NewRequestData.from_request(r, _blocks(r.request_id, groups))
+            )
+        else:
+            cached.req_ids.append(r.request_id)
+            cached.num_computed_tokens.append(started[r.request_id])
+    out.scheduled_cached_reqs = cached
+    out.num_scheduled_tokens = dict(counts)
+    out.total_num_scheduled_tokens = sum(counts.values())
+    out.kv_connector_block_state = KVConnectorBlockState(
+        req_ids={r.request_id for r in requests},
+        resolve_block_ids=lambda rid: _blocks(rid, groups),
+        boundary_state_offloads=offers or {},
+    )
+    return out
+
+
+def test_each_filled_kv_block_is_saved_once_in_the_step_that_fills_it():
+    side = _side("kv")
+    r = _request("r1", 100)
+    side.allocated(r, _blocks("r1", 1), 0)
+    saved = []
+    done = 0
+    for chunk in (40, 40, 20):
+        plan = side.plan(_step([r], {"r1": chunk}, {"r1": done}, 1))
+        saved.append([c.index for c in plan.kv_saves])
+        keys = block_keys(key_root(NS), torch.tensor(r.all_token_ids).numpy(), BS)
+        for c in plan.kv_saves:
+            assert c.key == keys[c.index] and c.blocks == (_blocks("r1", 1)[0][c.index],)
+        done += chunk
+    assert saved == [[0, 1], [2, 3, 4], [5]]  # 100 tokens: six full blocks, each once
+    # a step that fills nothing new saves nothing again
+    again = side.plan(_step([r], {"r1": 1}, {"r1": 100}, 1))
+    assert again.kv_saves == []
+
+
+def test_every_offered_state_at_a_block_boundary_is_saved():
+    side = _side("kv", "state")
+    r = _request("r2", 70)
+    side.allocated(r, _blocks("r2", 2), 0)
+    offers = {"r2": [(1, 9, 32), (1, 11, 64), (1, 5, 40), (0, 3, 48)]}
+    plan = side.plan(_step([r], {"r2": 70}, {"r2": 0}, 2, offers))
+    keys = block_keys(key_root(NS), torch.tensor(r.all_token_ids).numpy(), BS)
+    # at 32 and 64 tokens (2 and 4 blocks), in the state group's blocks; not at 40
+    # tokens (not a boundary) nor from the attention group
+    assert [(c.index, c.blocks, c.key) for c in plan.state_saves] == [
+        (2, (9,), keys[1]),
+        (4, (11,), keys[3]),
+    ]
+    assert [c.index for c in plan.kv_saves] == [0, 1, 2, 3]
+
+
+def test_a_lookup_loads_what_the_tiers_hold_and_a_failed_object_is_missed_until_saved():
+    side = _side("kv")
+    first = _request("r3", 80)
+    keys = block_keys(key_root(NS), torch.tensor(first.all_token_ids).numpy(), BS)
+    names = [object_name(ImageKind.KV_BLOCK, k) for k in keys]
+    side.catalogue.hosted(names[:3], [])  # a worker's report: three blocks in its host tier
+    assert side.matched(first, 0) == (48, True)  # resumes after three blocks
+    side.allocated(first, _blocks("r3", 1), 48)
+    plan = side.plan(_step([first], {"r3": 32}, {"r3": 48}, 1))
+    (load,) = plan.loads
+    assert [(c.index, c.key, c.blocks) for c in load.kv] == [
+        (i, keys[i], (_blocks("r3", 1)[0][i],)) for i in range(3)
+    ]
+    assert load.block_ids == set(_blocks("r3", 1)[0][:3])
+    # the load of block 1 failed on the worker: no lookup uses it until it is saved again
+    side.reported(WorkerReport(failed=[names[1]]))
+    assert side.matched(_request("r4", 80, seed=1), 0) == (0, False)  # another prompt
+    same = Request("r5", list(first.prompt_token_ids), SamplingParams(max_tokens=4), None)
+    assert side.matched(same, 0) == (16, True)  # block 0 only: block 1 counts as absent
+    side.reported(WorkerReport(saved=[names[1]]))
+    assert side.matched(same, 0) == (48, True)
+
+
+def test_nothing_is_planned_for_a_request_vllm_holds_whole():
+    side = _side("kv")
+    r = _request("r6", 40)
+    side.catalogue.hosted(
+        [object_name(ImageKind.KV_BLOCK, k) for k in block_keys(key_root(NS), torch.tensor(r.all_token_ids).numpy(), BS)],
+        [],
+    )
+    assert side.matched(r, 32) == (0, False)  # vLLM's own cache already reaches the limit

@@ -1,0 +1,116 @@
+"""The connector's worker half over vLLM's own CPU cache tensors, without an
+engine: a save lands in every tier, a load copies checked bytes into exactly
+the blocks named, and a load no tier can serve is reported as failed, by its
+request and its blocks, with nothing copied.
+
+Runs in the ``.venv-vllm`` environment; skipped where vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvarena.integrations.vllm.groups import classify
+from kvarena.integrations.vllm.records import BlockCopy, Load, StepPlan
+from kvarena.integrations.vllm.worker_side import WorkerSide
+from kvarena.testing.vllm_tensors import BLOCK_SIZE, allocation, fill, page
+from kvarena.tiers import DiskTier, HostTier, TierStack
+from kvarena.tiers.image import ImageKind, object_name
+
+NS = b'{"model":"tiny","rank":0}'
+K = [bytes([i]) * 16 for i in range(1, 5)]
+
+
+@pytest.fixture
+def worker(tmp_path):
+    kc, caches = allocation("LBHNC", states=1)
+    groups = classify(kc)
+    tiers = TierStack([HostTier(8 << 20, unit_bytes=64 << 10), DiskTier(tmp_path / "d", 64 << 20)])
+    w = WorkerSide(
+        groups=groups, namespace=NS, tiers=tiers, block_size=BLOCK_SIZE, save_backlog=1 << 30
+    )
+    w.register(caches, kc.num_blocks)
+    yield w, caches, groups, kc.num_blocks
+    w.close()
+
+
+def _pages(caches, groups, kind, block):
+    names = [n for g in groups if g.kind == kind for n in g.layers]
+    return [page(caches[n], block) for n in names]
+
+
+def test_saved_objects_load_back_into_the_blocks_named(worker):
+    w, caches, groups, blocks = worker
+    fill(caches, seed=3)
+    want_kv, want_state = _pages(caches, groups, "kv", 2), _pages(caches, groups, "state", 5)
+    w.save(
+        StepPlan(
+            kv_saves=[BlockCopy(index=0, key=K[0], blocks=(2,))],
+            state_saves=[BlockCopy(index=1, key=K[0], blocks=(5,))],
+        )
+    )
+    w.flush()
+    report = w.report()
+    names = [object_name(ImageKind.KV_BLOCK, K[0]), object_name(ImageKind.STATE, K[0])]
+    assert report is not None and report.saved == names and report.host_added == names
+    for tier in w.tiers.tiers:  # written through: every tier holds both
+        assert tier.contains_many(names) == [True, True]
+    fill(caches, seed=4)  # other bytes everywhere
+    before = {b: _pages(caches, groups, "kv", b) for b in range(blocks)}
+    w.load(
+        StepPlan(
+            loads=[
+                Load(
+                    request="a",
+                    kv=(BlockCopy(index=0, key=K[0], blocks=(7,)),),
+                    state=BlockCopy(index=1, key=K[0], blocks=(9,)),
+                )
+            ]
+        )
+    )
+    assert w.received() == ({"a"}, set()) and w.load_errors() == set()
+    assert _pages(caches, groups, "kv", 7) == want_kv
+    assert _pages(caches, groups, "state", 9) == want_state
+    for b in range(blocks):  # no other block of the attention group was touched
+        if b not in (7, 9):
+            assert _pages(caches, groups, "kv", b) == before[b], b
+
+
+def test_a_load_no_tier_can_serve_is_a_failure_and_copies_nothing(worker):
+    w, caches, groups, blocks = worker
+    fill(caches, seed=5)
+    w.save(StepPlan(kv_saves=[BlockCopy(index=0, key=K[1], blocks=(1,))]))
+    w.flush()
+    w.report()
+    host, disk = w.tiers.tiers
+    # the host's copy is another namespace's; the disk's is gone: nothing serves it
+    name = object_name(ImageKind.KV_BLOCK, K[1])
+    disk.delete_many([name])
+    host.delete_many([name])  # (a host tier keeps the first object of a name)
+    foreign = WorkerSide(
+        groups=groups, namespace=b'{"other":1}', tiers=TierStack([host]),
+        block_size=BLOCK_SIZE, save_backlog=1 << 30,
+    )
+    foreign.register(caches, blocks)
+    foreign.save(StepPlan(kv_saves=[BlockCopy(index=0, key=K[1], blocks=(1,))]))
+    foreign.flush()
+    before = [_pages(caches, groups, "kv", b) for b in (3, 4)]
+    load = Load(
+        request="b",
+        kv=(
+            BlockCopy(index=0, key=K[1], blocks=(3,)),
+            BlockCopy(index=1, key=K[2], blocks=(4,)),  # never saved anywhere
+        ),
+        state=None,
+    )
+    w.load(StepPlan(loads=[load]))
+    assert w.received() == ({"b"}, {"b"})  # finished, and failed: vLLM recomputes
+    assert w.load_errors() == {3, 4} and w.load_failures == 1
+    assert [_pages(caches, groups, "kv", b) for b in (3, 4)] == before
+    report = w.report()
+    assert report is not None
+    assert sorted(report.failed) == sorted([name, object_name(ImageKind.KV_BLOCK, K[2])])
+    assert report.host_dropped == [name]  # the foreign object is gone from the host tier
+    assert host.contains_many([name]) == [False]
