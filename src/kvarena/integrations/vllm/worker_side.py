@@ -9,8 +9,8 @@ a load no tier can serve is reported by its block ids so vLLM recomputes them
 
 Saves take the step's bytes after its forward (one gather per run of layers:
 per layer in vLLM's layer-major layouts, per group in its block-major ones), then
-hand checksumming and the tier writes to one background thread: the forward
-never waits for a disk or a network. Every save is written through to every
+hand checksumming and the tier writes to one background thread: a save never
+waits for a disk or a network (a load does: it runs before the forward). Every save is written through to every
 tier, so a restarted engine finds it on disk and another engine in the store.
 What waits for that thread is bounded (``save_backlog`` bytes): a step's saves
 that would go past the bound are skipped before anything is gathered, so a
