@@ -112,3 +112,13 @@ def redis_server(tmp_path):
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def vllm_in_process():
+    """vLLM engines built in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so
+    a test can ask the connector what it did; set for the module that asks for
+    it and restored after, never at import time."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        yield

@@ -8,10 +8,6 @@ from kvarena.layout import ALIGNMENT, align_up, carve, plan_regions
 sizes_st = st.lists(st.integers(0, 5000), max_size=8)
 
 
-def test_alignment_constant():
-    assert ALIGNMENT == 256
-
-
 @pytest.mark.parametrize(
     ("n", "to", "want"), [(0, 256, 0), (1, 256, 256), (256, 256, 256), (257, 256, 512), (5, 4, 8)]
 )

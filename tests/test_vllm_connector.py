@@ -17,16 +17,16 @@ connector can be asked what it loaded. Runs in the ``.venv-vllm`` environment
 from __future__ import annotations
 
 import gc
-import os
 import random
 from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 vllm = pytest.importorskip("vllm")
 
 from kvarena.testing.vllm_models import engine_args, save_tiny  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("vllm_in_process")
 
 PROMPT_BLOCKS = (2, 4, 5)  # shared prefixes, in blocks of the model's attention block
 

@@ -7,15 +7,15 @@ configuration alone, its tokens equal vLLM alone's, and it never reports a hit
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 vllm = pytest.importorskip("vllm")
 
 from kvarena.testing.vllm_models import engine_args, save_tiny  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("vllm_in_process")
 
 
 def run(llm, prompts):

@@ -6,14 +6,11 @@ Runs in the ``.venv-vllm`` environment; skipped where vLLM is not installed."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 pytest.importorskip("vllm")
 
 from vllm.v1.kv_cache_interface import (
@@ -39,6 +36,8 @@ from kvarena.integrations.vllm.tensors import (
 )
 from kvarena.tiers import HostTier, TierSpec
 from kvarena.tiers.image import HEAD_BYTES
+
+pytestmark = pytest.mark.usefixtures("vllm_in_process")
 
 
 @pytest.mark.parametrize(
