@@ -32,7 +32,6 @@ from ..locking import synchronized
 from ..pools import BlockAllocationError, BoundaryMove, CachePlan, StateAllocationError
 from ..pools.unified import UnifiedCache
 from ..tiers import Tier, TierStack
-from ..tiers.checked import Expectations
 from ..tiers.image import ImageKind, object_name
 from . import records
 from .keys import as_tokens, block_keys
@@ -40,11 +39,10 @@ from .lookup import TierFinds, locate_in_tiers, resume_boundary
 from .placement import Placement
 from .policy import CheckpointPolicy
 from .records import Admission, Image, ImageState, PrefixHit, PrefixMetrics, image_key
-from .tier_side import TierSide
-from .tiering import WriteDown
+from .tier_side import TierLoads
 
 
-class PrefixCache(TierSide):
+class PrefixCache:
     """A prefix cache over one :class:`UnifiedCache`, built from a plan (the one road)."""
 
     def __init__(
@@ -82,22 +80,11 @@ class PrefixCache(TierSide):
         )
         self.metrics = PrefixMetrics()
         self.enabled = reuse  # False: every lookup misses (prefix caching off, for comparisons)
-        self._expect = Expectations(
+        self._loads = TierLoads.build(
+            cache=self.cache, tiers=self.tiers, spec=self.spec, metrics=self.metrics,
             namespace=self.namespace.to_json(),
-            block_size=plan.block_size,
-            kv_bytes=self.cache.block_bytes,
-            state_bytes=self.spec.image_bytes if self.spec else 0,
-            elided=self.cache.device.type == "meta",  # no bytes: tier images are headers
         )
-        self._write_down = WriteDown(
-            buf=self.cache.buf,
-            block_stride=self.cache.block_stride,
-            spec=self.spec,
-            expect=self._expect,
-            tiers=self.tiers,
-            metrics=self.metrics,
-            track=self.spec is not None,
-        )
+        self._write_down = self._loads.write_down
         self.pool.set_write_down(self._write_down)
         units = self.spec.units_per_image if self.spec is not None else 1
         self.placement = Placement(self.policy, plan.block_size, self.pool.capacity, units)
@@ -248,7 +235,10 @@ class PrefixCache(TierSide):
         self._check_room(hit, total)
         payloads: dict[str, memoryview] = {}
         if any(s != "device" for s in hit.sources) or hit.image_source not in (None, "device"):
-            hit, payloads = self._load(tok, keys, hit)
+            skip: set[str] = set()
+            while failed := self._loads.fetch(keys, hit, payloads):
+                skip |= failed  # answered again without what no tier served
+                hit = self._answer(tok, keys, frozenset(skip))
             self._check_room(hit, total)
         self.metrics.lookups += 1  # a refused admission leaves every book, counts included
         h = hit.tokens // self.block_size
@@ -259,23 +249,14 @@ class PrefixCache(TierSide):
             pool.retain(b)
         new = pool.allocate(total - len(device_blocks))
         slots = self.cache.allocate_slots(request) if self.has_state else ()
-        holding = self.cache.hold(request, self._take_hit_blocks(keys, hit, new, payloads))
+        holding = self.cache.hold(request, self._loads.take_hit_blocks(keys, hit, new, payloads))
         if hit.image is not None and self.spec is not None:
             self.cache.restore(self.spec, [slots[0]], [units])
             for u in units:
                 pool.release(u)  # restored: the image ages in the LRU again
         elif hit.image_source is not None and self.spec is not None:  # from a tier
-            self._restore_payload(payloads[object_name(ImageKind.STATE, keys[h - 1])], slots[0])
-            src = hit.image_source
-            self.metrics.tier_images_read[src] = self.metrics.tier_images_read.get(src, 0) + 1
-        if hit.image_source is not None and self.spec is not None:
-            self.metrics.images_read += 1
-            self.metrics.image_bytes_read += self.spec.image_bytes
-        self.metrics.requests += 1
-        self.metrics.hits += bool(h)
-        self.metrics.hit_tokens += hit.tokens
-        self.metrics.lost_tokens += hit.lost_tokens
-        self.metrics.computed_tokens += tok.size - hit.tokens
+            self._loads.restore_payload(payloads[object_name(ImageKind.STATE, keys[h - 1])], slots[0])
+        self.metrics.admitted(hit, tok.size, self.spec.image_bytes if self.spec else None)
         adm = Admission(
             request=request,
             tokens=tok,
@@ -387,6 +368,14 @@ class PrefixCache(TierSide):
         move = self.cache.rebalance(waiting_requests=waiting_requests, blocks_needed=blocks_needed)
         self._settle()
         return move
+
+    @synchronized
+    def drain(self, batch: int = 256) -> int:
+        """Write every cached block and READY image back to the tiers without
+        evicting anything (a server shutting down, so the next one starts warm);
+        the number of objects written."""
+        self.poll()
+        return self._loads.drain(set(self._copying), batch)
 
     @synchronized
     def check_books(self) -> None:

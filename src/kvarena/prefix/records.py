@@ -86,6 +86,21 @@ class PrefixMetrics:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def admitted(self, hit: PrefixHit, tokens: int, image_bytes: int | None) -> None:
+        """Count an admission of ``tokens`` that took ``hit`` (``image_bytes``: a
+        state image's size, None where the cache keeps no images)."""
+        src = hit.image_source
+        if src is not None and image_bytes is not None:
+            if src != "device":
+                self.tier_images_read[src] = self.tier_images_read.get(src, 0) + 1
+            self.images_read += 1
+            self.image_bytes_read += image_bytes
+        self.requests += 1
+        self.hits += bool(hit.tokens)
+        self.hit_tokens += hit.tokens
+        self.lost_tokens += hit.lost_tokens
+        self.computed_tokens += tokens - hit.tokens
+
 
 @dataclass(kw_only=True)
 class Admission:

@@ -1,81 +1,106 @@
 """The prefix cache's side toward the tiers: loading a hit's objects, draining.
 
-A mixin of :class:`~kvarena.prefix.cache.PrefixCache`: everything that moves
-bytes between the device cache and the tier stack on the way in (fetch,
-check, copy into new blocks and the new slot) and, at a shutdown, out.
+:class:`TierLoads` is an object the prefix cache holds, given what it reads
+and writes at construction: it moves bytes between the device cache and the
+tier stack on the way in (fetch, check, copy into new blocks and the new
+slot) and, at a shutdown, out. It never calls back into the prefix cache: a
+fetch returns the names that failed, and the cache answers its lookup again
+without them.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-
-import numpy as np
+from collections.abc import Set
 
 from ..checkpoint import CheckpointSpec
 from ..checks import check_count
-from ..locking import synchronized
-from ..pools import BlockAllocator
 from ..pools.unified import UnifiedCache
 from ..tiers import TierStack
 from ..tiers.checked import Expectations, fetch_checked
 from ..tiers.image import Expected, ImageKind, TierObject, object_name
-from .records import Image, PrefixHit, PrefixMetrics
+from .records import PrefixHit, PrefixMetrics
 from .tiering import WriteDown, host_bytes
 
 
-class TierSide:
-    """Loads and drains for a prefix cache (a mixin; the attributes are its)."""
+class TierLoads:
+    """Loads and drains for one prefix cache (called under its lock)."""
 
-    cache: UnifiedCache
-    pool: BlockAllocator
-    tiers: TierStack
-    spec: CheckpointSpec | None
-    block_size: int
-    metrics: PrefixMetrics
-    _expect: Expectations
-    _write_down: WriteDown
-    _copying: dict[bytes, Image]
-    _lock: threading.RLock
+    def __init__(
+        self,
+        *,
+        cache: UnifiedCache,
+        tiers: TierStack,
+        spec: CheckpointSpec | None,
+        metrics: PrefixMetrics,
+        expect: Expectations,
+        write_down: WriteDown,
+    ) -> None:
+        self.cache, self.pool = cache, cache.blocks
+        self.tiers, self.spec, self.metrics = tiers, spec, metrics
+        self.expect, self.write_down = expect, write_down
+        self.block_size = expect.block_size
 
-    # The prefix cache's own: the lookup contract and the promotion of copied images.
-    _answer: Callable[..., PrefixHit]
-    poll: Callable[[], None]
+    @classmethod
+    def build(
+        cls,
+        *,
+        cache: UnifiedCache,
+        tiers: TierStack,
+        spec: CheckpointSpec | None,
+        metrics: PrefixMetrics,
+        namespace: bytes,
+    ) -> TierLoads:
+        """The loads of a prefix cache over ``cache``, with the expectations and
+        the write-down sink (for the pool) of its namespace."""
+        expect = Expectations(
+            namespace=namespace,
+            block_size=cache.plan.block_size,
+            kv_bytes=cache.block_bytes,
+            state_bytes=spec.image_bytes if spec else 0,
+            elided=cache.device.type == "meta",  # no bytes: tier images are headers
+        )
+        write_down = WriteDown(
+            buf=cache.buf,
+            block_stride=cache.block_stride,
+            spec=spec,
+            expect=expect,
+            tiers=tiers,
+            metrics=metrics,
+            track=spec is not None,
+        )
+        return cls(
+            cache=cache, tiers=tiers, spec=spec, metrics=metrics, expect=expect,
+            write_down=write_down,
+        )
 
-    def _load(
-        self, tok: np.ndarray, keys: list[bytes], hit: PrefixHit
-    ) -> tuple[PrefixHit, dict[str, memoryview]]:
-        """Fetch and check every tier object ``hit`` uses; an object that fails
-        is deleted and counted, and the answer recomputed without it."""
+    def fetch(self, keys: list[bytes], hit: PrefixHit, good: dict[str, memoryview]) -> set[str]:
+        """Fetch and check every tier object ``hit`` uses and ``good`` lacks, into
+        ``good``; an object that fails is deleted and counted. Returns the names
+        no tier served (the caller answers again without them)."""
         tier_of = {n: i for i, n in enumerate(self.tiers.names)}
-        good: dict[str, memoryview] = {}
-        skip: set[str] = set()
-        while True:
-            wanted: list[tuple[str, Expected]] = []
-            first: list[int] = []
-            for i, src in enumerate(hit.sources):
-                name = object_name(ImageKind.KV_BLOCK, keys[i])
-                if src != "device" and name not in good:
-                    wanted.append((name, self._expect.kv(keys[i], i)))
-                    first.append(tier_of[src])
-            if hit.image_source not in (None, "device"):
-                b = hit.tokens // self.block_size
-                name = object_name(ImageKind.STATE, keys[b - 1])
-                if name not in good:
-                    wanted.append((name, self._expect.state(keys[b - 1], b)))
-                    first.append(tier_of[hit.image_source])
-            got = fetch_checked(self.tiers, wanted, first=first)
-            for r in got.rejected:
-                self.metrics.tier_rejected[r.reason] = self.metrics.tier_rejected.get(r.reason, 0) + 1
-            for (name, _), payload in zip(wanted, got.payloads, strict=True):
-                if payload is not None:
-                    good[name] = payload
-            if not got.failed:
-                return hit, good
-            skip |= set(got.failed)
-            hit = self._answer(tok, keys, frozenset(skip))
+        wanted: list[tuple[str, Expected]] = []
+        first: list[int] = []
+        for i, src in enumerate(hit.sources):
+            name = object_name(ImageKind.KV_BLOCK, keys[i])
+            if src != "device" and name not in good:
+                wanted.append((name, self.expect.kv(keys[i], i)))
+                first.append(tier_of[src])
+        if hit.image_source not in (None, "device"):
+            b = hit.tokens // self.block_size
+            name = object_name(ImageKind.STATE, keys[b - 1])
+            if name not in good:
+                wanted.append((name, self.expect.state(keys[b - 1], b)))
+                first.append(tier_of[hit.image_source])  # type: ignore[index]
+        got = fetch_checked(self.tiers, wanted, first=first)
+        rejected = self.metrics.tier_rejected
+        for r in got.rejected:
+            rejected[r.reason] = rejected.get(r.reason, 0) + 1
+        for (name, _), payload in zip(wanted, got.payloads, strict=True):
+            if payload is not None:
+                good[name] = payload
+        return set(got.failed)
 
-    def _take_hit_blocks(
+    def take_hit_blocks(
         self, keys: list[bytes], hit: PrefixHit, new: list[int], payloads: dict[str, memoryview]
     ) -> list[int]:
         """The request's blocks: the device's hit blocks (retained), then tier
@@ -87,7 +112,7 @@ class TierSide:
                 out.append(b)
                 continue
             blk = next(fresh)
-            if not self._expect.elided:
+            if not self.expect.elided:
                 src = host_bytes(payloads[object_name(ImageKind.KV_BLOCK, keys[i])])
                 self.cache.block_bytes_of(blk).copy_(src)
             self.pool.cache(keys[i], [blk], tag=i)
@@ -99,9 +124,9 @@ class TierSide:
         out.extend(fresh)
         return out
 
-    def _restore_payload(self, payload: memoryview, slot: int) -> None:
+    def restore_payload(self, payload: memoryview, slot: int) -> None:
         """A state image's bytes (its checkpoint ranges, in order) into ``slot``."""
-        if self._expect.elided or self.spec is None:
+        if self.expect.elided or self.spec is None:
             return
         src = host_bytes(payload)
         raw = self.cache.slot_bytes_of(slot)
@@ -110,26 +135,25 @@ class TierSide:
             raw[o : o + n].copy_(src[pos : pos + n])
             pos += n
 
-    @synchronized
-    def drain(self, batch: int = 256) -> int:
-        """Write every cached block and READY image back to the tiers without
-        evicting anything (a server shutting down, so the next one starts warm);
-        the number of objects written."""
+    def drain(self, copying: Set[bytes], batch: int) -> int:
+        """Write every cached block and every image not in ``copying`` (bytes still
+        being written) back to the tiers without evicting anything; the number
+        of objects written."""
         batch = check_count(batch, "drain: batch", lo=1)
         if not self.tiers:
             return 0
-        self.poll()
         objects: list[TierObject] = []
         n = 0
         for key in self.pool.keys():
             blocks = self.pool.blocks_of(key) or ()
             tag = self.pool.tag_of(key)
             if isinstance(key, bytes):
-                objects.append(self._write_down.kv_object(key, blocks[0], tag))
-            elif isinstance(key, tuple) and self.spec is not None and key[1] not in self._copying:
-                objects.append(self._write_down.state_object(key[1], blocks, tag))
+                objects.append(self.write_down.kv_object(key, blocks[0], tag))
+            elif isinstance(key, tuple) and self.spec is not None and key[1] not in copying:
+                objects.append(self.write_down.state_object(key[1], blocks, tag))
             if len(objects) >= batch:
                 self.tiers.write_back(objects)
                 n, objects = n + len(objects), []
         self.tiers.write_back(objects)
         return n + len(objects)
+
