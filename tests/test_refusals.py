@@ -46,8 +46,8 @@ def snapshot(c: UnifiedCache):
         c.buf.clone(),
         (
             b.capacity,
-            sorted(b._free._set),
-            b._refs.tolist(),
+            sorted(b._region.free._set),
+            b._region.refs.tolist(),
             sorted((repr(k), b.blocks_of(k)) for k in b.keys()),
             list(b._lru),
         ),

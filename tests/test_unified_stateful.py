@@ -217,7 +217,7 @@ class UnifiedCacheMachine(RuleBasedStateMachine):
             assert blocks.is_evictable(v["id"]) == (v["refs"] == 0)
             assert blocks.is_cached(v["id"]) == v["cached"]
         # The kind array the allocator checks ids against agrees with its books.
-        kinds = blocks._kind
+        kinds = blocks._region.kind
         assert kinds.size == blocks.capacity
         assert sorted(np.flatnonzero(kinds == LIVE).tolist()) == blocks.live_blocks()
         assert sorted(np.flatnonzero(kinds == EVICTABLE).tolist()) == sorted(

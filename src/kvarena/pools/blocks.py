@@ -29,7 +29,6 @@ from ..checks import MAX_ENTRIES, check_count, check_ids, check_int, check_key
 from ..errors import Error, InvalidValueError
 from .block_region import EVICTABLE, FREE, LIVE, BlockRegion
 from .cached_keys import CachedKeys, Evicted
-from .free_ids import FreeIds
 
 
 class BlockAllocationError(Error, RuntimeError):
@@ -46,28 +45,49 @@ WriteDown = Callable[[Sequence[Evicted]], None]
 """The sink an allocator hands each batch of victims to, while their bytes are intact."""
 
 
-class BlockAllocator(BlockRegion):
+class BlockAllocator:
     """Blocks ``[0, capacity)``: O(log n) alloc/free, refcounts, LRU evictables.
 
     States of a block id: free, live (refcount > 0), or evictable (refcount 0,
     cached, in the LRU). ``free + live + evictable == capacity`` always.
 
-    Each block's kind and reference count live in two numpy arrays indexed by
-    block id (beside the LRU and the free heap, which keep the orders):
-    checking the tens of thousands of ids a checkpoint or a boundary move
-    names is one gather, and moving their references one assignment, not a
-    Python loop over dicts and sets.
+    The ids and their kinds and reference counts are a :class:`BlockRegion`
+    it holds; beside it, the LRU of evictable blocks and the one book of
+    cached keys.
     """
 
     def __init__(self, capacity: int) -> None:
-        self._capacity = check_count(capacity, "BlockAllocator: capacity", hi=MAX_ENTRIES)
-        self._free = FreeIds(range(self._capacity))
-        self._kind = np.zeros(self._capacity, dtype=np.int8)  # FREE / LIVE / EVICTABLE
-        self._refs = np.zeros(self._capacity, dtype=np.int64)  # 0 unless LIVE
+        capacity = check_count(capacity, "BlockAllocator: capacity", hi=MAX_ENTRIES)
+        self._region = BlockRegion(capacity)  # ids, free heap, kinds, reference counts
         self._num_live = 0
         self._keys = CachedKeys()
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._write_down: WriteDown | None = None
+
+    # -- the id range, as a boundary move changes it ------------------------------
+    def partition(self, lo: int, hi: int) -> tuple[list[int], list[int], list[int]]:
+        """(free, evictable, live) block ids in ``[lo, hi)``, each lowest first."""
+        return self._region.partition(lo, hi)
+
+    def free_blocks_below(self, limit: int, k: int | None = None) -> list[int]:
+        """Free block ids under ``limit``, lowest first; only the ``k`` lowest if given."""
+        return self._region.free_blocks_below(limit, k)
+
+    def move_many(self, moves: Any) -> None:
+        """Give each live ``old`` block's references and cached key to free block
+        ``new`` (the caller copies the bytes; ``old`` becomes free): ``(old, new)``
+        pairs, checked whole first (:meth:`BlockRegion.move_many`)."""
+        remap = self._region.move_many(moves)
+        if remap and len(self._keys):
+            self._keys.remap(remap)
+
+    def shrink(self, n: int) -> None:
+        """Give up the ``n`` highest ids; every one of them must be free."""
+        self._region.shrink(n)
+
+    def grow(self, n: int) -> None:
+        """Add ``n`` ids above the current capacity, free."""
+        self._region.grow(n)
 
     def set_write_down(self, sink: WriteDown | None) -> None:
         """The one sink that sees each batch of victims before they are evicted
@@ -79,11 +99,11 @@ class BlockAllocator(BlockRegion):
     # -- queries -------------------------------------------------------------
     @property
     def capacity(self) -> int:
-        return self._capacity
+        return self._region.capacity
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._region.free)
 
     @property
     def num_live(self) -> int:
@@ -94,12 +114,12 @@ class BlockAllocator(BlockRegion):
         return len(self._lru)
 
     def refcount(self, block: int) -> int:
-        if isinstance(block, (int, np.integer)) and 0 <= block < self._capacity:
-            return int(self._refs[block])
+        if isinstance(block, (int, np.integer)) and 0 <= block < self._region.capacity:
+            return int(self._region.refs[block])
         return 0
 
     def is_free(self, block: int) -> bool:
-        return block in self._free
+        return block in self._region.free
 
     def is_evictable(self, block: int) -> bool:
         return block in self._lru
@@ -155,22 +175,22 @@ class BlockAllocator(BlockRegion):
     def check_books(self) -> None:
         """The key book, the kinds and the LRU agree (for tests)."""
         self._keys.check()
-        evictable = set(np.flatnonzero(self._kind == EVICTABLE).tolist())
+        evictable = set(np.flatnonzero(self._region.kind == EVICTABLE).tolist())
         assert evictable == set(self._lru)
         assert all(self._keys.key_of(b) is not None for b in evictable)
         for key in self._keys:
             blocks = self._keys.blocks_of(key) or ()
-            assert all(self._kind[b] != FREE for b in blocks), key
+            assert all(self._region.kind[b] != FREE for b in blocks), key
 
     def live_blocks(self) -> list[int]:
-        return np.flatnonzero(self._kind == LIVE).tolist()
+        return np.flatnonzero(self._region.kind == LIVE).tolist()
 
     def evictable_blocks(self) -> list[int]:
         """Evictable blocks, least recently used first."""
         return list(self._lru)
 
     def _check_id(self, block: Any) -> int:
-        return check_int(block, "block id", lo=0, hi=self._capacity - 1)
+        return check_int(block, "block id", lo=0, hi=self._region.capacity - 1)
 
     def check_held(self, blocks: Any, what: str, *, writing: bool) -> np.ndarray:
         """``blocks`` as an id array if each is in the pool and held, else refuse.
@@ -180,8 +200,8 @@ class BlockAllocator(BlockRegion):
         bytes until it is evicted. The answer comes from the allocator's state
         now, so it stays true across boundary moves.
         """
-        ids = check_ids(blocks, what, lo=0, hi=self._capacity)
-        kinds = self._kind[ids]
+        ids = check_ids(blocks, what, lo=0, hi=self._region.capacity)
+        kinds = self._region.kind[ids]
         unheld = kinds != LIVE if writing else kinds == FREE
         if unheld.any():
             b = int(ids[int(np.argmax(unheld))])  # the first one named
@@ -202,9 +222,9 @@ class BlockAllocator(BlockRegion):
         short = n - self.num_free
         if short > 0:
             self._evict_keys(self._victims(short))
-        blocks = [self._free.pop() for _ in range(n)]
-        self._refs[blocks] = 1
-        self._kind[blocks] = LIVE
+        blocks = [self._region.free.pop() for _ in range(n)]
+        self._region.refs[blocks] = 1
+        self._region.kind[blocks] = LIVE
         self._num_live += n
         return blocks
 
@@ -219,7 +239,7 @@ class BlockAllocator(BlockRegion):
                 continue
             chosen.add(key)
             keys.append(key)
-            freed += sum(1 for b in self._keys.blocks_of(key) or () if self._kind[b] == EVICTABLE)
+            freed += sum(1 for b in self._keys.blocks_of(key) or () if self._region.kind[b] == EVICTABLE)
             if freed >= short:
                 break
         return keys
@@ -227,14 +247,14 @@ class BlockAllocator(BlockRegion):
     def retain(self, block: int) -> None:
         """One more reference (a prefix hit); revives an evictable block."""
         block = self._check_id(block)
-        kind = self._kind[block]
+        kind = self._region.kind[block]
         if kind == EVICTABLE:
             del self._lru[block]
-            self._refs[block] = 1
-            self._kind[block] = LIVE
+            self._region.refs[block] = 1
+            self._region.kind[block] = LIVE
             self._num_live += 1
         elif kind == LIVE:
-            self._refs[block] += 1
+            self._region.refs[block] += 1
         else:
             raise InvalidValueError(f"block {block} is free; allocate it instead of retaining it")
 
@@ -242,26 +262,26 @@ class BlockAllocator(BlockRegion):
         """One more reference on each of ``blocks``, all or nothing: every id is
         checked live first, so a refused pin leaves every refcount as it was."""
         ids = self.check_held(blocks, what, writing=True)
-        np.add.at(self._refs, ids, 1)  # a block named twice takes two references
+        np.add.at(self._region.refs, ids, 1)  # a block named twice takes two references
         return ids.tolist()
 
     def release(self, block: int) -> None:
         """Drop one reference; at zero a cached block becomes evictable, else free."""
         block = self._check_id(block)
-        if self._kind[block] != LIVE:
+        if self._region.kind[block] != LIVE:
             raise InvalidValueError(
                 f"block {block} is not live (free or evictable); nothing to release"
             )
-        self._refs[block] -= 1
-        if self._refs[block]:
+        self._region.refs[block] -= 1
+        if self._region.refs[block]:
             return
         self._num_live -= 1
         if self._keys.key_of(block) is not None:
             self._lru[block] = None
-            self._kind[block] = EVICTABLE
+            self._region.kind[block] = EVICTABLE
         else:
-            self._free.push(block)
-            self._kind[block] = FREE
+            self._region.free.push(block)
+            self._region.kind[block] = FREE
 
     def refresh(self, block: int) -> None:
         """Move an evictable block to the most-recently-used end of the LRU.
@@ -285,7 +305,7 @@ class BlockAllocator(BlockRegion):
             out.append(key)
             dep = self._keys.dependent_of(key)
             blocks = self._keys.blocks_of(dep) if dep is not None else None
-            if dep not in seen and blocks and all(self._kind[b] == EVICTABLE for b in blocks):
+            if dep not in seen and blocks and all(self._region.kind[b] == EVICTABLE for b in blocks):
                 seen.add(dep)
                 out.append(dep)
         return out
@@ -305,10 +325,10 @@ class BlockAllocator(BlockRegion):
             self._write_down(victims)
         for key in keys:
             for b in self._keys.drop(key).blocks:
-                if self._kind[b] == EVICTABLE:
+                if self._region.kind[b] == EVICTABLE:
                     del self._lru[b]
-                    self._free.push(b)
-                    self._kind[b] = FREE
+                    self._region.free.push(b)
+                    self._region.kind[b] = FREE
         return victims
 
     def evict(self, block: int) -> list[Evicted]:
