@@ -58,33 +58,44 @@ class BoundaryMove:
     copied_bytes: int
 
 
-class MovableBoundary:
-    """Boundary moves and the policy that asks for them (a mixin of ``UnifiedCache``)."""
+def copy_entries(
+    buf: torch.Tensor, src: np.ndarray, dst: np.ndarray, base: int, stride: int, nbytes: int
+) -> CopyStats:
+    """Entry ``src[i]`` into entry ``dst[i]`` of a pool at ``base`` with ``stride``
+    in ``buf``, ``nbytes`` of each, as one described batch (evenly spaced
+    entries are one copy)."""
+    return execute_batch(
+        CopyBatch(base + src * stride, base + dst * stride, np.full(src.size, nbytes)), buf, buf
+    )
 
-    buf: torch.Tensor
-    pages: EntryMajorArena | LayerMajorArena
-    blocks: BlockAllocator
-    slots: StateAllocator
-    holdings: Holdings
-    geometry: PoolGeometry
-    page_layout: str
-    page_fields: tuple
-    state_fields: tuple
-    block_stride: int
-    slot_stride: int
-    slot_base: int
-    moves: int
 
-    def _copy_entries(
-        self, src: np.ndarray, dst: np.ndarray, base: int, stride: int, nbytes: int
-    ) -> CopyStats:
-        """Entry ``src[i]`` into entry ``dst[i]`` of a pool at ``base`` with ``stride``,
-        ``nbytes`` of each, as one described batch (evenly spaced entries are one copy)."""
-        return execute_batch(
-            CopyBatch(base + src * stride, base + dst * stride, np.full(src.size, nbytes)),
-            self.buf,
-            self.buf,
-        )
+class BoundaryMover:
+    """Boundary moves and the policy that asks for them, over one cache's
+    buffer, pools and holdings (an object the :class:`UnifiedCache` holds,
+    given them at construction; ``moves`` counts the moves so far, for a
+    holder of views over ids to ask)."""
+
+    def __init__(
+        self,
+        *,
+        buf: torch.Tensor,
+        pages: EntryMajorArena | LayerMajorArena,
+        blocks: BlockAllocator,
+        slots: StateAllocator,
+        holdings: Holdings,
+        geometry: PoolGeometry,
+        page_layout: str,
+        page_fields: tuple,
+        state_fields: tuple,
+        block_stride: int,
+        slot_stride: int,
+        slot_base: int,
+    ) -> None:
+        self.buf, self.pages, self.blocks, self.slots = buf, pages, blocks, slots
+        self.holdings, self.geometry, self.page_layout = holdings, geometry, page_layout
+        self.page_fields, self.state_fields = page_fields, state_fields
+        self.block_stride, self.slot_stride, self.slot_base = block_stride, slot_stride, slot_base
+        self.moves = 0
 
     def _fixed(self) -> None:
         if self.page_layout == "layer_major":
@@ -108,7 +119,7 @@ class MovableBoundary:
         strided copy. Sources lie in the released range and
         targets outside it, so no copy reads bytes another one writes (the batch
         validation checks it again)."""
-        stats = self._copy_entries(pairs[:, 0], pairs[:, 1], base, stride, stride)
+        stats = copy_entries(self.buf, pairs[:, 0], pairs[:, 1], base, stride, stride)
         return stats.ops, stats.nbytes
 
     def _completed(

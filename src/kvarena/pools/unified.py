@@ -25,14 +25,14 @@ from ..errors import InvalidValueError
 from ..layout import EntryMajorArena, LayerMajorArena
 from ..layout.regions import aligned_zeros
 from .blocks import BlockAllocator
-from .boundary import MovableBoundary
+from .boundary import BoundaryMove, BoundaryMover, copy_entries
 from .holdings import Holding, Holdings
 from .image_access import ImageAccess
 from .plan import CachePlan
 from .states import StateAllocator
 
 
-class UnifiedCache(ImageAccess, MovableBoundary):
+class UnifiedCache(ImageAccess):
     """PAGE blocks and STATE slots carved from one buffer on ``device``.
 
     Built from a :class:`~kvarena.pools.plan.CachePlan` only
@@ -110,7 +110,20 @@ class UnifiedCache(ImageAccess, MovableBoundary):
             self.pages.fill_entries(slice(None))
         self.blocks = BlockAllocator(blocks)
         self.holdings = Holdings(self.slots)
-        self.moves = 0  # boundary moves so far: a holder of views over ids asks it
+        self._boundary = BoundaryMover(
+            buf=self.buf,
+            pages=self.pages,
+            blocks=self.blocks,
+            slots=self.slots,
+            holdings=self.holdings,
+            geometry=g,
+            page_layout=page_layout,
+            page_fields=self.page_fields,
+            state_fields=self.state_fields,
+            block_stride=self.block_stride,
+            slot_stride=self.slot_stride,
+            slot_base=self.slot_base,
+        )
 
     @classmethod
     def from_plan(
@@ -135,6 +148,29 @@ class UnifiedCache(ImageAccess, MovableBoundary):
     def let_go(self, holding: Holding) -> None:
         """Stop following ``holding`` (its ids were given back)."""
         self.holdings.let_go(holding)
+
+    # -- the movable boundary (BoundaryMover) -------------------------------------
+    @property
+    def moves(self) -> int:
+        """Boundary moves so far: a holder of views over ids asks it."""
+        return self._boundary.moves
+
+    def plan_grow_state(self, n: int) -> tuple[int, list[int], list[int], list[int]]:
+        return self._boundary.plan_grow_state(n)
+
+    def grow_state(self, n: int) -> BoundaryMove:
+        """Move the boundary down by ``n`` slots (STATE takes PAGE's top blocks)."""
+        return self._boundary.grow_state(n)
+
+    def shrink_state(self, n: int) -> BoundaryMove:
+        """Move the boundary up by ``n`` slots (PAGE takes STATE's lowest slots)."""
+        return self._boundary.shrink_state(n)
+
+    def rebalance(self, *, waiting_requests: int, blocks_needed: int) -> BoundaryMove | None:
+        """Move the boundary toward current demand, or None if no move helps."""
+        return self._boundary.rebalance(
+            waiting_requests=waiting_requests, blocks_needed=blocks_needed
+        )
 
     # -- geometry --------------------------------------------------------------
     @property
@@ -271,7 +307,7 @@ class UnifiedCache(ImageAccess, MovableBoundary):
             staged = rows.index_select(0, torch.as_tensor(s, device=self.device))
             rows.index_copy_(0, torch.as_tensor(d, device=self.device), staged)
             return
-        self._copy_entries(s, d, self.slot_base, self.slot_stride, self.slot_bytes)
+        copy_entries(self.buf, s, d, self.slot_base, self.slot_stride, self.slot_bytes)
 
     def fork_slots(self, request: Hashable, new_request: Hashable) -> tuple[int, ...]:
         """Slots for ``new_request`` holding a copy of ``request``'s states (every
@@ -291,7 +327,7 @@ class UnifiedCache(ImageAccess, MovableBoundary):
             raise InvalidValueError(
                 f"copy_blocks: {s.size} sources but {d.size} targets; they pair one to one"
             )
-        self._copy_entries(s, d, 0, self.block_stride, self.block_bytes)
+        copy_entries(self.buf, s, d, 0, self.block_stride, self.block_bytes)
 
     def _rows(self, base: int, stride: int, count: int) -> torch.Tensor:
         return self.buf[base : base + stride * count].view(count, stride)
