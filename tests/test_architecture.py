@@ -259,3 +259,46 @@ def test_each_rule_has_one_definition():
                 if any(getattr(k.value, "id", None) == "KEY_BYTES" for k in node.keywords):
                     keyed.add(module)
     assert keyed == {"kvarena.prefix.keys", "kvarena.integrations.vllm.ranks"}
+
+
+def test_no_mixin_declares_its_hosts_attributes():
+    """A class that declares attributes it never sets (bare annotations outside a
+    dataclass, a Protocol or a NamedTuple, never assigned on ``self``) is a mixin
+    reading its host's private state: the piece should be an object its host
+    holds and passes what it needs."""
+    found = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            marks = {ast.unparse(d).split("(")[0] for d in node.decorator_list}
+            bases = {ast.unparse(b) for b in node.bases}
+            if marks & {"dataclass", "dataclasses.dataclass"} or bases & {
+                "Protocol",
+                "ABC",  # an abstract base: its subclasses set what it declares
+                "NamedTuple",
+                "TypedDict",
+                "Enum",
+                "enum.Enum",
+                "enum.IntEnum",
+            }:
+                continue
+            assigned = {
+                t.attr
+                for n in ast.walk(node)
+                if isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+                for tgt in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                for t in ast.walk(tgt)
+                if isinstance(t, ast.Attribute) and ast.unparse(t.value) == "self"
+            }
+            bare = [
+                s.target.id
+                for s in node.body
+                if isinstance(s, ast.AnnAssign)
+                and s.value is None
+                and isinstance(s.target, ast.Name)
+                and s.target.id not in assigned
+            ]
+            if bare:
+                found.append(f"{module}.{node.name}: {bare[:4]}")
+    assert not found, found

@@ -1,16 +1,16 @@
-"""The checkpoint-image accessors of a :class:`~kvarena.pools.unified.UnifiedCache`.
+"""The checkpoint images of a :class:`~kvarena.pools.unified.UnifiedCache`.
 
 An image is a state's (or a KV block's) checkpoint ranges stored into PAGE
-blocks of the same pool, used as units: these methods plan images from the
-cache's fields and copy them with :mod:`kvarena.checkpoint`, checking every
-id against the allocators' state at the moment of the copy.
+blocks of the same pool, used as units: :class:`ImageAccess`, an object the
+cache holds, plans images from the cache's fields and copies them with
+:mod:`kvarena.checkpoint`, checking every id against the allocators' state at
+the moment of the copy.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
 
 import numpy as np
 import torch
@@ -46,19 +46,29 @@ class _BlockWriter:
 
 
 class ImageAccess:
-    """Images of states and of blocks in PAGE units (a mixin of ``UnifiedCache``)."""
+    """Images of states and of blocks in PAGE units, over one cache's buffer,
+    arenas and allocators (given at construction)."""
 
-    buf: torch.Tensor
-    state: EntryMajorArena
-    pages: EntryMajorArena | LayerMajorArena
-    blocks: BlockAllocator
-    slots: StateAllocator
-    page_fields: tuple[EntryField, ...]
-    state_fields: tuple[EntryField, ...]
-    block_stride: int
-    max_blocks: int
+    def __init__(
+        self,
+        *,
+        buf: torch.Tensor,
+        state: EntryMajorArena,
+        pages: EntryMajorArena | LayerMajorArena,
+        blocks: BlockAllocator,
+        slots: StateAllocator,
+        page_fields: tuple[EntryField, ...],
+        state_fields: tuple[EntryField, ...],
+        block_stride: int,
+        max_blocks: int,
+    ) -> None:
+        self.buf, self.state, self.pages = buf, state, pages
+        self.blocks, self.slots = blocks, slots
+        self.page_fields, self.state_fields = page_fields, state_fields
+        self.block_stride, self.max_blocks = block_stride, max_blocks
+        self._specs: dict[int, CheckpointSpec] = {}  # by unit bytes (negative: PAGE images)
 
-    def _block_pages(self, what: str) -> EntryMajorArena:
+    def block_pages(self, what: str) -> EntryMajorArena:
         """The PAGE pool, for what needs each block as one contiguous entry
         (block bytes, images, block copies); refused for a layer-major pool or
         a cache without PAGE fields."""
@@ -83,10 +93,6 @@ class ImageAccess:
             spec = self._specs[key] = CheckpointSpec.build(self.state_fields, key)
         return spec
 
-    @cached_property
-    def _specs(self) -> dict[int, CheckpointSpec]:
-        return {}
-
     def page_units(self, unit_bytes: int | None = None) -> PageUnits:
         """The PAGE pool seen as image units: unit ``u`` is block ``u``'s first
         ``unit_bytes`` bytes (default the whole block stride).
@@ -94,7 +100,7 @@ class ImageAccess:
         The units' liveness is the block allocator's, read at each copy, so the
         same object stays true across boundary moves.
         """
-        self._block_pages("image units")
+        self.block_pages("image units")
         unit = self.block_stride if unit_bytes is None else unit_bytes
         unit = check_bytes(unit, "unit_bytes", lo=1)
         if unit > self.block_stride:
@@ -139,7 +145,7 @@ class ImageAccess:
     def block_checkpoint_spec(self, unit_bytes: int | None = None) -> CheckpointSpec:
         """The image plan of one KV block (its PAGE fields), in units of ``unit_bytes``
         (default a whole block stride): what :meth:`store_blocks` writes."""
-        self._block_pages("block images")
+        self.block_pages("block images")
         unit = self.block_stride if unit_bytes is None else unit_bytes
         key = -check_bytes(unit, "unit_bytes", lo=1)  # negative keys: PAGE specs
         spec = self._specs.get(key)
@@ -154,7 +160,7 @@ class ImageAccess:
         held live): a KV block kept aside, e.g. before it is overwritten."""
         return store(
             spec,
-            self._block_pages("store_blocks"),
+            self.block_pages("store_blocks"),
             blocks,
             self.page_units(spec.unit_bytes),
             unit_lists,
@@ -165,7 +171,7 @@ class ImageAccess:
         self, spec: CheckpointSpec, blocks: Sequence[int], unit_lists: Sequence[Sequence[int]]
     ) -> CopyStats:
         """Copy block images ``unit_lists[c]`` back into live blocks ``blocks[c]``."""
-        pages = self._block_pages("restore_blocks")
+        pages = self.block_pages("restore_blocks")
         return restore(
             spec,
             pages,

@@ -20,7 +20,9 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 import torch
 
+from ..checkpoint import CheckpointSpec, PageUnits
 from ..checks import check_choice, check_device, check_int
+from ..copy import CopyStats
 from ..errors import InvalidValueError
 from ..layout import EntryMajorArena, LayerMajorArena
 from ..layout.regions import aligned_zeros
@@ -32,7 +34,7 @@ from .plan import CachePlan
 from .states import StateAllocator
 
 
-class UnifiedCache(ImageAccess):
+class UnifiedCache:
     """PAGE blocks and STATE slots carved from one buffer on ``device``.
 
     Built from a :class:`~kvarena.pools.plan.CachePlan` only
@@ -110,6 +112,17 @@ class UnifiedCache(ImageAccess):
             self.pages.fill_entries(slice(None))
         self.blocks = BlockAllocator(blocks)
         self.holdings = Holdings(self.slots)
+        self._images = ImageAccess(
+            buf=self.buf,
+            state=self.state,
+            pages=self.pages,
+            blocks=self.blocks,
+            slots=self.slots,
+            page_fields=self.page_fields,
+            state_fields=self.state_fields,
+            block_stride=self.block_stride,
+            max_blocks=self.max_blocks,
+        )
         self._boundary = BoundaryMover(
             buf=self.buf,
             pages=self.pages,
@@ -148,6 +161,44 @@ class UnifiedCache(ImageAccess):
     def let_go(self, holding: Holding) -> None:
         """Stop following ``holding`` (its ids were given back)."""
         self.holdings.let_go(holding)
+
+    # -- images in PAGE units (ImageAccess) ---------------------------------------
+    def checkpoint_spec(self, unit_bytes: int | None = None) -> CheckpointSpec:
+        """The image plan of this cache's state, in units of ``unit_bytes`` (default:
+        a whole block stride, so one image takes the fewest blocks)."""
+        return self._images.checkpoint_spec(unit_bytes)
+
+    def page_units(self, unit_bytes: int | None = None) -> PageUnits:
+        """The PAGE pool seen as image units (unit ``u``: block ``u``'s first bytes)."""
+        return self._images.page_units(unit_bytes)
+
+    def store(
+        self, spec: CheckpointSpec, slots: Sequence[int], unit_lists: Sequence[Sequence[int]]
+    ) -> CopyStats:
+        """Copy each slot's checkpoint image into its units (blocks it holds live)."""
+        return self._images.store(spec, slots, unit_lists)
+
+    def restore(
+        self, spec: CheckpointSpec, slots: Sequence[int], unit_lists: Sequence[Sequence[int]]
+    ) -> CopyStats:
+        """Copy each image ``unit_lists[c]`` back into ``slots[c]`` (slots, then units)."""
+        return self._images.restore(spec, slots, unit_lists)
+
+    def block_checkpoint_spec(self, unit_bytes: int | None = None) -> CheckpointSpec:
+        """The image plan of one KV block (its PAGE fields): what store_blocks writes."""
+        return self._images.block_checkpoint_spec(unit_bytes)
+
+    def store_blocks(
+        self, spec: CheckpointSpec, blocks: Sequence[int], unit_lists: Sequence[Sequence[int]]
+    ) -> CopyStats:
+        """Copy each block's bytes (a live or cached block) into image units."""
+        return self._images.store_blocks(spec, blocks, unit_lists)
+
+    def restore_blocks(
+        self, spec: CheckpointSpec, blocks: Sequence[int], unit_lists: Sequence[Sequence[int]]
+    ) -> CopyStats:
+        """Copy block images ``unit_lists[c]`` back into live blocks ``blocks[c]``."""
+        return self._images.restore_blocks(spec, blocks, unit_lists)
 
     # -- the movable boundary (BoundaryMover) -------------------------------------
     @property
@@ -199,7 +250,7 @@ class UnifiedCache(ImageAccess):
 
     def block_bytes_of(self, block: int) -> torch.Tensor:
         """Block ``block``'s field bytes (``block_bytes``); the id must be in the PAGE pool now."""
-        pages = self._block_pages("block_bytes_of")
+        pages = self._images.block_pages("block_bytes_of")
         return pages.entry(check_int(block, "block id", lo=0, hi=self.num_blocks - 1))
 
     def slot_bytes_of(self, slot: int) -> torch.Tensor:
@@ -320,7 +371,7 @@ class UnifiedCache(ImageAccess):
     def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy whole blocks (every layer of each), ``src[i]`` into ``dst[i]``:
         the copy half of copy-on-write. Targets must be held for writing."""
-        self._block_pages("copy_blocks")
+        self._images.block_pages("copy_blocks")
         s = self.blocks.check_held(src, "copy_blocks: src", writing=False)
         d = self.blocks.check_held(dst, "copy_blocks: dst", writing=True)
         if s.size != d.size:
