@@ -105,7 +105,10 @@ def _block_word(key: bytes) -> int:
     return int(np.frombuffer(key[:8], dtype=np.int64)[0])
 
 
-class _Replay:
+class _TraceRun:
+    """One replay of a trace: the prefix cache and tiers it builds, and the
+    trace's requests run through them in order."""
+
     def __init__(
         self,
         model: ModelCache,
@@ -346,7 +349,7 @@ def replay(
     if checkpoints is not None:
         _check_checkpoints(checkpoints, trace)
     _check_host_memory(cfg)
-    return _Replay(model, trace, cfg, label, checkpoints).run()
+    return _TraceRun(model, trace, cfg, label, checkpoints).run()
 
 
 def _check_checkpoints(checkpoints: Sequence[Sequence[int]], trace: Sequence[TraceRequest]) -> None:

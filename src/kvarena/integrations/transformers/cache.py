@@ -27,7 +27,7 @@ from ...pools import BlockTable
 from .layers import NoneLayer, PagedLayer, RingLayer, _cropped
 from .layout import LINEAR, NONE, PAGED, RING, HfLayout
 from .linear import LinearLayer
-from .rollback import _Replay
+from .rollback import MixerReplay
 from .rows import Rows
 
 
@@ -82,14 +82,14 @@ class KvarenaCache(Cache):
                 layers.append(NoneLayer())
         super().__init__(layers=layers)
         rows.paged_layers = sum(1 for x in layers if isinstance(x, PagedLayer))
-        self._replay: _Replay | None = None
+        self._replay: MixerReplay | None = None
         if model is not None and any(isinstance(x, LinearLayer) for x in layers):
             if rows.rollback_index is None:
                 raise InvalidValueError(
                     "this pool keeps no rollback entry: build it with rollback_tokens > 0 "
                     "for crop (assisted decoding) on linear-attention layers"
                 )
-            self._replay = _Replay(self, model)
+            self._replay = MixerReplay(self, model)
 
     def activate_past_recording(
         self, recurrent_states_to_keep: int | None = None, **kwargs: Any

@@ -46,7 +46,7 @@ def linear_mixers(model: Any, layers: set[int]) -> dict[int, Any]:
     return {i: m for i, (_, m) in found.items()}
 
 
-class _Replay:
+class MixerReplay:
     """Rolls linear-attention states back by replaying accepted tokens.
 
     transformers' kernels hand the cache only a layer's final state, never
