@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvarena.integrations.vllm.groups import classify
+from kvarena.integrations.vllm.ranks import rank_key
 from kvarena.integrations.vllm.records import BlockCopy, Load, StepPlan
 from kvarena.integrations.vllm.worker_side import WorkerSide
 from kvarena.testing.vllm_tensors import BLOCK_SIZE, allocation, fill, page
@@ -114,3 +115,30 @@ def test_a_load_no_tier_can_serve_is_a_failure_and_copies_nothing(worker):
     assert sorted(report.failed) == sorted([name, object_name(ImageKind.KV_BLOCK, K[2])])
     assert report.host_dropped == [name]  # the foreign object is gone from the host tier
     assert host.contains_many([name]) == [False]
+
+
+def test_a_rank_reports_what_it_saved_and_failed_by_the_prefix_objects_name(tmp_path):
+    """Rank 1 of 2 writes and reads its own shard (a name of its own), but tells
+    the scheduler which prefix object it was, so a lookup over every rank can
+    skip it whichever shard failed."""
+    kc, caches = allocation("LBHNC", states=1)
+    w = WorkerSide(
+        groups=classify(kc), namespace=NS, tiers=TierStack([HostTier(8 << 20, unit_bytes=64 << 10)]),
+        block_size=BLOCK_SIZE, rank=1, ranks=2, save_backlog=1 << 30,
+    )
+    try:
+        w.register(caches, kc.num_blocks)
+        w.save(StepPlan(kv_saves=[BlockCopy(index=0, key=K[0], blocks=(2,))]))
+        w.flush()
+        prefix = object_name(ImageKind.KV_BLOCK, K[0])
+        report = w.report()
+        assert report is not None and report.saved == [prefix]
+        assert report.host_added == [object_name(ImageKind.KV_BLOCK, rank_key(K[0], 1, 2))]
+        w.load(StepPlan(loads=[Load(request="c", kv=(BlockCopy(index=0, key=K[0], blocks=(3,)),
+                                                     BlockCopy(index=1, key=K[3], blocks=(4,))),
+                                    state=None)]))
+        assert w.received() == ({"c"}, {"c"})
+        report = w.report()
+        assert report is not None and report.failed == [object_name(ImageKind.KV_BLOCK, K[3])]
+    finally:
+        w.close()

@@ -62,18 +62,18 @@ def rank_names(name: str, ranks: int) -> list[str]:
 class AllRanks:
     """The catalogue as a lookup over prefix objects: a name is held where every
     rank's object is (at the deepest tier any of them is in), and not at all
-    where one is missing or once failed a load (``failed``: rank names)."""
+    where one is missing."""
 
-    def __init__(self, catalogue: Locates, ranks: int, failed: set[str]) -> None:
-        self.catalogue, self.ranks, self.failed = catalogue, ranks, failed
+    def __init__(self, catalogue: Locates, ranks: int) -> None:
+        self.catalogue, self.ranks = catalogue, ranks
 
     def locate(self, names: Sequence[str]) -> list[int | None]:
         per_rank = [rank_names(n, self.ranks) for n in names]
         where = self.catalogue.locate([x for names_of in per_rank for x in names_of])
         out: list[int | None] = []
-        for i, names_of in enumerate(per_rank):
+        for i in range(len(per_rank)):
             tiers = where[i * self.ranks : (i + 1) * self.ranks]
-            if any(t is None for t in tiers) or any(x in self.failed for x in names_of):
+            if any(t is None for t in tiers):
                 out.append(None)
             else:
                 out.append(max(t for t in tiers if t is not None))

@@ -53,8 +53,10 @@ class StepPlan(KVConnectorMetadata):
 @dataclass(kw_only=True)
 class WorkerReport(KVConnectorWorkerMetadata):
     """A worker's news for the scheduler since its last report: host-tier names
-    it put and dropped, every name it saved, and every name a load could not
-    use (missing everywhere, or failing its checks: then dropped from its tier).
+    it put and dropped (this rank's objects, as its host tier names them), and
+    the prefix objects it saved and those a load could not use (missing
+    everywhere, or failing its checks: then dropped from its tier), by the
+    prefix object's name whichever rank's shard it was.
     The scheduler's lookups skip a failed name until it is saved again, so a
     recomputed request is not sent back to the same bad object."""
 

@@ -54,8 +54,9 @@ class SchedulerSide:
         self.block_size = block_size
         self.root = key_root(namespace)
         self.catalogue = catalogue
-        self._failed: set[str] = set()  # rank names a load could not use, until saved again
-        self._objects = AllRanks(catalogue, ranks, self._failed)  # what a lookup asks
+        # prefix objects a load could not use (on any rank), until saved again
+        self._failed: set[str] = set()
+        self._objects = AllRanks(catalogue, ranks)  # what a lookup asks
         self._requests: dict[str, Any] = {}
         self._keys: dict[str, list[bytes]] = {}
         self._found: dict[str, Found] = {}
@@ -114,6 +115,7 @@ class SchedulerSide:
             has_state=bool(self.state_groups),
             device_kv=lambda _key: False,
             device_image=lambda _b: False,
+            skip=frozenset(self._failed),
         )
         boundary = resume_boundary(
             finds.kv_end, bool(self.state_groups), lambda b: b in finds.state

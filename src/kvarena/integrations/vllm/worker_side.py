@@ -38,7 +38,8 @@ from .tensors import BlockRun, layer_blocks, payload_bytes
 
 log = logging.getLogger("kvarena.vllm")
 
-_Job = tuple[ImageKind, BlockCopy, list[memoryview]]
+# a save: its kind, this rank's copy, the gathered parts, the prefix object's name
+_Job = tuple[ImageKind, BlockCopy, list[memoryview], str]
 _Batch = tuple[list[_Job], int]  # one step's saves and their payload bytes
 
 
@@ -97,21 +98,28 @@ class WorkerSide:
 
     # -- loads ----------------------------------------------------------------------
     def _fetch(
-        self, wanted: list[tuple[ImageKind, BlockCopy]], held: contextlib.ExitStack
+        self,
+        wanted: list[tuple[ImageKind, BlockCopy]],
+        prefixes: list[str],
+        held: contextlib.ExitStack,
     ) -> list[memoryview | None]:
-        """Each object's checked payload, from the first tier that holds a good one
-        (:func:`~kvarena.tiers.checked.fetch_checked`; a host tier's read in place,
-        held open by ``held`` until the caller has copied them out)."""
+        """Each object's checked payload (``wanted``: this rank's copies of the
+        prefix objects named ``prefixes``), from the first tier that holds a
+        good one (:func:`~kvarena.tiers.checked.fetch_checked`; a host tier's
+        read in place, held open by ``held`` until the caller has copied them
+        out). A failure is reported by its prefix object's name."""
+        names = [object_name(k, c.key) for k, c in wanted]
         got = fetch_checked(
             self.tiers,
-            [(object_name(k, c.key), self.expect.of(k, c.key, c.index)) for k, c in wanted],
+            [(n, self.expect.of(k, c.key, c.index)) for n, (k, c) in zip(names, wanted, strict=True)],
             held=held,
         )
         for r in got.rejected:
             log.warning("kvarena: %s in %s: %s", r.name, r.tier, r.detail)
+        prefix_of = dict(zip(names, prefixes, strict=True))
         with self._lock:
             self._dropped += got.dropped_hosted  # nobody should trip on them again
-            self._failed += got.failed
+            self._failed += [prefix_of[n] for n in got.failed]
         return got.payloads
 
     def _scatter(self, groups: Sequence[Group], copy: BlockCopy, payload: memoryview) -> None:
@@ -129,18 +137,17 @@ class WorkerSide:
 
     def load(self, plan: StepPlan) -> None:
         for job in plan.loads:
-            if self.ranks > 1:
-                own = None if job.state is None else self._own(job.state)
-                job = dataclasses.replace(job, kv=tuple(self._own(c) for c in job.kv), state=own)
             self._load_one(job)
 
     def _load_one(self, job: Load) -> None:
         self._received.add(job.request)
-        wanted = [(ImageKind.KV_BLOCK, c) for c in job.kv]
+        named = [(ImageKind.KV_BLOCK, c) for c in job.kv]
         if job.state is not None:
-            wanted.append((ImageKind.STATE, job.state))
+            named.append((ImageKind.STATE, job.state))
+        wanted = [(kind, self._own(c)) for kind, c in named]  # this rank's shard of each
+        prefixes = [object_name(kind, c.key) for kind, c in named]
         with contextlib.ExitStack() as held:
-            payloads = self._fetch(wanted, held)
+            payloads = self._fetch(wanted, prefixes, held)
             self._apply(job, wanted, payloads)
 
     def _apply(
@@ -182,6 +189,8 @@ class WorkerSide:
 
     # -- saves ----------------------------------------------------------------------
     def _gather(self, kind: ImageKind, copies: list[BlockCopy]) -> list[_Job]:
+        """The planned objects' bytes, one gather per run of layers, as this rank's
+        objects (each with its prefix object's name, for the report)."""
         groups = self.kv_groups if kind is ImageKind.KV_BLOCK else self.state_groups
         parts: list[list[memoryview]] = [[] for _ in copies]
         for gi, g in enumerate(groups):
@@ -189,7 +198,10 @@ class WorkerSide:
                 rows = run.gather([c.blocks[gi] for c in copies])
                 for j in range(len(copies)):
                     parts[j].append(memoryview(rows[j]))
-        return [(kind, c, p) for c, p in zip(copies, parts, strict=True)]
+        return [
+            (kind, self._own(c), p, object_name(kind, c.key))
+            for c, p in zip(copies, parts, strict=True)
+        ]
 
     def save(self, plan: StepPlan) -> None:
         kv, state = plan.kv_saves, plan.state_saves
@@ -218,9 +230,9 @@ class WorkerSide:
         self._skipping = False
         jobs: list[_Job] = []
         if kv:
-            jobs += self._gather(ImageKind.KV_BLOCK, [self._own(c) for c in kv])
+            jobs += self._gather(ImageKind.KV_BLOCK, kv)
         if state:
-            jobs += self._gather(ImageKind.STATE, [self._own(c) for c in state])
+            jobs += self._gather(ImageKind.STATE, state)
         self._jobs.put((jobs, nbytes))
 
     def _write_loop(self) -> None:
@@ -239,15 +251,16 @@ class WorkerSide:
                 self._jobs.task_done()
 
     def _write(self, jobs: list[_Job]) -> None:
-        objects = [self.expect.encode(kind, c.key, c.index, parts) for kind, c, parts in jobs]
+        objects = [self.expect.encode(kind, c.key, c.index, parts) for kind, c, parts, _ in jobs]
         evicted = self.tiers.write_through(objects)
         names = [o.name for o in objects]
-        hosted = [n for n, t in zip(self.tiers.names, self.tiers.tiers, strict=True) if t.kind == "host"]
+        tiers = zip(self.tiers.names, self.tiers.tiers, strict=True)
+        hosted = [name for name, t in tiers if t.kind == "host"]
         with self._lock:
             for tier in hosted:  # the host tier's evictions come back as names alone
                 self._added += names
                 self._dropped += evicted.get(tier, [])
-            self._saved += names
+            self._saved += [prefix for *_, prefix in jobs]
         self.saved += len(objects)
 
     def flush(self) -> None:
