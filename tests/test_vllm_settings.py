@@ -31,7 +31,6 @@ from kvarena.integrations.vllm.settings import (
 from kvarena.integrations.vllm.tensors import (
     BlockRun,
     LayerBlocks,
-    expected_block_bytes,
     payload_bytes,
 )
 from kvarena.tiers import HostTier, TierSpec
@@ -137,8 +136,8 @@ def test_the_host_unit_is_one_kv_block_image_unless_given():
 def test_groups_are_kv_or_state_and_others_are_refused_by_name():
     groups = classify(config(mamba(), attention()))
     assert [g.kind for g in groups] == ["state", "kv"]
-    assert expected_block_bytes(groups[1]) == 32 * 2 * 2 * 64 * 2
-    assert expected_block_bytes(groups[0]) == 3 * 256 * 2 + 4 * 16 * 16 * 4
+    assert groups[1].block_bytes == 32 * 2 * 2 * 64 * 2  # K and V of 32 tokens, 2 heads
+    assert groups[0].block_bytes == 3 * 256 * 2 + 4 * 16 * 16 * 4  # conv and SSM states
     swa = SlidingWindowSpec(
         block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=128
     )
@@ -198,6 +197,7 @@ def test_block_bytes_round_trip_exactly(kv_first, blocks, inner, dtype, data):
         kind="state",
         layers=("l",),
         spec={"class": "MambaSpec", "shapes": [[per_block]], "dtypes": ["torch.int8"]},
+        block_bytes=per_block,
     )
     layer = BlockRun.of(
         [LayerBlocks.of("l", src, num_blocks=blocks, group=group)], num_blocks=blocks

@@ -36,6 +36,7 @@ class Group:
     kind: str  # "kv" (full attention) or "state" (Mamba-style)
     layers: tuple[str, ...]
     spec: dict[str, Any]  # the vLLM spec's fields, as JSON values
+    block_bytes: int  # what one layer's block holds: the spec's own unpadded page size
 
 
 def _json_value(v: Any) -> Any:
@@ -81,7 +82,11 @@ def classify(kv_cache_config: Any) -> list[Group]:
             )
         out.append(
             Group(
-                index=i, kind=kind, layers=tuple(g.layer_names), spec=spec_fields(g.kv_cache_spec)
+                index=i,
+                kind=kind,
+                layers=tuple(g.layer_names),
+                spec=spec_fields(g.kv_cache_spec),
+                block_bytes=int(g.kv_cache_spec.real_page_size_bytes),
             )
         )
     sizes = {g.spec.get("block_size") for g in out}

@@ -20,7 +20,6 @@ either way: a group's layers in its order, each layer's page as it is.
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -31,40 +30,12 @@ import torch
 from .groups import Group
 from .settings import ConnectorConfigError
 
-_DTYPES = {
-    "torch.float32": torch.float32,
-    "torch.float16": torch.float16,
-    "torch.bfloat16": torch.bfloat16,
-    "torch.float64": torch.float64,
-    "torch.int8": torch.int8,
-    "torch.uint8": torch.uint8,
-    "torch.float8_e4m3fn": torch.float8_e4m3fn,
-    "torch.float8_e5m2": torch.float8_e5m2,
-}
-
-
-def expected_block_bytes(group: Group) -> int:
-    """The bytes one layer's block holds by its spec (a state page unpadded)."""
-    spec = group.spec
-    if group.kind == "kv":
-        item = _DTYPES[spec["dtype"]].itemsize
-        if spec["class"] == "MLAAttentionSpec":  # one latent vector per token
-            return int(spec["block_size"]) * int(spec["head_size"]) * item
-        v = spec.get("head_size_v") or spec["head_size"]
-        per_token = int(spec["num_kv_heads"]) * (int(spec["head_size"]) + int(v)) * item
-        return per_token * int(spec["block_size"])
-    shapes, dtypes = spec["shapes"], spec["dtypes"]
-    return sum(
-        math.prod(int(x) for x in s) * _DTYPES[d].itemsize
-        for s, d in zip(shapes, dtypes, strict=True)
-    )
-
 
 def payload_bytes(groups: Sequence[Group]) -> int:
     """The payload of one image of ``groups`` (a KV block of every full-attention
     layer, or a state page of every state layer): what every layer's block holds
     by its spec. The registered tensors are checked against the same numbers."""
-    return sum(expected_block_bytes(g) * len(g.layers) for g in groups)
+    return sum(g.block_bytes * len(g.layers) for g in groups)
 
 
 @dataclass(frozen=True, eq=False)
@@ -96,7 +67,7 @@ class LayerBlocks:
             )
         raw = tensor.view(torch.uint8)
         block_bytes = raw.select(dim, 0).numel()
-        want = expected_block_bytes(group)
+        want = group.block_bytes
         if block_bytes != want:
             raise ConnectorConfigError(
                 f"kvarena connector: layer {name}: a block of its tensor {list(shape)} "
