@@ -111,9 +111,7 @@ def test_unexpected_request_is_refused_and_others_are_unaffected(pair):
     dst = decode.call("expect", "victim", 2, 1.0, prefill_name)
     prefill.call("ship", peer, "ghost", dst, 10.0)
     # The notification may trail the sender's DONE; poll until it shows.
-    deadline = time.monotonic() + 10
-    while "ghost" not in (seen := decode.call("poll"))["refused"] and time.monotonic() < deadline:
-        time.sleep(0.01)
+    seen = _poll_until(decode, lambda s: "ghost" in s["refused"], "the ghost refused")
     assert (
         "ghost" in seen["refused"]
         and "ghost" not in seen["ready"]
@@ -206,12 +204,9 @@ def test_pull_mode_reads_byte_exact_and_releases_the_offer(pair):
     got = decode.call("pull", prefill_at_decode, "pulled", offer, 30.0)
     assert got["digests"] == src["digests"] and got["descriptors"] <= 6
     assert dst["blocks"] and decode.call("untouched")
-    deadline = time.monotonic() + 10
-    while (
-        "pulled" not in (offers := prefill.call("offers"))["released"]
-        and time.monotonic() < deadline
-    ):
-        time.sleep(0.01)
+    offers = _until(
+        lambda: prefill.call("offers"), lambda o: "pulled" in o["released"], "pulled released"
+    )
     assert offers["offered"] == [] and prefill.call("refcounts", "pulled") == [1] * 5
 
 
@@ -220,10 +215,9 @@ def test_an_offer_nobody_pulls_expires_and_unpins(pair):
     connect_pair(prefill, decode)
     prefill.call("fill", "stale", 3, 1)
     prefill.call("offer", "stale", 0.001)  # expired once the sender next looks
-    deadline = time.monotonic() + 20  # a bound for a broken build, not a race
-    while "stale" not in (offers := prefill.call("offers"))["released"]:
-        assert time.monotonic() < deadline, offers
-        time.sleep(0.01)
+    offers = _until(
+        lambda: prefill.call("offers"), lambda o: "stale" in o["released"], "stale released"
+    )
     assert offers["released"] == ["stale"] and offers["offered"] == []
     assert prefill.call("refcounts", "stale") == [1, 1, 1]
 
@@ -344,13 +338,29 @@ def test_one_name_twice_and_a_restarted_peer_are_new_agents():
                 side.stop()
 
 
-def _poll_until(decode, done, what: str) -> dict:
-    """Poll the decode side until ``done(seen)``; a readiness wait, bounded at 20 s."""
+def _until(ask, done, what: str):
+    """``ask()`` until ``done(answer)``, then the answer: a wait for something
+    that will happen, bounded at 20 s for a broken build (never a race: no
+    test's outcome depends on how soon it happens)."""
     deadline = time.monotonic() + 20
-    while not done(seen := decode.call("poll")):
-        assert time.monotonic() < deadline, f"never saw {what}: {seen}"
+    while not done(answer := ask()):
+        assert time.monotonic() < deadline, f"never saw {what}: {answer}"
         time.sleep(0.01)
-    return seen
+    return answer
+
+
+def _poll_until(decode, done, what: str) -> dict:
+    """Poll the decode side until ``done(seen)``."""
+    return _until(lambda: decode.call("poll"), done, what)
+
+
+def _settled(prefill) -> None:
+    """Poll the sender until no transfer is in flight (each poll settles some)."""
+    _until(
+        lambda: (prefill.call("offers"), prefill.call("stats"))[1],
+        lambda s: not s["in_flight"],
+        "no transfer in flight",
+    )
 
 
 def test_a_late_write_never_lands_in_another_requests_blocks(pair):
@@ -511,10 +521,7 @@ def test_a_decode_killed_mid_stream(pair, seed):
         prefill.call("ship", peer, request, dst, 30.0)
         decode.call("wait", request, 30.0)
     # Every pin comes back (a transfer NIXL could not cancel settles on a poll).
-    deadline = time.monotonic() + 20
-    while prefill.call("stats")["in_flight"]:
-        assert time.monotonic() < deadline
-        prefill.call("offers")  # polls the sender
+    _settled(prefill)
     for i in range(kill_at + 1):
         assert prefill.call("refcounts", f"d{i}") == [1, 1, 1]
     fresh = SideProcess("decode", spec)
@@ -530,35 +537,31 @@ def test_a_decode_killed_mid_stream(pair, seed):
 
 
 def test_a_sender_stopped_past_the_deadline_and_resumed(pair):
-    """SIGSTOP the prefill after it posted a WRITE, past the receiver's deadline;
-    the receiver quarantines the request and serves the next one in other blocks;
-    SIGCONT: the late write lands in the quarantine, which is then released."""
+    """The prefill is stopped before it can write A, so A's deadline passes for
+    certain: the receiver quarantines A's blocks (a write may still land) and
+    serves the next request in other blocks; SIGCONT: the late write lands in
+    the quarantine, which is then released, and A is never served."""
     prefill, decode, _ = pair
     peer, prefill_name = connect_pair(prefill, decode)
-    src_a = prefill.call("fill", "A", 4, 1)
+    prefill.call("fill", "A", 4, 1)
     src_b = prefill.call("fill", "B", 4, 2)
     dst_a = decode.call("expect", "A", 4, 0.2, prefill_name)
-    prefill.post("ship", peer, "A", dst_a, 30.0)
     os.kill(prefill.process.pid, signal.SIGSTOP)
     try:
-        seen = _poll_until(
-            decode, lambda s: "A" in s["quarantined"] or "A" in s["ready"], "A settled"
-        )
+        prefill.post("ship", peer, "A", dst_a, 30.0)  # runs after SIGCONT, past the deadline
+        _poll_until(decode, lambda s: "A" in s["quarantined"], "A quarantined")
         dst_b = decode.call("expect", "B", 4, 30.0, prefill_name)
-        if "A" in seen["quarantined"]:
-            assert not set(dst_a["blocks"]) & set(dst_b["blocks"])
+        assert not set(dst_a["blocks"]) & set(dst_b["blocks"])
         # While the sender is stopped, the receiver still works: nothing it
         # holds for A is handed out, and B waits.
         assert decode.call("stats")["pending"] == ["B"]
     finally:
         os.kill(prefill.process.pid, signal.SIGCONT)
-    prefill.result("ship")  # A's WRITE completed after the resume
+    prefill.result("ship")  # A's WRITE, after the resume, into the quarantine
     prefill.call("ship", peer, "B", dst_b, 30.0)
     assert decode.call("wait", "B", 30.0)["digests"] == src_b["digests"]
     _poll_until(decode, lambda s: not s["quarantined"], "A's quarantine released")
-    if "A" in decode.call("poll")["ready"]:
-        assert decode.call("ready_digests", "A") == src_a["digests"]
-        decode.call("finish", "A")
+    assert "A" not in decode.call("poll")["ready"]  # past its deadline: never served
     decode.call("finish", "B")
     stats = decode.call("stats")
     assert stats["live_blocks"] == 0 and stats["live_slots"] == 0
@@ -578,11 +581,7 @@ def test_many_writes_in_flight_are_each_byte_exact(pair):
 
 
 def _stats_until(side, done, what: str) -> dict:
-    deadline = time.monotonic() + 20
-    while not done(stats := side.call("stats")):
-        assert time.monotonic() < deadline, f"never saw {what}: {stats}"
-        time.sleep(0.01)
-    return stats
+    return _until(lambda: side.call("stats"), done, what)
 
 
 def test_the_liveness_link_frees_a_killed_senders_allocations_and_not_a_stopped_ones():
@@ -663,10 +662,7 @@ def test_a_decode_side_stopped_mid_stream_and_resumed(pair):
                 outcome[n] = "failed"
     finally:
         os.kill(decode.process.pid, signal.SIGCONT)
-    deadline = time.monotonic() + 20
-    while prefill.call("stats")["in_flight"]:  # uncancelled WRITEs settle (and abort)
-        assert time.monotonic() < deadline
-        prefill.call("offers")
+    _settled(prefill)  # uncancelled WRITEs settle (and abort)
     # Shipped: ready and exact. Failed: aborted (freed) or completed late, never torn.
     seen = _poll_until(
         decode,
@@ -739,10 +735,7 @@ def test_offered_sources_are_fixed_until_released():
         with pytest.raises(BoundaryMoveError, match="read or written by a peer"):
             cache.grow_state(k)
         assert torch.equal(cache.buf, before) and cache.moves == 0
-        deadline = time.monotonic() + 20  # expired at once; a bound for a broken build
-        while "r" not in sender.released:
-            assert time.monotonic() < deadline
-            sender.poll()
+        _until(lambda: (sender.poll(), sender.released)[1], lambda r: "r" in r, "r released")
         assert len(cache.holdings) == 0 and [cache.blocks.refcount(b) for b in blocks] == [1, 1]
         cache.grow_state(k)  # the sources are the engine's alone again: they move
         assert cache.moves == 1
