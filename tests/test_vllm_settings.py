@@ -243,13 +243,8 @@ def test_an_engine_with_a_bad_config_is_refused_at_start(tmp_path):
     with pytest.raises(ConnectorConfigError, match=r"\['tiers'\]\[0\]"):
         kv_transfer_config(["host:lots"])  # the helper refuses before any engine exists
     model = save_tiny("llama", tmp_path)
-    bad = KVTransferConfig(
-        kv_connector="KvarenaConnector",
-        kv_connector_module_path="kvarena.integrations.vllm",
-        kv_role="kv_both",
-        kv_connector_extra_config={"tiers": ["host:lots"]},
-    )
-    with pytest.raises(Exception, match=r"\['tiers'\]\[0\] = 'host:lots'"):
+
+    def start(config: KVTransferConfig) -> None:
         LLM(
             model=str(model),
             skip_tokenizer_init=True,
@@ -258,5 +253,25 @@ def test_an_engine_with_a_bad_config_is_refused_at_start(tmp_path):
             enable_prefix_caching=True,
             distributed_executor_backend="uni",
             block_size=32,
-            kv_transfer_config=bad,
+            kv_transfer_config=config,
         )
+    bad = KVTransferConfig(
+        kv_connector="KvarenaConnector",
+        kv_connector_module_path="kvarena.integrations.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config={"tiers": ["host:lots"]},
+    )
+    with pytest.raises(Exception, match=r"\['tiers'\]\[0\] = 'host:lots'"):
+        start(bad)
+    # Good tiers, but vLLM's default load-failure policy ("fail"): refused at start,
+    # naming the key, before a lost object could fail a request.
+    raw = KVTransferConfig(
+        kv_connector="KvarenaConnector",
+        kv_connector_module_path="kvarena.integrations.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config={"tiers": ["host:64MiB"]},
+    )
+    with pytest.raises(Exception, match="kv_load_failure_policy='fail'"):
+        start(raw)
+    with pytest.raises(ConnectorConfigError, match="kv_load_failure_policy"):
+        kv_transfer_config(["host:64MiB"], load_failure_policy="fail")

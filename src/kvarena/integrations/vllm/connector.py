@@ -34,7 +34,7 @@ from .groups import Group, classify, namespace_json
 from .ranks import rank_tier_specs
 from .records import StepPlan
 from .scheduler_side import SchedulerSide
-from .settings import ConnectorConfigError, ConnectorSettings
+from .settings import ConnectorConfigError, ConnectorSettings, check_failure_policy
 from .tensors import payload_bytes
 from .worker_side import WorkerSide
 
@@ -96,6 +96,7 @@ class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         settings = ConnectorSettings.parse(extra)
+        check_failure_policy(getattr(self._kv_transfer_config, "kv_load_failure_policy", None))
         worker = role != KVConnectorRole.SCHEDULER
         rank = _tp_rank() if worker else None
         groups, namespace, block_size, ranks = _identity(

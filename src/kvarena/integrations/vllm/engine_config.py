@@ -11,7 +11,7 @@ from typing import Any
 
 from vllm.config import KVTransferConfig
 
-from .settings import ConnectorSettings
+from .settings import ConnectorSettings, check_failure_policy
 
 
 def kv_transfer_config(
@@ -20,10 +20,11 @@ def kv_transfer_config(
     """``KVTransferConfig`` for :class:`~kvarena.integrations.vllm.KvarenaConnector`
     over ``tiers`` (``host:SIZE``, ``disk:DIR:SIZE``, ``redis://HOST:PORT``...);
     ``extra`` holds the other ``kv_connector_extra_config`` keys (``namespace``,
-    ``host_unit_bytes``). A failed load is recomputed by default: the connector
-    is a cache, and a miss must never fail a request."""
+    ``host_unit_bytes``). A failed load is recomputed (the only policy the
+    connector takes: :func:`~.settings.check_failure_policy`)."""
     config = {"tiers": list(tiers), **extra}
     ConnectorSettings.parse(config)
+    check_failure_policy(load_failure_policy)
     return KVTransferConfig(
         kv_connector="KvarenaConnector",
         kv_connector_module_path="kvarena.integrations.vllm",

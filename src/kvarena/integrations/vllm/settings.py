@@ -154,3 +154,21 @@ class ConnectorSettings:
         if self.layout == "engine" or (self.layout == "auto" and cpu):
             return None
         return BLOCK_MAJOR
+
+
+def check_failure_policy(policy: object) -> str:
+    """vLLM's ``kv_load_failure_policy`` as the connector needs it: ``"recompute"``.
+
+    The connector is a cache: an object can vanish between a lookup and its
+    load (another engine's eviction in a shared store, a disk cleaned, a store
+    restarted) or fail its checks, and that must cost a recompute, never a
+    failed request. Under vLLM's ``"fail"`` (its default) such a load fails
+    the user's request, so an engine configured that way is refused at start,
+    naming the key, rather than failing requests later."""
+    if policy != "recompute":
+        raise ConnectorConfigError(
+            f"kv_load_failure_policy={policy!r}: the kvarena connector needs 'recompute' "
+            "(a lost or corrupt tier object must cost a recompute, never a failed request); "
+            "set it in the KVTransferConfig (kvarena.integrations.vllm.kv_transfer_config does)"
+        )
+    return "recompute"
