@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvarena.prefix import locate_in_tiers, resume_boundary
+from kvarena.prefix import locate_in_tiers, resume_point
 from kvarena.tiers import TierStack
 from kvarena.tiers.host import HostTier
 from kvarena.tiers.image import ImageKind, encode
@@ -17,7 +17,7 @@ from kvarena.tiers.image import ImageKind, encode
     images=st.sets(st.integers(1, 40)),
 )
 def test_resume_boundary_is_the_largest_boundary_with_an_image(cand, has_state, images):
-    got = resume_boundary(cand, has_state, lambda b: b in images)
+    got = resume_point(cand, has_state, lambda b: b in images)
     if not has_state:
         assert got == cand
     else:

@@ -2,7 +2,7 @@
 
 from .cache import PrefixCache
 from .keys import Namespace, block_keys, key_root
-from .lookup import TierFinds, locate_in_tiers, resume_boundary
+from .lookup import TierFinds, locate_in_tiers, resume_point
 from .policy import DEFAULT_POLICY, CheckpointPolicy
 from .records import (
     Admission,
@@ -30,5 +30,5 @@ __all__ = [
     "key_root",
     "locate_in_tiers",
     "plan_namespace",
-    "resume_boundary",
+    "resume_point",
 ]

@@ -35,7 +35,7 @@ from ..tiers import Tier, TierStack
 from ..tiers.image import ImageKind, object_name
 from . import records
 from .keys import as_tokens, block_keys
-from .lookup import TierFinds, locate_in_tiers, resume_boundary
+from .lookup import TierFinds, locate_in_tiers, resume_point
 from .placement import Placement
 from .policy import CheckpointPolicy
 from .records import Admission, Image, ImageState, PrefixHit, PrefixMetrics, image_key
@@ -175,7 +175,7 @@ class PrefixCache:
                 skip=skip,
             )
         full, tier_kv, tier_state = finds.kv_end, finds.kv, finds.state
-        cand = resume_boundary(
+        cand = resume_point(
             full if self.has_kv else limit,
             self.has_state,
             lambda b: b in tier_state or self._has_image(keys, b),

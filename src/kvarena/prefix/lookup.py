@@ -26,9 +26,9 @@ from typing import Protocol
 from ..tiers.image import ImageKind, object_name
 
 
-def resume_boundary(cand: int, has_state: bool, image_at: Callable[[int], bool]) -> int:
-    """The largest boundary ``<= cand`` (in blocks) that every group can resume
-    from, given that KV is held up to ``cand`` and ``image_at(b)`` says whether
+def resume_point(cand: int, has_state: bool, image_at: Callable[[int], bool]) -> int:
+    """The resume point: the largest block boundary ``<= cand`` that every
+    group can resume from, given that KV is held up to ``cand`` and ``image_at(b)`` says whether
     some level holds a state image at boundary ``b``."""
     while True:
         new = cand

@@ -42,7 +42,7 @@ from ..pools import BlockAllocationError, StateAllocationError, blocks_for, plan
 from ..prefix import CheckpointPolicy, PrefixCache
 from ..prefix.records import Admission, plan_namespace
 from ..tiers import TierStack
-from ..tiers.image import image_bytes
+from ..tiers.image import object_bytes
 from .timeline import Sample
 from .trace import TraceRequest
 
@@ -121,7 +121,7 @@ class _TraceRun:
         plan = plan_cache(model, budget_bytes=cfg.budget_bytes, max_seqs=cfg.max_seqs)
         device = torch.device("cpu" if cfg.verify else "meta")
         # A host tier's unit is one KV block's image, so a block takes exactly one.
-        unit = image_bytes(plan_namespace(plan).to_json(), plan.block_bytes)
+        unit = object_bytes(plan_namespace(plan).to_json(), plan.block_bytes)
         self.tiers = TierStack.from_specs(cfg.tiers, unit_bytes=unit)
         try:
             self.pc = PrefixCache(

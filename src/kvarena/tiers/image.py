@@ -72,8 +72,9 @@ class ImageKind(enum.IntEnum):
         return "kv" if self is ImageKind.KV_BLOCK else "st"
 
 
-def image_bytes(namespace: bytes, payload_bytes: int) -> int:
-    """An image's logical size (header, namespace, payload): what tiers count."""
+def object_bytes(namespace: bytes, payload_bytes: int) -> int:
+    """A tier object's logical size (header, namespace, payload): what tiers
+    count. (An image's ``image_bytes`` elsewhere is its payload alone.)"""
     return HEAD_BYTES + len(namespace) + payload_bytes
 
 
@@ -188,7 +189,7 @@ class ImageHeader:
 
     @property
     def logical_bytes(self) -> int:
-        return image_bytes(self.namespace, self.payload_bytes)
+        return object_bytes(self.namespace, self.payload_bytes)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -262,7 +263,7 @@ def encode(
     return TierObject._checked(
         _NAME_PREFIX[kind] + key.hex(),
         (packed, namespace, *parts),  # apart: joining them would copy the namespace again
-        HEAD_BYTES + len(namespace) + payload_bytes,  # image_bytes, inline
+        HEAD_BYTES + len(namespace) + payload_bytes,  # object_bytes, inline
     )
 
 

@@ -28,7 +28,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from ...errors import Error
 from ...tiers import TierStack
 from ...tiers.host import DEFAULT_UNIT_BYTES, MIN_UNIT_BYTES
-from ...tiers.image import image_bytes
+from ...tiers.image import object_bytes
 from .catalogue import Catalogue
 from .groups import Group, classify, namespace_json
 from .ranks import rank_tier_specs
@@ -77,7 +77,7 @@ def _host_unit(settings: ConnectorSettings, groups: list[Group], namespace: byte
     kv = [g for g in groups if g.kind == "kv"]
     if not kv:
         return DEFAULT_UNIT_BYTES
-    return max(MIN_UNIT_BYTES, image_bytes(namespace, payload_bytes(kv)))
+    return max(MIN_UNIT_BYTES, object_bytes(namespace, payload_bytes(kv)))
 
 
 def _tp_rank() -> int:

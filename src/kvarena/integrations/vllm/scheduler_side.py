@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ...prefix.keys import block_keys, key_root
-from ...prefix.lookup import TierFinds, locate_in_tiers, resume_boundary
+from ...prefix.lookup import TierFinds, locate_in_tiers, resume_point
 from .catalogue import Catalogue
 from .groups import Group
 from .ranks import AllRanks
@@ -117,7 +117,7 @@ class SchedulerSide:
             device_image=lambda _b: False,
             skip=frozenset(self._failed),
         )
-        boundary = resume_boundary(
+        boundary = resume_point(
             finds.kv_end, bool(self.state_groups), lambda b: b in finds.state
         )
         if boundary <= local:

@@ -39,8 +39,8 @@ from .tensors import BlockRun, layer_blocks, payload_bytes
 log = logging.getLogger("kvarena.vllm")
 
 # a save: its kind, this rank's copy, the gathered parts, the prefix object's name
-_Job = tuple[ImageKind, BlockCopy, list[memoryview], str]
-_Batch = tuple[list[_Job], int]  # one step's saves and their payload bytes
+_Save = tuple[ImageKind, BlockCopy, list[memoryview], str]
+_Batch = tuple[list[_Save], int]  # one step's saves and their payload bytes
 
 
 class WorkerSide:
@@ -188,7 +188,7 @@ class WorkerSide:
         return errors
 
     # -- saves ----------------------------------------------------------------------
-    def _gather(self, kind: ImageKind, copies: list[BlockCopy]) -> list[_Job]:
+    def _gather(self, kind: ImageKind, copies: list[BlockCopy]) -> list[_Save]:
         """The planned objects' bytes, one gather per run of layers, as this rank's
         objects (each with its prefix object's name, for the report)."""
         groups = self.kv_groups if kind is ImageKind.KV_BLOCK else self.state_groups
@@ -228,7 +228,7 @@ class WorkerSide:
             self._skipping = True
             return
         self._skipping = False
-        jobs: list[_Job] = []
+        jobs: list[_Save] = []
         if kv:
             jobs += self._gather(ImageKind.KV_BLOCK, kv)
         if state:
@@ -250,7 +250,7 @@ class WorkerSide:
                         self.backlog -= batch[1]
                 self._jobs.task_done()
 
-    def _write(self, jobs: list[_Job]) -> None:
+    def _write(self, jobs: list[_Save]) -> None:
         objects = [self.expect.encode(kind, c.key, c.index, parts) for kind, c, parts, _ in jobs]
         evicted = self.tiers.write_through(objects)
         names = [o.name for o in objects]
