@@ -136,7 +136,7 @@ def test_outputs_equal_vllm_alone_cold_warm_restarted_shared_and_corrupted(
     # Every prompt resumes at its last full block (its own blocks were saved cold).
     assert warm_cached == [n * block for n in PROMPT_BLOCKS]
     saved = worker_connector()._worker
-    assert saved.loaded >= len(prompts) and saved.load_failures == 0
+    assert saved.loads_done >= len(prompts) and saved.load_failures == 0
     close(first)
     files = sorted(disk.glob("*.kvi"))
     assert files, "nothing reached the disk tier"
@@ -197,7 +197,7 @@ def test_saves_past_the_backlog_are_skipped_and_cost_only_misses(models, caplog)
             cold += generate(llm, [p])[0]
             worker_connector()._worker.flush()  # the backlog empty before the next
         worker = worker_connector()._worker
-        assert worker.skipped == 2 and worker.saved == 1 and worker.backlog == 0
+        assert worker.saves_skipped == 2 and worker.objects_saved == 1 and worker.backlog == 0
         assert "saves skipped" in caplog.text and "save_backlog" in caplog.text
         llm.reset_prefix_cache()
         warm, warm_cached = one_by_one(llm, prompts)

@@ -74,7 +74,7 @@ def _saves_flushed(worker) -> tuple[int, int, int, int]:
 
     side = get_kv_transfer_group()._worker
     side.flush()
-    return side.rank, side.saved, side.loaded, side.load_failures
+    return side.rank, side.objects_saved, side.loads_done, side.load_failures
 
 
 @pytest.mark.parametrize("kind", ["qwen3_next"])

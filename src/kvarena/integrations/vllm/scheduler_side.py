@@ -60,7 +60,8 @@ class SchedulerSide:
         self._requests: dict[str, Any] = {}
         self._keys: dict[str, list[bytes]] = {}
         self._found: dict[str, Found] = {}
-        self._saved: dict[str, int] = {}  # KV blocks below this are in the tiers
+        # KV blocks below this are in the tiers (loaded from them, or planned to be saved)
+        self._saved_upto: dict[str, int] = {}
         self._floor: dict[str, int] = {}  # state boundaries up to this are in the tiers
         self._loads: list[Load] = []
         self.lookups = 0
@@ -166,7 +167,7 @@ class SchedulerSide:
         self.hit_tokens += tokens
         for kind, n in self.hit_sources(request, tokens).items():
             self.hit_tokens_by_tier[kind] = self.hit_tokens_by_tier.get(kind, 0) + n
-        self._saved[rid] = b
+        self._saved_upto[rid] = b
         self._floor[rid] = b
 
     def hit_sources(self, request: Any, tokens: int) -> dict[str, int]:
@@ -193,12 +194,12 @@ class SchedulerSide:
             if request is None or not self._cacheable(request) or rid not in starts:
                 continue
             start = starts[rid]
-            first = self._saved.setdefault(rid, start // bs)
+            first = self._saved_upto.setdefault(rid, start // bs)
             self._floor.setdefault(rid, start // bs)
             upto = min(start + count, len(request.all_token_ids)) // bs
             if upto <= first:
                 continue
-            self._saved[rid] = upto
+            self._saved_upto[rid] = upto
             if not self.kv_groups or block_state is None:
                 continue
             ids = block_state.get_block_ids(rid)
@@ -245,5 +246,5 @@ class SchedulerSide:
 
     def finished(self, request: Any) -> None:
         rid = request.request_id
-        for book in (self._requests, self._keys, self._found, self._saved, self._floor):
+        for book in (self._requests, self._keys, self._found, self._saved_upto, self._floor):
             book.pop(rid, None)

@@ -80,14 +80,14 @@ class WorkerSide:
         self._lock = threading.Lock()  # guards the report lists below
         self._added: list[str] = []
         self._dropped: list[str] = []
-        self._saved: list[str] = []
+        self._saved_names: list[str] = []
         self._failed: list[str] = []
-        self.loaded = 0
+        self.loads_done = 0
         self.load_failures = 0
-        self.saved = 0
+        self.objects_saved = 0
         self.save_backlog = save_backlog
         self.backlog = 0  # payload bytes gathered, not yet in the tiers (under _lock)
-        self.skipped = 0  # objects not saved because the backlog was full
+        self.saves_skipped = 0  # objects not saved because the backlog was full
         self._skipping = False  # in a run of skipped steps (one warning a run)
         self._jobs: queue.Queue[_Batch | None] = queue.Queue()
         self._thread = threading.Thread(target=self._write_loop, name="kvarena-save", daemon=True)
@@ -175,7 +175,7 @@ class WorkerSide:
             assert payload is not None
             groups = self.kv_groups if kind is ImageKind.KV_BLOCK else self.state_groups
             self._scatter(groups, copy, payload)
-        self.loaded += 1
+        self.loads_done += 1
 
     def received(self) -> tuple[set[str], set[str]]:
         """Requests whose load ran since the last call, and those of them that failed."""
@@ -216,7 +216,7 @@ class WorkerSide:
         if full:
             # Skipped whole, before any copy: a lookup finds none of it (the
             # scheduler learns of an object only once a tier holds it).
-            self.skipped += len(kv) + len(state)
+            self.saves_skipped += len(kv) + len(state)
             if not self._skipping:
                 log.warning(
                     "kvarena: saves skipped: %d bytes wait for the tiers and %d more would "
@@ -260,8 +260,8 @@ class WorkerSide:
             for tier in hosted:  # the host tier's evictions come back as names alone
                 self._added += names
                 self._dropped += evicted.get(tier, [])
-            self._saved += [prefix for *_, prefix in jobs]
-        self.saved += len(objects)
+            self._saved_names += [prefix for *_, prefix in jobs]
+        self.objects_saved += len(objects)
 
     def flush(self) -> None:
         """Wait until every queued save is in the tiers."""
@@ -269,15 +269,15 @@ class WorkerSide:
 
     def report(self) -> WorkerReport | None:
         with self._lock:
-            if not (self._added or self._dropped or self._saved or self._failed):
+            if not (self._added or self._dropped or self._saved_names or self._failed):
                 return None
             report = WorkerReport(
                 host_added=self._added,
                 host_dropped=self._dropped,
-                saved=self._saved,
+                saved=self._saved_names,
                 failed=self._failed,
             )
-            self._added, self._dropped, self._saved, self._failed = [], [], [], []
+            self._added, self._dropped, self._saved_names, self._failed = [], [], [], []
         return report
 
     def close(self) -> None:
