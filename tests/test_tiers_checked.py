@@ -7,6 +7,7 @@ import contextlib
 
 import pytest
 
+from kvarena.errors import InvalidValueError
 from kvarena.tiers import DiskTier, HostTier, TierStack
 from kvarena.tiers.checked import Expectations, fetch_checked, object_span
 from kvarena.tiers.image import ImageKind, TierObject, object_name, read_header
@@ -96,3 +97,45 @@ def test_a_corrupt_object_below_everything_is_a_failure(stack):
     assert got.payloads == [None] and got.failed == [obj.name]
     assert [(r.tier, r.reason) for r in got.rejected] == [("disk", "checksum")]
     assert disk.contains_many([obj.name]) == [False]
+
+
+def test_a_write_through_in_progress_does_not_hold_up_a_fetch(tmp_path):
+    """The background writer's disk write must not make a load wait: while a
+    write-through sits inside a tier's put, the stack still serves a fetch."""
+    import threading
+
+    entered, release = threading.Event(), threading.Event()
+
+    class SlowDisk(DiskTier):
+        def put_many(self, objects, *, want_evicted=True):
+            entered.set()
+            release.wait()
+            return super().put_many(objects, want_evicted=want_evicted)
+
+    host, disk = HostTier(1 << 20, unit_bytes=4096), SlowDisk(tmp_path / "d", 1 << 20)
+    stack = TierStack([host, disk])
+    try:
+        host.put_many([_kv(5, 3)])
+        writer = threading.Thread(target=stack.write_through, args=([_kv(6, 4)],))
+        writer.start()
+        assert entered.wait(20)  # a bound for a broken build, not a race
+        got: list = []
+        reader = threading.Thread(target=lambda: got.append(stack.fetch(0, [_kv(5, 3).name])))
+        reader.start()
+        reader.join(20)
+        served = not reader.is_alive()
+        release.set()
+        writer.join(20)
+        reader.join(20)
+        assert served, "the fetch waited for the write-through's disk write"
+        assert got and got[0][0] is not None
+    finally:
+        release.set()
+        stack.close()
+
+
+def test_a_hint_that_names_no_tier_is_refused(stack):
+    wanted = [(_kv(1, 1).name, EXPECT.kv(_key(1), 1))]
+    for bad in ([2], [-1], [0, 0]):
+        with pytest.raises(InvalidValueError, match="first"):
+            fetch_checked(stack, wanted, first=bad)

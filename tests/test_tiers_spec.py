@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvarena.errors import InvalidValueError
 from kvarena.tiers import SPEC_FORMS, TierSpec, TierSpecError
 from kvarena.tiers.disk import DiskTier
 from kvarena.tiers.host import HostTier
@@ -76,3 +77,8 @@ def test_a_spec_opens_its_tier(tmp_path):
     finally:
         host.close()
         disk.close()
+
+
+def test_a_share_of_no_parts_is_refused():
+    with pytest.raises(InvalidValueError, match="parts"):
+        TierSpec.parse("host:1GiB").share(0)

@@ -23,6 +23,7 @@ import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ..errors import InvalidValueError
 from .host import HostTier
 from .image import Expected, ImageKind, ImageMismatch, TierObject, decode, encode
 from .stack import TierStack
@@ -125,6 +126,11 @@ def fetch_checked(
     kept open by ``held`` until the caller has copied them out): one copy,
     host to device; without it every payload is a tier's own copy."""
     start = list(first) if first is not None else [0] * len(wanted)
+    if len(start) != len(wanted) or not all(0 <= t < len(stack) for t in start):
+        raise InvalidValueError(
+            f"fetch_checked: first must name a tier (0..{len(stack) - 1}) for each of the "
+            f"{len(wanted)} objects, got {start[:8]}"
+        )
     out: list[memoryview | None] = [None] * len(wanted)
     rejected: list[Rejected] = []
     left = list(range(len(wanted)))

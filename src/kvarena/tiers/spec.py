@@ -12,7 +12,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from ..checks import parse_bytes
+from ..checks import check_count, parse_bytes
 from ..errors import Error, InvalidValueError
 from .base import Tier
 from .disk import DiskTier
@@ -86,6 +86,7 @@ class TierSpec:
     def share(self, parts: int, *, directory: str | None = None) -> TierSpec:
         """This tier's ``1/parts`` share (a host or disk size divided; a shared
         store is shared whole), in ``directory`` where given (disk)."""
+        parts = check_count(parts, "TierSpec.share: parts", lo=1)
         if self.size is None:
             return self
         return dataclasses.replace(

@@ -138,12 +138,15 @@ class TierStack:
             self.seconds[i] += time.perf_counter() - start
             batch = evicted if below else []  # (names alone otherwise: nothing goes down)
 
-    @synchronized
     def write_through(self, objects: Sequence[TierObject]) -> dict[str, list[str]]:
         """Store every object in every tier, top first (a restarted engine finds
         on disk, another engine in the shared store, what this one computed,
         without waiting for an eviction); nothing evicted goes down, since every
-        tier below has it already. Returns each tier's evicted names."""
+        tier below has it already. Returns each tier's evicted names.
+
+        Unlike the other calls it does not hold the stack's lock across the
+        tiers' I/O (each tier locks itself): a background writer must never make
+        a load on the engine's step wait for a whole disk or network write."""
         batch = list(objects)
         evicted: dict[str, list[str]] = {}
         for i, tier in enumerate(self.tiers):
@@ -152,7 +155,8 @@ class TierStack:
             start = time.perf_counter()
             batch = tier.stored(batch)  # sealed once for the first tier that needs it
             gone = tier.put_many(batch, want_evicted=False)
-            self.seconds[i] += time.perf_counter() - start
+            with self._lock:
+                self.seconds[i] += time.perf_counter() - start
             evicted[self.names[i]] = [o.name for o in gone]
         return evicted
 

@@ -70,9 +70,7 @@ class WorkerSide:
             kv_bytes=payload_bytes(self.kv_groups),
             state_bytes=payload_bytes(self.state_groups),
         )
-        self.namespace = namespace
         self.tiers = tiers
-        self.block_size = block_size
         self.runs: dict[int, list[BlockRun]] = {}  # each group's layers, as runs of pages
         self._errors: set[int] = set()
         self._received: set[str] = set()  # requests whose load ran (or failed) this step
