@@ -270,8 +270,8 @@ def bench_redis(payloads: list[bytes], port: int, rounds: int) -> dict[str, floa
 def bench_host(payloads: list[bytes], rounds: int) -> dict[str, float]:
     size = len(payloads[0])
     total = len(payloads) * size
-    unit = images(payloads[:1], 0)[0][0].logical_bytes
-    tier = HostTier(unit * len(payloads), unit_bytes=unit)
+    frame = images(payloads[:1], 0)[0][0].logical_bytes
+    tier = HostTier(frame * len(payloads), frame_bytes=frame)
     # The raw copy's destination is memory of the tier's kind (an anonymous
     # mapping advised to huge pages): a plain np.empty takes 4 KiB pages here and
     # copies into it measured 0.65x as fast, which would flatter the tier.

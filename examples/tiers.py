@@ -33,8 +33,8 @@ def main() -> None:
         for i, prompt in enumerate(prompts):  # more history than the device holds
             adm = pc.admit(i, prompt)
             # ... the model computes the prompt here, writing KV and state ...
-            for boundary in adm.checkpoints:
-                pc.checkpoint(i, boundary)
+            for point in adm.checkpoints:
+                pc.checkpoint(i, point)
             pc.commit(i, prompt.size)
             pc.finish(i)
         hit = pc.lookup(prompts[0])

@@ -56,3 +56,28 @@ def test_the_python_examples_run(page, tmp_path, monkeypatch):
         if reason is None:
             exec(compile(code, f"{page.name}:{line}", "exec"), namespace)
     assert set(namespace) - {"__name__", "__builtins__"}, "the examples defined nothing"
+
+
+def vocabulary(path: Path) -> list[str]:
+    """The rows of the page's ``| word | meaning |`` table."""
+    lines = path.read_text().split("\n")
+    start = lines.index("| word | meaning |")
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append(line)
+    return rows
+
+
+def test_one_vocabulary_and_every_name_in_it_exists():
+    """The README's table is the concepts page's (one table, two places a reader
+    starts), and every code name it gives is defined in the package: a rename
+    that leaves the table behind fails here."""
+    rows = vocabulary(ROOT / "README.md")
+    assert rows == vocabulary(ROOT / "docs" / "concepts" / "road.md")
+    source = "\n".join(p.read_text() for p in (ROOT / "src" / "kvarena").rglob("*.py"))
+    for row in rows:
+        for name in re.findall(r"`([A-Za-z_][A-Za-z0-9_.]*)`", row):
+            leaf = name.split(".")[-1]
+            assert re.search(rf"\b{re.escape(leaf)}\b", source), f"{name!r} ({row[:40]}...)"

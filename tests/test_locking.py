@@ -26,7 +26,7 @@ def fine_switching():
 
 
 def test_threads_share_one_prefix_cache_and_its_tiers(tmp_path, fine_switching):
-    host = HostTier(8 * 1024, unit_bytes=512)
+    host = HostTier(8 * 1024, frame_bytes=512)
     disk = DiskTier(tmp_path, 48 * 1024)
     pc = make(TierStack([host, disk]), budget=40 * 1024)
     base = prompts(4, length=24, seed=3)

@@ -30,7 +30,7 @@ NS = b'{"model":"t"}'
 
 
 def _stack(kv: set[int], state: set[int]) -> TierStack:
-    stack = TierStack([HostTier(1 << 20, unit_bytes=512)])
+    stack = TierStack([HostTier(1 << 20, frame_bytes=512)])
     objects = [
         encode(
             kind=ImageKind.KV_BLOCK,

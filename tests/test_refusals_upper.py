@@ -66,7 +66,7 @@ CALLS = st.lists(
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(calls=CALLS)
 def test_refused_calls_change_no_book(calls):
-    pc = make(TierStack([HostTier(8 * 1024, unit_bytes=512)]), budget=24 * 1024)
+    pc = make(TierStack([HostTier(8 * 1024, frame_bytes=512)]), budget=24 * 1024)
     for call in calls:
         name, *args = call
         before = books(pc)

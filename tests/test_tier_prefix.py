@@ -75,7 +75,7 @@ def prompts(n: int, length: int = 40, seed: int = 0) -> list[np.ndarray]:
 
 
 def test_evictions_write_back_and_hits_come_back_byte_exact(tmp_path):
-    host = HostTier(16 * 1024, unit_bytes=512)
+    host = HostTier(16 * 1024, frame_bytes=512)
     disk = DiskTier(tmp_path, 1 << 20)
     pc = make(TierStack([host, disk]))
     ps = prompts(12)
@@ -237,7 +237,7 @@ def test_a_miss_costs_one_small_probe_per_tier(tmp_path):
             Counting.probed += len(names)
             return super().contains_many(names)
 
-    pc = make(TierStack([Counting(16 * 1024, unit_bytes=512)]), budget=64 * 1024)
+    pc = make(TierStack([Counting(16 * 1024, frame_bytes=512)]), budget=64 * 1024)
     long = np.arange(4 * 400)  # 400 blocks, none anywhere
     assert pc.lookup(long).tokens == 0
     assert Counting.probed == 32  # one window, not one name per block

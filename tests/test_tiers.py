@@ -157,15 +157,15 @@ def test_elided_images_load_only_into_caches_without_bytes():
     ops=st.lists(
         st.tuples(st.sampled_from("pgd"), st.integers(0, 15), st.integers(1, 7200)), max_size=80
     ),
-    unit=st.sampled_from([512, 800, 2048]),
+    frame=st.sampled_from([512, 800, 2048]),
 )
-def test_host_tier_matches_an_lru_model(ops, unit):
-    tier = HostTier(16384, unit_bytes=unit)
+def test_host_tier_matches_an_lru_model(ops, frame):
+    tier = HostTier(16384, frame_bytes=frame)
     model: OrderedDict[str, bytes] = OrderedDict()
-    cap_units = 16384 // unit
+    cap_frames = 16384 // frame
 
-    def units(n: int) -> int:
-        return -(-n // unit)
+    def frames(n: int) -> int:
+        return -(-n // frame)
 
     for op, i, size in ops:
         name = f"o{i}"
@@ -176,11 +176,11 @@ def test_host_tier_matches_an_lru_model(ops, unit):
                 model.move_to_end(name)
                 assert evicted == []
                 continue
-            if units(size) > cap_units:
+            if frames(size) > cap_frames:
                 assert evicted == [] and name not in model
                 continue
             expect = []
-            while sum(units(len(v)) for v in model.values()) + units(size) > cap_units:
+            while sum(frames(len(v)) for v in model.values()) + frames(size) > cap_frames:
                 old, v = model.popitem(last=False)
                 expect.append((old, v))
             assert [(e.name, e.to_bytes()) for e in evicted] == expect
@@ -201,10 +201,10 @@ def test_host_tier_matches_an_lru_model(ops, unit):
 def test_host_tier_refuses_nonsense_at_the_door():
     for kwargs, words in (
         ({"capacity_bytes": 0}, "capacity_bytes"),
-        ({"capacity_bytes": 1000, "unit_bytes": 2000}, "smaller than one unit"),
-        ({"capacity_bytes": 1 << 20, "unit_bytes": 64}, "unit_bytes must be"),
-        ({"capacity_bytes": 1 << 20, "unit_bytes": 1}, "unit_bytes must be"),
-        ({"capacity_bytes": 1 << 40, "unit_bytes": 512}, "use units of at least 65,536 B"),
+        ({"capacity_bytes": 1000, "frame_bytes": 2000}, "smaller than one frame"),
+        ({"capacity_bytes": 1 << 20, "frame_bytes": 64}, "frame_bytes must be"),
+        ({"capacity_bytes": 1 << 20, "frame_bytes": 1}, "frame_bytes must be"),
+        ({"capacity_bytes": 1 << 40, "frame_bytes": 512}, "use frames of at least 65,536 B"),
         ({"capacity_bytes": 1 << 20, "pin_memory": 1}, "pin_memory"),
     ):
         with pytest.raises(InvalidValueError, match=words):
@@ -349,13 +349,13 @@ def test_tier_specs_are_checked(tmp_path):
     with pytest.raises(InvalidValueError, match="tape"):
         TierStack.from_specs(["host:1MiB", "tape:1GiB"])
     stack = TierStack([HostTier(1 << 20), HostTier(1 << 20)])
-    assert stack.names == ["host", "host2"]
+    assert stack.labels == ["host", "host2"]
 
 
 def test_stack_cascades_evictions_down(tmp_path):
     objs = [image(key=bytes([i]) * 16, payload=(bytes([i]) * 1000,))[0] for i in range(4)]
     size = objs[0].logical_bytes
-    host = HostTier(2 * size, unit_bytes=size)
+    host = HostTier(2 * size, frame_bytes=size)
     disk = DiskTier(tmp_path, 10 * size)
     stack = TierStack([host, disk])
     stack.write_back(objs)
@@ -371,7 +371,7 @@ def test_evictions_come_back_with_their_bytes_or_as_names_alone(tmp_path, kind):
     size = objs[0].logical_bytes
     for want in (True, False):
         where = tmp_path / f"{kind}-{want}"
-        tier = HostTier(2 * size, unit_bytes=size) if kind == "host" else DiskTier(where, 2 * size)
+        tier = HostTier(2 * size, frame_bytes=size) if kind == "host" else DiskTier(where, 2 * size)
         try:
             first = tier.put_many(objs[:2], want_evicted=want)
             evicted = tier.put_many(objs[2:], want_evicted=want)  # one batch: its own first go
@@ -388,14 +388,14 @@ def test_evictions_come_back_with_their_bytes_or_as_names_alone(tmp_path, kind):
             tier.close()
 
 
-def test_host_object_split_over_units_apart_reads_back_whole():
+def test_host_object_split_over_frames_apart_reads_back_whole():
     import numpy as np
 
-    unit = 1024
-    tier = HostTier(4 * unit, unit_bytes=unit)
-    fill = [TierObject(f"f{i}", (bytes([i]) * unit,), unit) for i in range(4)]
+    frame = 1024
+    tier = HostTier(4 * frame, frame_bytes=frame)
+    fill = [TierObject(f"f{i}", (bytes([i]) * frame,), frame) for i in range(4)]
     tier.put_many(fill, want_evicted=False)
-    tier.delete_many(["f1", "f3"])  # free units 1 and 3: apart
+    tier.delete_many(["f1", "f3"])  # free frames 1 and 3: apart
     grid = np.arange(1200, dtype=np.uint8).reshape(40, 30)  # a 2-D buffer: 1,200 bytes
     obj = TierObject("split", (b"head" * 100, memoryview(grid)), 1600)
     assert tier.put_many([obj], want_evicted=False) == []

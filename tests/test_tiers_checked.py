@@ -31,7 +31,7 @@ def _bytes(obj: TierObject) -> bytes:
 
 @pytest.fixture
 def stack(tmp_path):
-    s = TierStack([HostTier(1 << 20, unit_bytes=4096), DiskTier(tmp_path / "d", 1 << 20)])
+    s = TierStack([HostTier(1 << 20, frame_bytes=4096), DiskTier(tmp_path / "d", 1 << 20)])
     yield s
     s.close()
 
@@ -72,7 +72,7 @@ def test_a_failing_object_is_dropped_and_taken_from_the_tier_below(stack):
         if held is not None:  # the host's copy was dropped by the first fetch
             assert got.rejected == []
             continue
-        assert [(r.tier, r.name, r.reason) for r in got.rejected] == [("host", good.name, "namespace")]
+        assert [(r.label, r.name, r.reason) for r in got.rejected] == [("host", good.name, "namespace")]
         assert got.dropped_hosted == [good.name]
         assert host.contains_many([good.name]) == [False]
 
@@ -95,7 +95,7 @@ def test_a_corrupt_object_below_everything_is_a_failure(stack):
     disk.put_many([TierObject(obj.name, (bytes(raw),), len(raw))])
     got = fetch_checked(stack, [(obj.name, EXPECT.kv(_key(4), 4))])
     assert got.payloads == [None] and got.failed == [obj.name]
-    assert [(r.tier, r.reason) for r in got.rejected] == [("disk", "checksum")]
+    assert [(r.label, r.reason) for r in got.rejected] == [("disk", "checksum")]
     assert disk.contains_many([obj.name]) == [False]
 
 
@@ -112,7 +112,7 @@ def test_a_write_through_in_progress_does_not_hold_up_a_fetch(tmp_path):
             release.wait()
             return super().put_many(objects, want_evicted=want_evicted)
 
-    host, disk = HostTier(1 << 20, unit_bytes=4096), SlowDisk(tmp_path / "d", 1 << 20)
+    host, disk = HostTier(1 << 20, frame_bytes=4096), SlowDisk(tmp_path / "d", 1 << 20)
     stack = TierStack([host, disk])
     try:
         host.put_many([_kv(5, 3)])

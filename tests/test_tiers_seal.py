@@ -77,7 +77,7 @@ def test_an_unsealed_image_is_refused_unless_read_from_trusted_memory():
 
 
 def test_host_holds_unsealed_and_disk_seals_what_it_is_handed(tmp_path):
-    host = HostTier(1 << 20, unit_bytes=4096)
+    host = HostTier(1 << 20, frame_bytes=4096)
     disk = DiskTier(tmp_path / "d", 1 << 20)
     assert host.trusted and not disk.trusted
     stack = TierStack([host, disk])
@@ -110,13 +110,13 @@ def test_borrow_reads_in_place_under_the_lock_and_copies_a_split_object(tmp_path
 
     from kvarena.tiers import TierObject
 
-    host = HostTier(16 * 4096, unit_bytes=4096)
+    host = HostTier(16 * 4096, frame_bytes=4096)
     objs = [TierObject(f"o{i}", (bytes([i]) * 4000,), 4000) for i in range(3)]
     host.put_many(objs)
-    host.delete_many(["o1"])  # frees unit 1: the next two-unit object is split (1, 3)
+    host.delete_many(["o1"])  # frees frame 1: the next two-frame object is split (1, 3)
     split = TierObject("split", (b"s" * 8000,), 8000)
     host.put_many([split])
-    assert host._units["split"] == [1, 3]
+    assert host._frames["split"] == [1, 3]
     names = ["o0", "split", "missing", "o2"]
     copies = host.get_many(names)
     with host.borrow(names) as views:
@@ -130,7 +130,7 @@ def test_borrow_reads_in_place_under_the_lock_and_copies_a_split_object(tmp_path
         other = threading.Thread(target=lambda: taken.append(host._lock.acquire(blocking=False)))
         other.start()
         other.join()
-        assert taken == [False]  # no put can reuse the units while they are borrowed
+        assert taken == [False]  # no put can reuse the frames while they are borrowed
     host.check_books()
 
 

@@ -69,7 +69,7 @@ def test_a_share_divides_sizes_and_moves_a_directory(tmp_path):
 
 
 def test_a_spec_opens_its_tier(tmp_path):
-    host = TierSpec.parse("host:1MiB").open(unit_bytes=4096)
+    host = TierSpec.parse("host:1MiB").open(frame_bytes=4096)
     disk = TierSpec.parse(f"disk:{tmp_path}/d:2MiB").open()
     try:
         assert isinstance(host, HostTier) and host.capacity_bytes == 1 << 20

@@ -54,9 +54,9 @@ def test_each_rank_opens_its_share_of_the_tiers_in_a_directory_of_its_own(tmp_pa
         f"disk:{tmp_path}/kv/tp1:{50 << 30}",
         "redis://store:6379",
     )
-    stack = TierStack.from_specs(got[:2], unit_bytes=64 << 10)  # what a worker opens
+    stack = TierStack.from_specs(got[:2], frame_bytes=64 << 10)  # what a worker opens
     try:
-        assert stack.names == ["host", "disk"]
+        assert stack.labels == ["host", "disk"]
     finally:
         stack.close()
 

@@ -22,7 +22,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from kvarena.errors import Error
-from kvarena.integrations.vllm.connector import _host_unit
+from kvarena.integrations.vllm.connector import _host_frame
 from kvarena.integrations.vllm.groups import classify, namespace_json
 from kvarena.integrations.vllm.settings import (
     ConnectorConfigError,
@@ -51,8 +51,9 @@ pytestmark = pytest.mark.usefixtures("vllm_in_process")
         ({"tiers": ["host:1GiB", "host:2GiB"]}, "['tiers'][1]"),
         ({"tiers": [3]}, "['tiers'][0]"),
         ({"tiers": ["host:1GiB"], "namespace": 7}, "'namespace'"),
-        ({"tiers": ["host:1GiB"], "host_unit_bytes": 100}, "'host_unit_bytes'"),
-        ({"tiers": ["host:1GiB"], "host_unit_bytes": True}, "'host_unit_bytes'"),
+        ({"tiers": ["host:1GiB"], "host_frame_bytes": 100}, "'host_frame_bytes'"),
+        ({"tiers": ["host:1GiB"], "host_frame_bytes": True}, "'host_frame_bytes'"),
+        ({"tiers": ["host:1GiB"], "host_unit_bytes": 4096}, "is now 'host_frame_bytes'"),
         ({"tiers": ["host:1GiB"], "layout": "BLHNC"}, "'layout'"),
         ({"tiers": ["host:1GiB"], "layout": None}, "'layout'"),
         ({"tiers": ["host:1GiB"], "save_backlog": 0}, "'save_backlog'"),
@@ -113,9 +114,9 @@ def config(*specs):
     )
 
 
-def test_the_host_unit_is_one_kv_block_image_unless_given():
-    """By default a KV block's image takes exactly one host unit (no unit wasted
-    on the header and namespace's few bytes past a round size); a state image a
+def test_the_host_frame_is_one_kv_block_image_unless_given():
+    """By default a KV block's object takes exactly one host frame (no frame wasted
+    on the header and namespace's few bytes past a round size); a state object a
     run of them; the settings' value wins; no attention layer: the tier's default."""
     cfg = config(mamba(), attention(), attention())
     groups = classify(cfg)
@@ -123,14 +124,14 @@ def test_the_host_unit_is_one_kv_block_image_unless_given():
     ns = b'{"rank":0}' * 30
     block = 2 * (32 * 2 * 2 * 64 * 2)  # two attention layers' blocks
     assert payload_bytes(kv) == block
-    unit = _host_unit(ConnectorSettings.parse({"tiers": ["host:1MiB"]}), groups, ns)
-    assert unit == HEAD_BYTES + len(ns) + block
-    tier = HostTier(10 * unit, unit_bytes=unit)
-    assert tier._units_for(unit) == 1 and tier._units_for(unit + 1) == 2
-    given = ConnectorSettings.parse({"tiers": ["host:1MiB"], "host_unit_bytes": 4096})
-    assert _host_unit(given, groups, ns) == 4096
+    frame = _host_frame(ConnectorSettings.parse({"tiers": ["host:1MiB"]}), groups, ns)
+    assert frame == HEAD_BYTES + len(ns) + block
+    tier = HostTier(10 * frame, frame_bytes=frame)
+    assert tier._frames_for(frame) == 1 and tier._frames_for(frame + 1) == 2
+    given = ConnectorSettings.parse({"tiers": ["host:1MiB"], "host_frame_bytes": 4096})
+    assert _host_frame(given, groups, ns) == 4096
     states = classify(config(mamba()))
-    assert _host_unit(ConnectorSettings.parse({"tiers": ["host:1MiB"]}), states, ns) == 64 << 10
+    assert _host_frame(ConnectorSettings.parse({"tiers": ["host:1MiB"]}), states, ns) == 64 << 10
 
 
 def test_groups_are_kv_or_state_and_others_are_refused_by_name():

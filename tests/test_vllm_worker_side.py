@@ -28,7 +28,7 @@ K = [bytes([i]) * 16 for i in range(1, 5)]
 def worker(tmp_path):
     kc, caches = allocation("LBHNC", states=1)
     groups = classify(kc)
-    tiers = TierStack([HostTier(8 << 20, unit_bytes=64 << 10), DiskTier(tmp_path / "d", 64 << 20)])
+    tiers = TierStack([HostTier(8 << 20, frame_bytes=64 << 10), DiskTier(tmp_path / "d", 64 << 20)])
     w = WorkerSide(
         groups=groups, namespace=NS, tiers=tiers, block_size=BLOCK_SIZE, save_backlog=1 << 30
     )
@@ -123,7 +123,7 @@ def test_a_rank_reports_what_it_saved_and_failed_by_the_prefix_objects_name(tmp_
     skip it whichever shard failed."""
     kc, caches = allocation("LBHNC", states=1)
     w = WorkerSide(
-        groups=classify(kc), namespace=NS, tiers=TierStack([HostTier(8 << 20, unit_bytes=64 << 10)]),
+        groups=classify(kc), namespace=NS, tiers=TierStack([HostTier(8 << 20, frame_bytes=64 << 10)]),
         block_size=BLOCK_SIZE, rank=1, ranks=2, save_backlog=1 << 30,
     )
     try:

@@ -140,17 +140,17 @@ class PrefixCache:
         return self.pool.blocks_of(key) is not None
 
     def _has_image(self, keys: list[bytes], b: int) -> bool:
-        """Whether the device holds a READY image at boundary ``b``."""
+        """Whether the device holds a READY image at resume point ``b``."""
         if b < 1:
             return False
         key = keys[b - 1]
         return key not in self._copying and self.pool.blocks_of(image_key(key)) is not None
 
     def _image_at(self, keys: list[bytes], b: int) -> Image | None:
-        """The device's READY image at boundary ``b``, or None."""
+        """The device's READY image at resume point ``b``, or None."""
         if not self._has_image(keys, b):
             return None
-        return Image(key=keys[b - 1], boundary=b, state=ImageState.READY, pool=self.pool)
+        return Image(key=keys[b - 1], resume_point=b, state=ImageState.READY, pool=self.pool)
 
     def _answer(
         self, tokens: np.ndarray, keys: list[bytes], skip: frozenset[str] = frozenset()
@@ -181,7 +181,7 @@ class PrefixCache:
             lambda b: b in tier_state or self._has_image(keys, b),
         )
         image = self._image_at(keys, cand) if self.has_state else None
-        names = self.tiers.names
+        names = self.tiers.labels
         image_source = None
         if self.has_state and cand:
             image_source = "device" if image is not None else names[tier_state[cand]]
@@ -311,9 +311,11 @@ class PrefixCache:
         adm.committed = max(adm.committed, n)
 
     @synchronized
-    def checkpoint(self, request: Hashable, boundary: int, *, event: object = None) -> Image | None:
-        """Keep an image of the request's state, which holds the state at ``boundary``
-        blocks, keyed by that prefix. None when one exists already or no units fit.
+    def checkpoint(
+        self, request: Hashable, resume_point: int, *, event: object = None
+    ) -> Image | None:
+        """Keep an image of the request's state, which holds the state after
+        ``resume_point`` blocks, keyed by that prefix. None when one exists already or no units fit.
 
         The image is visible to lookups once its bytes are written: at once on the
         CPU; on CUDA when ``event`` (by default one recorded right after the copy)
@@ -321,7 +323,7 @@ class PrefixCache:
         adm = self.running(request)
         if self.spec is None:
             raise InvalidValueError("this cache keeps no images (it needs PAGE and STATE fields)")
-        b = check_count(boundary, "checkpoint: boundary", lo=1, hi=len(adm.keys))
+        b = check_count(resume_point, "checkpoint: resume_point", lo=1, hi=len(adm.keys))
         key = adm.keys[b - 1]
         self.placement.kept(key)
         if self.pool.blocks_of(image_key(key)) is not None:
@@ -337,7 +339,7 @@ class PrefixCache:
             event.record()
         pool.cache(image_key(key), units, tag=b, after=key)
         self._settle()
-        img = Image(key=key, boundary=b, state=ImageState.COPYING, pool=pool, event=event)
+        img = Image(key=key, resume_point=b, state=ImageState.COPYING, pool=pool, event=event)
         self._copying[key] = img
         adm.images.append(img)  # held while the request runs, like its blocks
         self.poll()

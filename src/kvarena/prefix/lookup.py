@@ -54,7 +54,7 @@ class TierFinds:
 
     kv_end: int
     kv: dict[int, int]  # block index -> tier index
-    state: dict[int, int]  # boundary -> tier index
+    state: dict[int, int]  # resume point -> level of the tier holding its image
 
 
 def locate_in_tiers(

@@ -39,7 +39,7 @@ class Image:
     asked of the pool, so a boundary move that relocates them needs no word here."""
 
     key: bytes
-    boundary: int  # in blocks
+    resume_point: int  # in blocks
     state: ImageState
     pool: BlockAllocator = field(repr=False)
     event: Any = None  # a CUDA event while COPYING on a device; None on CPU

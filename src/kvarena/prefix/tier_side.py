@@ -77,20 +77,20 @@ class TierLoads:
         """Fetch and check every tier object ``hit`` uses and ``good`` lacks, into
         ``good``; an object that fails is deleted and counted. Returns the names
         no tier served (the caller answers again without them)."""
-        tier_of = {n: i for i, n in enumerate(self.tiers.names)}
+        level_of = {n: i for i, n in enumerate(self.tiers.labels)}
         wanted: list[tuple[str, Expected]] = []
         first: list[int] = []
         for i, src in enumerate(hit.sources):
             name = object_name(ImageKind.KV_BLOCK, keys[i])
             if src != "device" and name not in good:
                 wanted.append((name, self.expect.kv(keys[i], i)))
-                first.append(tier_of[src])
+                first.append(level_of[src])
         if hit.image_source not in (None, "device"):
             b = hit.tokens // self.block_size
             name = object_name(ImageKind.STATE, keys[b - 1])
             if name not in good:
                 wanted.append((name, self.expect.state(keys[b - 1], b)))
-                first.append(tier_of[hit.image_source])  # type: ignore[index]
+                first.append(level_of[hit.image_source])  # type: ignore[index]
         got = fetch_checked(self.tiers, wanted, first=first)
         rejected = self.metrics.tier_rejected
         for r in got.rejected:

@@ -120,9 +120,9 @@ class _TraceRun:
         self.trace, self.cfg, self.checkpoints = trace, cfg, checkpoints
         plan = plan_cache(model, budget_bytes=cfg.budget_bytes, max_seqs=cfg.max_seqs)
         device = torch.device("cpu" if cfg.verify else "meta")
-        # A host tier's unit is one KV block's image, so a block takes exactly one.
-        unit = object_bytes(plan_namespace(plan).to_json(), plan.block_bytes)
-        self.tiers = TierStack.from_specs(cfg.tiers, unit_bytes=unit)
+        # A host tier's frame is one KV block's object, so a block takes exactly one.
+        frame = object_bytes(plan_namespace(plan).to_json(), plan.block_bytes)
+        self.tiers = TierStack.from_specs(cfg.tiers, frame_bytes=frame)
         try:
             self.pc = PrefixCache(
                 plan, device, policy=cfg.policy, reuse=cfg.reuse, tiers=self.tiers

@@ -90,7 +90,7 @@ class Expectations:
 class Rejected:
     """An object a tier held that failed its checks (deleted from that tier)."""
 
-    tier: str
+    label: str
     name: str
     reason: str  # ImageMismatch.reason
     detail: str
@@ -109,7 +109,7 @@ class Fetched:
 
     @property
     def dropped_hosted(self) -> list[str]:
-        return [r.name for r in self.rejected if r.tier.startswith("host")]
+        return [r.name for r in self.rejected if r.label.startswith("host")]
 
 
 def fetch_checked(
@@ -119,30 +119,30 @@ def fetch_checked(
     first: Sequence[int] | None = None,
     held: contextlib.ExitStack | None = None,
 ) -> Fetched:
-    """Each ``(name, expectation)`` from the first tier at or below ``first[i]``
-    (default: the top) that holds a good one.
+    """Each ``(name, expectation)`` from the first tier at or below level
+    ``first[i]`` (default: 0, the top) that holds a good one.
 
     With ``held``, a host tier lends its objects in place (``HostTier.borrow``,
     kept open by ``held`` until the caller has copied them out): one copy,
     host to device; without it every payload is a tier's own copy."""
     start = list(first) if first is not None else [0] * len(wanted)
-    if len(start) != len(wanted) or not all(0 <= t < len(stack) for t in start):
+    if len(start) != len(wanted) or not all(0 <= x < len(stack) for x in start):
         raise InvalidValueError(
-            f"fetch_checked: first must name a tier (0..{len(stack) - 1}) for each of the "
+            f"fetch_checked: first must name a level (0..{len(stack) - 1}) for each of the "
             f"{len(wanted)} objects, got {start[:8]}"
         )
     out: list[memoryview | None] = [None] * len(wanted)
     rejected: list[Rejected] = []
     left = list(range(len(wanted)))
-    for t, tier in enumerate(stack.tiers):
-        asking = [j for j in left if start[j] <= t]
+    for level, tier in enumerate(stack.tiers):
+        asking = [j for j in left if start[j] <= level]
         if not asking:
             continue
         names = [wanted[j][0] for j in asking]
         if held is not None and isinstance(tier, HostTier):
             got: Sequence[object] = held.enter_context(tier.borrow(names))
         else:
-            got = stack.fetch(t, names)
+            got = stack.fetch(level, names)
         served, bad = set(), []
         for j, data in zip(asking, got, strict=True):
             if data is None:
@@ -153,10 +153,10 @@ def fetch_checked(
                 served.add(j)
             except ImageMismatch as exc:
                 rejected.append(
-                    Rejected(tier=stack.names[t], name=name, reason=exc.reason, detail=str(exc))
+                    Rejected(label=stack.labels[level], name=name, reason=exc.reason, detail=str(exc))
                 )
                 bad.append(name)
         if bad:
-            stack.drop(t, bad)
+            stack.drop(level, bad)
         left = [j for j in left if j not in served]
     return Fetched(payloads=out, failed=[wanted[j][0] for j in left], rejected=rejected)

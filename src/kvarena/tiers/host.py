@@ -1,13 +1,13 @@
-"""The host tier: one allocation of host memory, carved into units.
+"""The host tier: one allocation of host memory, carved into frames.
 
 One buffer, allocated once (pinned where the cache is on CUDA, so device
-copies into and out of it run at DMA speed), split into fixed units; an object
-takes as many units as its logical size needs, lowest free ids first, so it
+copies into and out of it run at DMA speed), split into fixed frames; an object
+takes as many frames as its logical size needs, lowest free ids first, so it
 usually lands in one contiguous run and moves with one copy. Its own
 allocator (:class:`~kvarena.pools.free_ids.FreeIds`) and LRU: no per-object
 Python allocation while serving.
 
-A unit count sized by logical bytes means an elided image (bookkeeping
+A frame count sized by logical bytes means an elided image (bookkeeping
 replays) holds the room its payload would, while writing only its header: the
 buffer is an anonymous mapping, so pages never written cost no memory.
 """
@@ -28,18 +28,18 @@ from ..pools.free_ids import FreeIds
 from .base import IndexedTier
 from .image import TierObject
 
-DEFAULT_UNIT_BYTES = 64 << 10
-MIN_UNIT_BYTES = 512
-MAX_UNITS = 1 << 24
+DEFAULT_FRAME_BYTES = 64 << 10
+MIN_FRAME_BYTES = 512
+MAX_FRAMES = 1 << 24
 """The tier's books (a free-id set and heap, an LRU entry per object) cost about
-100 B a unit in Python: units of at least 512 B keep them under a fifth of the
-tier, and at most 16M units under 2 GB whatever the capacity."""
+100 B a frame in Python: frames of at least 512 B keep them under a fifth of the
+tier, and at most 16M frames under 2 GB whatever the capacity."""
 
 
-def _runs(units: list[int]) -> list[tuple[int, int]]:
-    """Consecutive runs of ``units`` as (first, count)."""
+def _runs(frames: list[int]) -> list[tuple[int, int]]:
+    """Consecutive runs of ``frames`` as (first, count)."""
     out: list[tuple[int, int]] = []
-    for u in units:
+    for u in frames:
         if out and out[-1][0] + out[-1][1] == u:
             out[-1] = (out[-1][0], out[-1][1] + 1)
         else:
@@ -51,34 +51,34 @@ class HostTier(IndexedTier):
     kind = "host"
 
     def __init__(
-        self, capacity_bytes: int, *, unit_bytes: int = DEFAULT_UNIT_BYTES, pin_memory: bool = False
+        self, capacity_bytes: int, *, frame_bytes: int = DEFAULT_FRAME_BYTES, pin_memory: bool = False
     ) -> None:
         capacity = check_bytes(capacity_bytes, "host tier: capacity_bytes", lo=1)
-        unit = check_bytes(unit_bytes, "host tier: unit_bytes", lo=MIN_UNIT_BYTES)
-        if capacity // unit > MAX_UNITS:
-            smallest = -(-capacity // MAX_UNITS)
+        frame = check_bytes(frame_bytes, "host tier: frame_bytes", lo=MIN_FRAME_BYTES)
+        if capacity // frame > MAX_FRAMES:
+            smallest = -(-capacity // MAX_FRAMES)
             raise InvalidValueError(
-                f"host tier: {capacity:,} B in units of {unit:,} B is {capacity // unit:,} units, "
-                f"more than {MAX_UNITS:,} (its books would outgrow it); use units of at least "
+                f"host tier: {capacity:,} B in frames of {frame:,} B is {capacity // frame:,} frames, "
+                f"more than {MAX_FRAMES:,} (its books would outgrow it); use frames of at least "
                 f"{smallest:,} B"
             )
-        if unit > capacity:
+        if frame > capacity:
             raise InvalidValueError(
-                f"host tier: capacity {capacity:,} B is smaller than one unit ({unit:,} B)"
+                f"host tier: capacity {capacity:,} B is smaller than one frame ({frame:,} B)"
             )
         if not isinstance(pin_memory, bool):
             raise InvalidValueError(f"host tier: pin_memory must be a bool, got {pin_memory!r}")
-        units = capacity // unit
-        super().__init__(units * unit)
-        self.unit_bytes = unit
-        self.num_units = units
+        frames = capacity // frame
+        super().__init__(frames * frame)
+        self.frame_bytes = frame
+        self.num_frames = frames
         if pin_memory:
-            self._buf = torch.empty(units * unit, dtype=torch.uint8, pin_memory=True)
+            self._buf = torch.empty(frames * frame, dtype=torch.uint8, pin_memory=True)
         else:
-            self._buf = aligned_zeros(units * unit, 4096, torch.device("cpu"))
+            self._buf = aligned_zeros(frames * frame, 4096, torch.device("cpu"))
         self._mv = memoryview(self._buf.numpy()).cast("B")  # type: ignore[arg-type]
-        self._free = FreeIds(range(units))
-        self._units: dict[str, list[int]] = {}
+        self._free = FreeIds(range(frames))
+        self._frames: dict[str, list[int]] = {}
         self._stored: dict[str, int] = {}
         self.pinned = pin_memory
 
@@ -87,31 +87,31 @@ class HostTier(IndexedTier):
         return True
 
     def describe(self) -> str:
-        return f"host {self._capacity:,} B ({self.num_units:,} units of {self.unit_bytes:,} B)"
+        return f"host {self._capacity:,} B ({self.num_frames:,} frames of {self.frame_bytes:,} B)"
 
-    def _units_for(self, logical: int) -> int:
-        return -(-logical // self.unit_bytes)
+    def _frames_for(self, logical: int) -> int:
+        return -(-logical // self.frame_bytes)
 
     def _read(self, name: str) -> memoryview:
-        """A copy of the object's bytes (never a view of the units: a later put may
+        """A copy of the object's bytes (never a view of the frames: a later put may
         reuse them while the caller still holds what it got)."""
         n = self._stored[name]
         dst = np.empty(n, dtype=np.uint8)  # every byte is written below: no zeroing pass
         out = memoryview(dst).cast("B")  # type: ignore[arg-type]
         pos = 0
-        for first, count in _runs(self._units[name]):
-            take = min(count * self.unit_bytes, n - pos)
+        for first, count in _runs(self._frames[name]):
+            take = min(count * self.frame_bytes, n - pos)
             if take <= 0:
                 break
-            start = first * self.unit_bytes
+            start = first * self.frame_bytes
             out[pos : pos + take] = self._mv[start : start + take]
             pos += take
         return out
 
-    def _write(self, units: list[int], parts: Sequence[bytes | memoryview]) -> int:
-        """Write ``parts`` into ``units`` in order; the bytes written."""
-        if units[-1] - units[0] == len(units) - 1:  # one run (units are sorted): the usual case
-            start = pos = units[0] * self.unit_bytes
+    def _write(self, frames: list[int], parts: Sequence[bytes | memoryview]) -> int:
+        """Write ``parts`` into ``frames`` in order; the bytes written."""
+        if frames[-1] - frames[0] == len(frames) - 1:  # one run (frames are sorted): the usual case
+            start = pos = frames[0] * self.frame_bytes
             mv = self._mv
             for part in parts:
                 if type(part) is bytes:
@@ -126,25 +126,25 @@ class HostTier(IndexedTier):
                     mv[pos : pos + n] = view
                 pos += n
             return pos - start
-        runs = _runs(units)
+        runs = _runs(frames)
         r, run_pos = 0, 0  # run index, bytes written into it
         for part in parts:
             src = memoryview(part).cast("B")  # memoryview slices copy with the least overhead
             pos = 0
             while pos < src.nbytes:
                 first, count = runs[r]
-                room = count * self.unit_bytes - run_pos
+                room = count * self.frame_bytes - run_pos
                 take = min(room, src.nbytes - pos)
-                start = first * self.unit_bytes + run_pos
+                start = first * self.frame_bytes + run_pos
                 self._mv[start : start + take] = src[pos : pos + take]
                 pos += take
                 run_pos += take
-                if run_pos == count * self.unit_bytes:
+                if run_pos == count * self.frame_bytes:
                     r, run_pos = r + 1, 0
         return sum(memoryview(p).nbytes for p in parts)  # (the rare path: every part's bytes)
 
     def _drop(self, name: str) -> None:
-        for u in self._units.pop(name):
+        for u in self._frames.pop(name):
             self._free.push(u)
         del self._stored[name]
         self._removed(name)
@@ -154,7 +154,7 @@ class HostTier(IndexedTier):
         self, objects: Sequence[TierObject], *, want_evicted: bool = True
     ) -> list[TierObject]:
         evicted: list[TierObject] = []
-        index, free, unit = self._index, self._free, self.unit_bytes
+        index, free, frame = self._index, self._free, self.frame_bytes
         metrics = self.metrics
         puts = written = 0
         for obj in objects:
@@ -162,16 +162,16 @@ class HostTier(IndexedTier):
             if name in index or logical > self._capacity or self.disabled is not None:
                 self._admit(obj)  # held (refreshed) or refused: counted there
                 continue
-            need = -(-logical // unit)
+            need = -(-logical // frame)
             while len(free) < need:
                 old = next(iter(index))
                 parts = (self._read(old),) if want_evicted else ()
                 evicted.append(TierObject(old, parts, index[old]))
                 self._drop(old)
                 metrics.evictions += 1
-            units = [free.pop()] if need == 1 else sorted(free.pop() for _ in range(need))
-            self._units[name] = units
-            self._stored[name] = self._write(units, obj.parts)
+            frames = [free.pop()] if need == 1 else sorted(free.pop() for _ in range(need))
+            self._frames[name] = frames
+            self._stored[name] = self._write(frames, obj.parts)
             index[name] = logical  # IndexedTier._added, inline: its counts are summed below
             self._used += logical
             puts += 1
@@ -185,10 +185,10 @@ class HostTier(IndexedTier):
 
     @contextlib.contextmanager
     def borrow(self, names: Sequence[str]) -> Iterator[list[memoryview | None]]:
-        """Each object's stored bytes, read in place where its units are one run
+        """Each object's stored bytes, read in place where its frames are one run
         (a copy where they are not), None where it is not held — valid only
         inside the ``with`` block, which holds the tier's lock: no put can
-        reuse the units while the caller copies out of them. The one-copy read
+        reuse the frames while the caller copies out of them. The one-copy read
         (host memory straight into a device tensor) of the loaders' hot path."""
         with self._lock:
             out: list[memoryview | None] = []
@@ -198,10 +198,10 @@ class HostTier(IndexedTier):
                     self.metrics.misses += 1
                     out.append(None)
                     continue
-                runs = _runs(self._units[name])
+                runs = _runs(self._frames[name])
                 n = self._stored[name]
                 if len(runs) == 1:
-                    start = runs[0][0] * self.unit_bytes
+                    start = runs[0][0] * self.frame_bytes
                     view = self._mv[start : start + n].toreadonly()
                 else:
                     view = self._read(name)
@@ -211,9 +211,9 @@ class HostTier(IndexedTier):
 
     @synchronized
     def check_books(self) -> None:
-        """Every unit is free or held by exactly one object (for tests)."""
-        held = [u for us in self._units.values() for u in us]
+        """Every frame is free or held by exactly one object (for tests)."""
+        held = [u for us in self._frames.values() for u in us]
         assert len(held) == len(set(held))
-        assert len(held) + len(self._free) == self.num_units
-        assert not set(held) & {u for u in range(self.num_units) if u in self._free}
+        assert len(held) + len(self._free) == self.num_frames
+        assert not set(held) & {u for u in range(self.num_frames) if u in self._free}
         assert self._used == sum(self._index.values())

@@ -16,7 +16,7 @@ from ..checks import check_count, parse_bytes
 from ..errors import Error, InvalidValueError
 from .base import Tier
 from .disk import DiskTier
-from .host import DEFAULT_UNIT_BYTES, HostTier
+from .host import DEFAULT_FRAME_BYTES, HostTier
 from .redis_tier import RedisTier
 
 SPEC_FORMS = "host:SIZE, disk:DIR:SIZE, redis://HOST:PORT[/DB], redis+cluster://HOST:PORT"
@@ -95,11 +95,11 @@ class TierSpec:
             directory=directory if directory is not None else self.directory,
         )
 
-    def open(self, *, unit_bytes: int = DEFAULT_UNIT_BYTES, pin_memory: bool = False) -> Tier:
+    def open(self, *, frame_bytes: int = DEFAULT_FRAME_BYTES, pin_memory: bool = False) -> Tier:
         """Open the tier (a directory is taken, a server connected to)."""
         if self.kind == "host":
             assert self.size is not None
-            return HostTier(self.size, unit_bytes=unit_bytes, pin_memory=pin_memory)
+            return HostTier(self.size, frame_bytes=frame_bytes, pin_memory=pin_memory)
         if self.kind == "disk":
             assert self.size is not None and self.directory is not None
             return DiskTier(self.directory, self.size)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from ..errors import InvalidValueError
 from ..locking import synchronized
 from .base import Tier
-from .host import DEFAULT_UNIT_BYTES
+from .host import DEFAULT_FRAME_BYTES
 from .image import TierObject
 from .spec import TierSpec
 
@@ -45,10 +45,10 @@ def first_holders(
 
 
 def parse_tier(
-    spec: str | TierSpec, *, unit_bytes: int = DEFAULT_UNIT_BYTES, pin_memory: bool = False
+    spec: str | TierSpec, *, frame_bytes: int = DEFAULT_FRAME_BYTES, pin_memory: bool = False
 ) -> Tier:
     """A tier from its spec (the CLI's ``--tier``); opens it."""
-    return TierSpec.parse(spec).open(unit_bytes=unit_bytes, pin_memory=pin_memory)
+    return TierSpec.parse(spec).open(frame_bytes=frame_bytes, pin_memory=pin_memory)
 
 
 class TierStack:
@@ -60,14 +60,14 @@ class TierStack:
             if not isinstance(t, Tier):
                 raise InvalidValueError(f"a tier stack holds Tier objects, got {t!r}")
         self.tiers = tiers
-        self.names = self._names(tiers)
+        self.labels = self._labels(tiers)
         # Wall time spent in each tier (probe, fetch, write-back), for reports.
         self.seconds = [0.0] * len(tiers)
         self._lock = threading.RLock()  # see kvarena.locking
 
     @classmethod
     def from_specs(
-        cls, specs: Sequence[str | TierSpec], *, unit_bytes: int = DEFAULT_UNIT_BYTES, pin_memory: bool = False
+        cls, specs: Sequence[str | TierSpec], *, frame_bytes: int = DEFAULT_FRAME_BYTES, pin_memory: bool = False
     ) -> TierStack:
         """Tiers opened from spec strings, in order; if one fails, those already
         opened are closed again and the error names the spec."""
@@ -76,7 +76,7 @@ class TierStack:
         opened: list[Tier] = []
         try:
             for spec in specs:
-                opened.append(parse_tier(spec, unit_bytes=unit_bytes, pin_memory=pin_memory))
+                opened.append(parse_tier(spec, frame_bytes=frame_bytes, pin_memory=pin_memory))
         except BaseException:
             for t in opened:
                 t.close()
@@ -84,13 +84,16 @@ class TierStack:
         return cls(opened)
 
     @staticmethod
-    def _names(tiers: list[Tier]) -> list[str]:
+    def _labels(tiers: list[Tier]) -> list[str]:
+        """Each tier's label, top first: its kind, numbered from the second of a
+        kind on (``host``, ``disk``, ``disk2``). A tier is the object, its level
+        its index in the stack, its label what logs, reports and metrics say."""
         out: list[str] = []
         for t in tiers:
-            name, n = t.kind, 2
-            while name in out:
-                name, n = f"{t.kind}{n}", n + 1
-            out.append(name)
+            label, n = t.kind, 2
+            while label in out:
+                label, n = f"{t.kind}{n}", n + 1
+            out.append(label)
         return out
 
     def __len__(self) -> int:
@@ -114,16 +117,16 @@ class TierStack:
         return first_holders(names, [functools.partial(timed, i) for i in range(len(self.tiers))])
 
     @synchronized
-    def fetch(self, tier: int, names: Sequence[str]) -> list[bytes | bytearray | memoryview | None]:
+    def fetch(self, level: int, names: Sequence[str]) -> list[bytes | bytearray | memoryview | None]:
         start = time.perf_counter()
         try:
-            return self.tiers[tier].get_many(names)
+            return self.tiers[level].get_many(names)
         finally:
-            self.seconds[tier] += time.perf_counter() - start
+            self.seconds[level] += time.perf_counter() - start
 
     @synchronized
-    def drop(self, tier: int, names: Sequence[str]) -> None:
-        self.tiers[tier].delete_many(names)
+    def drop(self, level: int, names: Sequence[str]) -> None:
+        self.tiers[level].delete_many(names)
 
     @synchronized
     def write_back(self, objects: Sequence[TierObject]) -> None:
@@ -157,7 +160,7 @@ class TierStack:
             gone = tier.put_many(batch, want_evicted=False)
             with self._lock:
                 self.seconds[i] += time.perf_counter() - start
-            evicted[self.names[i]] = [o.name for o in gone]
+            evicted[self.labels[i]] = [o.name for o in gone]
         return evicted
 
     @synchronized
@@ -178,5 +181,5 @@ class TierStack:
                 "seconds": round(sec, 6),
                 **t.metrics.to_dict(),
             }
-            for name, t, sec in zip(self.names, self.tiers, self.seconds, strict=True)
+            for name, t, sec in zip(self.labels, self.tiers, self.seconds, strict=True)
         ]

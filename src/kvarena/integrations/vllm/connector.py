@@ -27,7 +27,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...errors import Error
 from ...tiers import TierStack
-from ...tiers.host import DEFAULT_UNIT_BYTES, MIN_UNIT_BYTES
+from ...tiers.host import DEFAULT_FRAME_BYTES, MIN_FRAME_BYTES
 from ...tiers.image import object_bytes
 from .catalogue import Catalogue
 from .groups import Group, classify, namespace_json
@@ -69,15 +69,15 @@ def _identity(
     return groups, namespace, block_size, ranks
 
 
-def _host_unit(settings: ConnectorSettings, groups: list[Group], namespace: bytes) -> int:
-    """The host tier's unit: the settings' where given, else one KV block's image
+def _host_frame(settings: ConnectorSettings, groups: list[Group], namespace: bytes) -> int:
+    """The host tier's frame: the settings' where given, else one KV block's object
     on this rank (a model with no attention layer: the tier's default)."""
-    if settings.host_unit_bytes is not None:
-        return settings.host_unit_bytes
+    if settings.host_frame_bytes is not None:
+        return settings.host_frame_bytes
     kv = [g for g in groups if g.kind == "kv"]
     if not kv:
-        return DEFAULT_UNIT_BYTES
-    return max(MIN_UNIT_BYTES, object_bytes(namespace, payload_bytes(kv)))
+        return DEFAULT_FRAME_BYTES
+    return max(MIN_FRAME_BYTES, object_bytes(namespace, payload_bytes(kv)))
 
 
 def _tp_rank() -> int:
@@ -118,7 +118,7 @@ class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
             try:
                 specs = rank_tier_specs(settings.tiers, rank or 0, ranks)
                 tiers = TierStack.from_specs(
-                    specs, unit_bytes=_host_unit(settings, groups, namespace)
+                    specs, frame_bytes=_host_frame(settings, groups, namespace)
                 )
             except Error as exc:
                 raise ConnectorConfigError(f"kv_connector_extra_config['tiers']: {exc}") from None

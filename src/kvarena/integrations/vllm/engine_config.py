@@ -20,7 +20,7 @@ def kv_transfer_config(
     """``KVTransferConfig`` for :class:`~kvarena.integrations.vllm.KvarenaConnector`
     over ``tiers`` (``host:SIZE``, ``disk:DIR:SIZE``, ``redis://HOST:PORT``...);
     ``extra`` holds the other ``kv_connector_extra_config`` keys (``namespace``,
-    ``host_unit_bytes``). A failed load is recomputed (the only policy the
+    ``host_frame_bytes``). A failed load is recomputed (the only policy the
     connector takes: :func:`~.settings.check_failure_policy`)."""
     config = {"tiers": list(tiers), **extra}
     ConnectorSettings.parse(config)

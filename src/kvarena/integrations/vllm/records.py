@@ -25,7 +25,7 @@ class BlockCopy:
     index: int
     key: bytes
     blocks: tuple[int, ...]  # one block id per group of the object's kind
-    tier: int | None = None  # where the scheduler found it (loads only)
+    level: int | None = None  # the stack level the scheduler found it in (loads only)
 
 
 @dataclass(frozen=True, kw_only=True)

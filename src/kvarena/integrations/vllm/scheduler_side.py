@@ -32,7 +32,7 @@ class Found:
     """A lookup's answer, kept until vLLM allocates the blocks to load into."""
 
     local: int  # blocks vLLM holds itself
-    boundary: int  # blocks the request resumes after
+    resume_point: int  # blocks the request resumes after
     finds: TierFinds
     keys: list[bytes]
 
@@ -118,19 +118,19 @@ class SchedulerSide:
             device_image=lambda _b: False,
             skip=frozenset(self._failed),
         )
-        boundary = resume_point(
+        point = resume_point(
             finds.kv_end, bool(self.state_groups), lambda b: b in finds.state
         )
-        if boundary <= local:
+        if point <= local:
             return 0, False
         self._found[request.request_id] = Found(
-            local=local, boundary=boundary, finds=finds, keys=keys
+            local=local, resume_point=point, finds=finds, keys=keys
         )
         # Loaded between steps, never inside the forward that resumes from it:
         # vLLM copies a resumed request's Mamba state to its running block
         # before the step's loads start, so a load must have landed a step
         # earlier (the request waits for it, then is scheduled).
-        return boundary * bs - num_computed, True
+        return point * bs - num_computed, True
 
     def allocated(self, request: Any, block_ids: tuple[list[int], ...], external: int) -> None:
         rid = request.request_id
@@ -138,13 +138,13 @@ class SchedulerSide:
         found = self._found.pop(rid, None)
         if external == 0 or found is None:
             return
-        local, b, keys = found.local, found.boundary, found.keys
+        local, b, keys = found.local, found.resume_point, found.keys
         kv = tuple(
             BlockCopy(
                 index=i,
                 key=keys[i],
                 blocks=tuple(block_ids[g.index][i] for g in self.kv_groups),
-                tier=found.finds.kv.get(i),
+                level=found.finds.kv.get(i),
             )
             for i in (range(local, b) if self.kv_groups else ())
         )
@@ -154,7 +154,7 @@ class SchedulerSide:
                 index=b,
                 key=keys[b - 1],
                 blocks=tuple(block_ids[g.index][b - 1] for g in self.state_groups),
-                tier=found.finds.state.get(b),
+                level=found.finds.state.get(b),
             )
         load = Load(request=rid, kv=kv, state=state)
         if 0 in load.block_ids:
@@ -175,8 +175,8 @@ class SchedulerSide:
         load = next((x for x in self._loads if x.request == request.request_id), None)
         if load is None or tokens == 0:
             return {}
-        tiers = [c.tier for c in load.kv] + ([load.state.tier] if load.state is not None else [])
-        deepest = max((t for t in tiers if t is not None), default=None)
+        levels = [c.level for c in load.kv] + ([load.state.level] if load.state is not None else [])
+        deepest = max((x for x in levels if x is not None), default=None)
         kinds = self.catalogue.kinds
         return {kinds[deepest] if deepest is not None else "external": tokens}
 

@@ -16,11 +16,15 @@ from typing import Any
 from ...checks import parse_bytes
 from ...errors import Error
 from ...tiers import SPEC_FORMS, TierSpec, TierSpecError
-from ...tiers.host import MIN_UNIT_BYTES
+from ...tiers.host import MIN_FRAME_BYTES
 
-KEYS = ("tiers", "namespace", "host_unit_bytes", "layout", "save_backlog")
+KEYS = ("tiers", "namespace", "host_frame_bytes", "layout", "save_backlog")
 """Every key the connector reads; any other key is refused (a typo must not
 silently turn a tier off)."""
+
+RENAMED = {"host_unit_bytes": "host_frame_bytes"}
+"""Keys an earlier release read, refused with the name that replaced them (a
+renamed key silently ignored would change what the engine does)."""
 
 
 LAYOUTS = ("auto", "block-major", "engine")
@@ -46,11 +50,11 @@ class ConnectorSettings:
     mean — for two checkpoints that vLLM cannot tell apart (same path, no
     revision), or to keep two fleets apart on one store.
 
-    ``host_unit_bytes``: the host tier's allocation unit. By default (None) one
-    KV block's image on this rank, so a block takes exactly one unit and a state
-    image a run of them with less than a unit to spare; a fixed 64 KiB would
-    give a 256 KiB block's image (its header and namespace make it a little
-    more) five units, a fifth of them empty.
+    ``host_frame_bytes``: the host tier's allocation frame. By default (None) one
+    KV block's object on this rank, so a block takes exactly one frame and a state
+    object a run of them with less than a frame to spare; a fixed 64 KiB would
+    give a 256 KiB block's object (its header and namespace make it a little
+    more) five frames, a fifth of them empty.
 
     ``layout``: the KV cache layout the connector asks vLLM for. ``auto``
     (default): the block-major ``BLHNC`` (a block of every layer of a group is
@@ -68,7 +72,7 @@ class ConnectorSettings:
 
     tiers: tuple[TierSpec, ...]
     namespace: str = ""
-    host_unit_bytes: int | None = None
+    host_frame_bytes: int | None = None
     layout: str = "auto"
     save_backlog: int = 1 << 30
 
@@ -79,6 +83,11 @@ class ConnectorSettings:
             extra = {}
         if not isinstance(extra, Mapping):
             raise ConnectorConfigError(f"{where} must be a mapping, got {type(extra).__name__}")
+        for old, new in RENAMED.items():
+            if old in extra:
+                raise ConnectorConfigError(
+                    f"{where}[{old!r}] is now {new!r} (same meaning); rename the key"
+                )
         unknown = sorted(str(k) for k in extra if k not in KEYS)
         if unknown:
             raise ConnectorConfigError(
@@ -116,15 +125,15 @@ class ConnectorSettings:
                 f"{where}['namespace'] must be a string of at most 256 characters, "
                 f"got {namespace!r:.80}"
             )
-        unit = extra.get("host_unit_bytes")
-        if unit is not None and (
-            isinstance(unit, bool)
-            or not isinstance(unit, int)
-            or not MIN_UNIT_BYTES <= unit <= 1 << 30
+        frame = extra.get("host_frame_bytes")
+        if frame is not None and (
+            isinstance(frame, bool)
+            or not isinstance(frame, int)
+            or not MIN_FRAME_BYTES <= frame <= 1 << 30
         ):
             raise ConnectorConfigError(
-                f"{where}['host_unit_bytes'] must be an integer in {MIN_UNIT_BYTES}..2**30 (or absent: "
-                f"one KV block's image), got {unit!r}"
+                f"{where}['host_frame_bytes'] must be an integer in {MIN_FRAME_BYTES}..2**30 "
+                f"(or absent: one KV block's object), got {frame!r}"
             )
         layout = extra.get("layout", "auto")
         if layout not in LAYOUTS:
@@ -144,7 +153,7 @@ class ConnectorSettings:
         return cls(
             tiers=tuple(specs),
             namespace=namespace,
-            host_unit_bytes=unit,
+            host_frame_bytes=frame,
             layout=layout,
             save_backlog=backlog_bytes,
         )

@@ -113,7 +113,7 @@ class WorkerSide:
             held=held,
         )
         for r in got.rejected:
-            log.warning("kvarena: %s in %s: %s", r.name, r.tier, r.detail)
+            log.warning("kvarena: %s in %s: %s", r.name, r.label, r.detail)
         prefix_of = dict(zip(names, prefixes, strict=True))
         with self._lock:
             self._dropped += got.dropped_hosted  # nobody should trip on them again
@@ -252,12 +252,12 @@ class WorkerSide:
         objects = [self.expect.encode(kind, c.key, c.index, parts) for kind, c, parts, _ in jobs]
         evicted = self.tiers.write_through(objects)
         names = [o.name for o in objects]
-        tiers = zip(self.tiers.names, self.tiers.tiers, strict=True)
-        hosted = [name for name, t in tiers if t.kind == "host"]
+        tiers = zip(self.tiers.labels, self.tiers.tiers, strict=True)
+        hosted = [label for label, t in tiers if t.kind == "host"]
         with self._lock:
-            for tier in hosted:  # the host tier's evictions come back as names alone
+            for label in hosted:  # the host tier's evictions come back as names alone
                 self._added += names
-                self._dropped += evicted.get(tier, [])
+                self._dropped += evicted.get(label, [])
             self._saved_names += [prefix for *_, prefix in jobs]
         self.objects_saved += len(objects)
 
