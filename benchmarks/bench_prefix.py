@@ -39,11 +39,11 @@ from _workloads import WORKLOADS, write_workload
 
 from kvarena import ServingOptions, model_cache, plan_cache
 from kvarena.models import ModelCache
+from kvarena.models.vllm_pages import VllmPages
 from kvarena.prefix import DEFAULT_POLICY, CheckpointPolicy, PrefixCache
 from kvarena.replay import ReplayConfig, ReplayResult, load_trace, replay
 from kvarena.replay.clairvoyant import clairvoyant_bound
 from kvarena.replay.policies import infinite_bound
-from kvarena.report import vllm_unification
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 MODEL = "qwen3-next-80b-a3b"
@@ -65,8 +65,8 @@ def _row(task: tuple[str, str, int, int, int, str]) -> tuple[str, ReplayResult]:
     model = model_cache(MODEL, options)
     cfg = ReplayConfig(budget_bytes=budget, max_seqs=max_seqs)
     if name == "vLLM align":
-        v = vllm_unification(model, budget, max_seqs)
-        bs = v["attention_block_tokens"] if v else model.block_size
+        v = VllmPages.of(model, budget, max_seqs)
+        bs = v.attention_block_tokens if v else model.block_size
         vm = model_cache(MODEL, replace(options, block_size=bs))
         align = CheckpointPolicy(end=True, branch=False, learn=False)
         return name, replay(vm, trace, replace(cfg, policy=align), label=f"vLLM align ({bs})")

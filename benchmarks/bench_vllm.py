@@ -9,7 +9,7 @@ shared between requests. Each hash id is expanded here into ``--tokens-per-hash`
 token ids (drawn from a generator seeded by the id, below the model's
 vocabulary), so prompts keep the trace's sharing at a length a CPU prefills in
 seconds; outputs are capped at ``--max-out`` tokens. The requests run one at a
-time, in trace order, through a tiny random model (``kvarena.testing.vllm_models``:
+time, in trace order, through a tiny random model (``kvarena.integrations.transformers.tiny.SERVED``:
 Qwen3-Next by default, Gated DeltaNet + attention) with a device KV budget
 (``--device-kv``) far below the slice's history, so vLLM's own prefix cache
 keeps little of it:
@@ -89,7 +89,7 @@ def engine(model: Path, device_kv: int, tiers: list[str] | None, max_len: int):
     from vllm import LLM
 
     from kvarena.integrations.vllm import kv_transfer_config
-    from kvarena.testing.vllm_models import engine_args
+    from kvarena.testing.vllm_engine import engine_args
 
     kw = {}
     if tiers is not None:
@@ -274,13 +274,13 @@ def side_by_side(model_kind: str, device_kv: str, out: int, rounds: int) -> dict
 
 def main() -> None:
     from kvarena.checks import parse_bytes
-    from kvarena.testing.vllm_models import _COMMON, TINY, save_tiny
+    from kvarena.integrations.transformers.tiny import SERVED, SERVED_COMMON, save_tiny
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", default=str(TRACE))
     ap.add_argument("--requests", type=int, default=240)
     ap.add_argument("--tokens-per-hash", type=int, default=32)
-    ap.add_argument("--model", default="qwen3_next", choices=sorted(TINY))
+    ap.add_argument("--model", default="qwen3_next", choices=sorted(SERVED))
     ap.add_argument("--device-kv", default="20MiB")
     ap.add_argument("--max-out", type=int, default=8)
     ap.add_argument("--prefix", type=int, default=4096, help="the shared-prefix TTFT row's prefix")
@@ -292,7 +292,7 @@ def main() -> None:
     work_dir = Path(tempfile.mkdtemp(prefix="kvarena-bench-vllm-"))
     model = save_tiny(args.model, work_dir)
     work = prompts(
-        Path(args.trace), args.requests, args.tokens_per_hash, _COMMON["vocab_size"], args.max_out
+        Path(args.trace), args.requests, args.tokens_per_hash, SERVED_COMMON["vocab_size"], args.max_out
     )
     history = sum(len(p) for p, _ in work)
     max_len = max(len(p) + n for p, n in work) + 64

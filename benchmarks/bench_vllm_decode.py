@@ -14,7 +14,7 @@ worker threads have gone back to sleep. Each round's ratios (output tokens/s
 from the first token to the last) are taken under the same minute of the
 machine; the row is their median.
 
-The engines: vLLM alone; vLLM with :mod:`kvarena.testing.vllm_noop`'s
+The engines: vLLM alone; vLLM with ``noop_connector.py``'s (beside it)
 connector, which does nothing, so what vLLM itself does for any connector is
 measured apart; vLLM with kvarena's connector over a host tier; and kvarena
 again with the CPU cores bound as vLLM alone binds them. vLLM's CPU platform
@@ -34,12 +34,20 @@ import json
 import os
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 # Set before vLLM is imported: one engine-core process per engine.
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+# The no-op connector lives beside this file; vLLM's engine-core process
+# imports it by module path, so the folder goes on that process's path too.
+HERE = str(Path(__file__).resolve().parent)
+sys.path.insert(0, HERE)
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (HERE, os.environ.get("PYTHONPATH", "")) if p
+)
 
 PAUSE_S = 0.3
 """Between requests: longer than the OpenMP workers of the engine just used
@@ -62,11 +70,11 @@ BOUND = "1"
 def engine(model: Path, device_kv: int, which: str, max_len: int):
     """One engine. Its engine-core and worker processes read the environment when
     they start, so a binding set here for one engine is that engine's alone."""
+    from noop_connector import noop_transfer_config
     from vllm import LLM
 
     from kvarena.integrations.vllm import kv_transfer_config
-    from kvarena.testing.vllm_models import engine_args
-    from kvarena.testing.vllm_noop import noop_transfer_config
+    from kvarena.testing.vllm_engine import engine_args
 
     kw: dict = {}
     if which.startswith("kvarena"):
@@ -170,10 +178,10 @@ def report(r: dict) -> str:
 
 def main() -> None:
     from kvarena.checks import parse_bytes
-    from kvarena.testing.vllm_models import TINY, save_tiny
+    from kvarena.integrations.transformers.tiny import SERVED, save_tiny
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="qwen3_next", choices=sorted(TINY))
+    ap.add_argument("--model", default="qwen3_next", choices=sorted(SERVED))
     ap.add_argument("--rounds", type=int, default=16)
     ap.add_argument("--out", type=int, default=128, help="output tokens per request")
     ap.add_argument("--prompt", type=int, default=256, help="prompt tokens per request")

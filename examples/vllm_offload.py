@@ -60,7 +60,7 @@ def run(llm, prompt: list[int]) -> tuple[list[int], int]:
 
 
 def main() -> None:
-    from kvarena.testing.vllm_models import save_tiny
+    from kvarena.integrations.transformers.tiny import save_tiny
 
     work = tempfile.mkdtemp(prefix="kvarena-vllm-")
     model = str(save_tiny("qwen3_next", work))

@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 import kvarena as kv
 from kvarena.layout import layout_rows
 from kvarena.layout.fields import checkpoint_ranges_for
+from kvarena.models.vllm_pages import VllmPages
 from kvarena.pictures.bands import Band, Bar, memory_map
 from kvarena.pools import PoolBudgetError
-from kvarena.report import vllm_unification
 
 
 def _check_tiling(bar):
@@ -70,20 +70,20 @@ def test_presets(preset, tp):
         pytest.skip(f"{preset} does not plan at TP {tp}")
     plan = kv.plan_cache(model, budget_bytes=80 << 30, max_seqs=64)
     mm = _check_plan(plan)
-    v = vllm_unification(model, plan.budget_bytes, plan.max_seqs)
+    v = VllmPages.of(model, plan.budget_bytes, plan.max_seqs)
     assert bool(mm.vllm) == (v is not None)
     if v:
         buffer, page = mm.vllm
         pad = [b for b in buffer.bands if b.kind == "padding"]
-        assert sum(b.nbytes for b in pad) == v["padding_bytes_at_max_seqs"]
-        assert page.total == v["page_bytes"]
+        assert sum(b.nbytes for b in pad) == v.padding_bytes_at_max_seqs
+        assert page.total == v.page_bytes
         assert [b.nbytes for b in page.bands] == [
-            n for n in (v["state_page_bytes"], v["state_page_padding_bytes"]) if n
+            n for n in (v.state_page_bytes, v.state_page_padding_bytes) if n
         ]
         attention = [b for b in buffer.bands if b.kind == "attention pages"]
-        g = v["group_size"]
+        g = v.group_size
         assert (
-            attention[0].nbytes == (v["num_block_ids"] - v["state_block_ids"]) * g * v["page_bytes"]
+            attention[0].nbytes == (v.num_block_ids - v.state_block_ids) * g * v.page_bytes
         )
 
 

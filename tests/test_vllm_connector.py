@@ -5,7 +5,7 @@ cold; warm after ``reset_prefix_cache`` (hits can only come from the tiers); in
 a restarted engine over the same disk tier; in another engine that shares only
 the Redis store; after every disk object is corrupted (vLLM recomputes); and
 under another namespace (no hit). Greedy outputs must equal the reference in
-every run; the models' logits are peaked (``kvarena.testing.vllm_models``) so
+every run; the models' logits are peaked (``kvarena.integrations.transformers.tiny.SERVED``) so
 no near-tie can excuse a difference.
 
 The engines run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the
@@ -24,7 +24,8 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 
-from kvarena.testing.vllm_models import engine_args, save_tiny  # noqa: E402
+from kvarena.integrations.transformers.tiny import save_tiny  # noqa: E402
+from kvarena.testing.vllm_engine import engine_args  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("vllm_in_process")
 
@@ -178,11 +179,11 @@ def test_saves_past_the_backlog_are_skipped_and_cost_only_misses(models, caplog)
     skipped whole (nothing gathered, nothing found later); the next prompt's one
     block fits and is saved. Warm after ``reset_prefix_cache``: the first prompt
     computes everything, the second resumes at its block, tokens as cold."""
-    from kvarena.testing.vllm_models import _COMMON, TINY
+    from kvarena.integrations.transformers.tiny import SERVED, SERVED_COMMON
 
     block = 32
-    one_block = 2 * 2 * block * _COMMON["num_key_value_heads"] * _COMMON["head_dim"]
-    one_block *= TINY["llama"]["num_hidden_layers"]
+    one_block = 2 * 2 * block * SERVED_COMMON["num_key_value_heads"] * SERVED_COMMON["head_dim"]
+    one_block *= SERVED["llama"]["num_hidden_layers"]
     llm = engine(
         models["llama"], block_size=block, tiers=["host:16MiB"], extra={"save_backlog": one_block}
     )

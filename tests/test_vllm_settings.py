@@ -238,8 +238,8 @@ def test_an_engine_with_a_bad_config_is_refused_at_start(tmp_path):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
+    from kvarena.integrations.transformers.tiny import save_tiny
     from kvarena.integrations.vllm import kv_transfer_config
-    from kvarena.testing.vllm_models import save_tiny
 
     with pytest.raises(ConnectorConfigError, match=r"\['tiers'\]\[0\]"):
         kv_transfer_config(["host:lots"])  # the helper refuses before any engine exists

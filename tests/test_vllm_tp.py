@@ -24,7 +24,8 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 
-from kvarena.testing.vllm_models import engine_args, save_tiny  # noqa: E402
+from kvarena.integrations.transformers.tiny import save_tiny  # noqa: E402
+from kvarena.testing.vllm_engine import engine_args  # noqa: E402
 
 CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 pytestmark = pytest.mark.skipif(len(CORES) < 2, reason="two ranks need two usable cores")

@@ -16,8 +16,7 @@ from typing import Any
 from .checkpoint import CheckpointSpec
 from .checks import check_count
 from .layout import layout_fingerprint, layout_rows
-from .layout.regions import align_up
-from .models import ModelCache
+from .models.vllm_pages import VllmPages
 from .pools import CachePlan
 from .transfer.descriptors import per_layer_descriptor_count
 
@@ -51,51 +50,9 @@ def _fields(fields) -> dict[str, Any]:
     }
 
 
-def vllm_unification(m: ModelCache, budget: int, max_seqs: int) -> dict[str, Any] | None:
-    """What vLLM's hybrid page unification forces for the same budget.
-
-    vLLM gives every layer one page size: the attention block grows until one
-    layer's page holds one layer's state (rounded to the kernel's block
-    multiple: 16, or 64 for MLA), and state pages are padded to it. Layers are
-    grouped ``g = min(attention layers, state layers)`` to a group; every
-    group shares ``g`` page tensors, so a block id costs ``g`` pages, a request
-    holds one block id per state group (per rollback copy), and each block of
-    tokens needs one block id per attention group. This models vLLM v1's
-    HybridKVCacheCoordinator (vllm/v1/core/kv_cache_utils.py and
-    Platform._align_hybrid_block_size); the per-layer numbers match those
-    recorded in model_cache_facts.json.
-    """
-    if not m.is_hybrid or not m.kv_bytes_per_token_per_layer:
-        return None
-    per_token = m.kv_bytes_per_token_per_layer
-    state_page = m.state_bytes_per_layer
-    block = align_up(-(-state_page // per_token), m.kernel_block_align)
-    page = block * per_token
-    g = min(m.attention_layers, m.recurrent_layers)
-    attn_groups = -(-m.attention_layers // g)
-    state_groups = -(-m.recurrent_layers // g)
-    num_blocks = budget // (g * page)
-    state_ids = max_seqs * state_groups * m.entries_per_req
-    tokens = max(0, num_blocks - state_ids) // attn_groups * block
-    # Padding: each state page's slack, plus whole pages of layer slots that a
-    # last, partly filled group leaves empty.
-    padding_per_request = m.entries_per_req * (
-        m.recurrent_layers * (page - state_page) + (state_groups * g - m.recurrent_layers) * page
-    )
-    return {
-        "attention_block_tokens": block,
-        "page_bytes": page,
-        "state_page_bytes": state_page,
-        "state_page_padding_bytes": page - state_page,
-        "group_size": g,
-        "attention_groups": attn_groups,
-        "state_groups": state_groups,
-        "num_block_ids": num_blocks,
-        "state_block_ids": state_ids,
-        "padding_bytes_at_max_seqs": padding_per_request * max_seqs,
-        "kv_token_capacity": tokens,
-        "fits_max_seqs": num_blocks >= state_ids,
-    }
+def _vllm(plan: CachePlan) -> dict[str, Any] | None:
+    v = VllmPages.of(plan.model, plan.budget_bytes, plan.max_seqs)
+    return v.to_dict() if v is not None else None
 
 
 def plan_report(plan: CachePlan, *, context_tokens: int = 32768) -> dict[str, Any]:
@@ -149,6 +106,6 @@ def plan_report(plan: CachePlan, *, context_tokens: int = 32768) -> dict[str, An
         "pools": plan.to_dict(),
         "checkpoint": checkpoint,
         "transfer_descriptors": transfer,
-        "vllm_unified": vllm_unification(m, plan.budget_bytes, plan.max_seqs),
+        "vllm_unified": _vllm(plan),
         "notes": list(m.notes),
     }

@@ -90,10 +90,10 @@ def replay(
     ] = None,
 ) -> None:
     """Replay a request trace through the real prefix cache and pools."""
+    from ..models.vllm_pages import VllmPages
     from ..replay import ReplayConfig, load_trace
     from ..replay import compare as compare_policies
     from ..replay import replay as run
-    from ..report import vllm_unification
 
     budget, options = _serving(memory, max_seqs, tp, kv_dtype, state_dtype, block_size, spec_tokens)
     if limit is not None:
@@ -122,8 +122,8 @@ def replay(
         )
     # A sweep draws a curve for every policy of the comparison, --compare or not.
     compare = compare or bool(out.budgets)
-    v = vllm_unification(m, cfg.budget_bytes, max_seqs) if compare else None
-    vm = model_cache(model, replace_options(options, v["attention_block_tokens"])) if v else None
+    v = VllmPages.of(m, cfg.budget_bytes, max_seqs) if compare else None
+    vm = model_cache(model, replace_options(options, v.attention_block_tokens)) if v else None
     if out.budgets:
         check_sweep(m, cfg, out.budgets, compare=compare, vllm_model=vm)
     requests = load_trace(trace, limit=limit)

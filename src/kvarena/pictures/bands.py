@@ -5,7 +5,7 @@ This is the pure half of ``kvarena plan --picture``: from a
 byte, and the drawing (:mod:`.memory_map`) only scales it. Every number comes
 from the walk the cache itself is carved with (:func:`~kvarena.layout.layout_rows`
 for an entry's fields, :class:`~kvarena.pools.PoolGeometry` for the buffer,
-:func:`~kvarena.report.vllm_unification` for vLLM's layout), so the picture
+:class:`~kvarena.models.vllm_pages.VllmPages` for vLLM's layout), so the picture
 cannot show a layout the cache would not hold.
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 from ..checkpoint import CheckpointSpec
 from ..errors import InvalidValueError
 from ..layout import layout_rows
+from ..models.vllm_pages import VllmPages
 from ..pools import CachePlan
-from ..report import vllm_unification
 
 KINDS = ("field", "padding", "unused", "blocks", "slots", "state pages", "attention pages")
 """What a band can be: a field, alignment padding, bytes nothing uses, or a pool's region."""
@@ -153,22 +153,22 @@ def buffer_bar(plan: CachePlan) -> Bar:
 
 def vllm_bars(plan: CachePlan) -> tuple[Bar, ...]:
     """vLLM's page-unified layout of the same budget (hybrid models only)."""
-    v = vllm_unification(plan.model, plan.budget_bytes, plan.max_seqs)
+    v = VllmPages.of(plan.model, plan.budget_bytes, plan.max_seqs)
     if v is None:
         return ()
-    g, page = v["group_size"], v["page_bytes"]
-    used_ids = min(v["num_block_ids"], v["state_block_ids"])
+    g, page = v.group_size, v.page_bytes
+    used_ids = min(v.num_block_ids, v.state_block_ids)
     state_region = used_ids * g * page
-    padding = v["padding_bytes_at_max_seqs"] if v["fits_max_seqs"] else 0
+    padding = v.padding_bytes_at_max_seqs if v.fits_max_seqs else 0
     padding = min(padding, state_region)
-    attn_region = (v["num_block_ids"] - used_ids) * g * page
+    attn_region = (v.num_block_ids - used_ids) * g * page
     pieces = [
         (
             "attention pages",
             "attention pages",
             0,
             attn_region,
-            f"{v['kv_token_capacity']:,} tokens in {v['attention_block_tokens']}-token blocks",
+            f"{v.kv_token_capacity:,} tokens in {v.attention_block_tokens}-token blocks",
         ),
         (
             "state pages",
@@ -188,8 +188,8 @@ def vllm_bars(plan: CachePlan) -> tuple[Bar, ...]:
     end = attn_region + state_region
     if end < plan.budget_bytes:
         pieces.append(("unused", "unused", end, plan.budget_bytes - end, ""))
-    notes = [f"padding at {plan.max_seqs} requests {v['padding_bytes_at_max_seqs']:,} B"]
-    if not v["fits_max_seqs"]:
+    notes = [f"padding at {plan.max_seqs} requests {v.padding_bytes_at_max_seqs:,} B"]
+    if not v.fits_max_seqs:
         notes.append(f"{plan.max_seqs} requests' state pages do not fit this budget")
     buffer = Bar(
         title=f"vLLM buffer: {plan.budget_bytes:,} B",
@@ -209,15 +209,15 @@ def vllm_bars(plan: CachePlan) -> tuple[Bar, ...]:
                     "one layer's state",
                     "field",
                     0,
-                    v["state_page_bytes"],
-                    f"{v['state_page_bytes']:,} B",
+                    v.state_page_bytes,
+                    f"{v.state_page_bytes:,} B",
                 )
             ],
         ),
         notes=(
-            f"attention block {v['attention_block_tokens']} tokens "
+            f"attention block {v.attention_block_tokens} tokens "
             f"(kvarena: {plan.block_size}); state page padding "
-            f"{v['state_page_padding_bytes']:,} B",
+            f"{v.state_page_padding_bytes:,} B",
         ),
     )
     return buffer, one_page

@@ -1,13 +1,23 @@
 """Tiny random models of each supported family, built from configs (no download).
 
-The tests, the demo, the examples and the benchmark generate with these:
+The tests, the demo, the examples and the benchmarks generate with these:
 small enough for a CPU in seconds, yet each with the family's layer mix
 (Gemma-3's sliding and global layers, Qwen3-Next's Gated DeltaNet beside
 attention, Nemotron-H's Mamba2 + attention + MLP layers...).
+
+Two sizes, one factory. :data:`TINY` models run in-process through
+transformers; :data:`SERVED` models are saved as vLLM loads them
+(:func:`save_tiny`: a config and safetensors, no tokenizer), at the smallest
+sizes vLLM's CPU kernels take (Gated DeltaNet head dims of 64; attention
+blocks a multiple of 32 tokens), their weights drawn wide (a normal of
+standard deviation 4 / sqrt(fan-in)) so the logits are peaked: greedy
+decoding then has no near-ties for bfloat16 rounding to flip, and "outputs
+identical" is a test that can fail only for a wrong byte.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -155,14 +165,62 @@ TINY: dict[str, dict[str, Any]] = {
 """model_type -> the config fields of its tiny model (over the common ones)."""
 
 
-def tiny_config(model_type: str, **overrides: Any) -> Any:
-    """The tiny config of ``model_type`` (a transformers ``PretrainedConfig``)."""
+SERVED_COMMON: dict[str, Any] = dict(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=8192,
+    tie_word_embeddings=False,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+SERVED: dict[str, dict[str, Any]] = {
+    "llama": dict(num_hidden_layers=2),
+    "qwen3_next": dict(
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+    ),
+    "granitemoehybrid": dict(
+        num_hidden_layers=4,
+        layer_types=["mamba", "attention", "mamba", "attention"],
+        mamba_n_heads=8,
+        mamba_d_head=32,
+        mamba_d_state=16,
+        mamba_n_groups=1,
+        mamba_expand=1,
+        mamba_d_conv=4,
+        num_local_experts=0,
+        shared_intermediate_size=512,
+    ),
+}
+"""model_type -> the config fields of its served tiny model (over SERVED_COMMON)."""
+
+
+def _config(sizes: dict[str, dict[str, Any]], common: dict[str, Any], model_type: str,
+            overrides: dict[str, Any]) -> Any:
     from transformers import AutoConfig
 
-    if model_type not in TINY:
-        raise KeyError(f"no tiny {model_type!r}; known: {', '.join(TINY)}")
-    fields = {**_COMMON, **TINY[model_type], **overrides}
-    return AutoConfig.for_model(model_type, **fields)
+    if model_type not in sizes:
+        raise KeyError(f"no tiny {model_type!r}; known: {', '.join(sizes)}")
+    return AutoConfig.for_model(model_type, **{**common, **sizes[model_type], **overrides})
+
+
+def tiny_config(model_type: str, **overrides: Any) -> Any:
+    """The tiny config of ``model_type`` (a transformers ``PretrainedConfig``)."""
+    return _config(TINY, _COMMON, model_type, overrides)
 
 
 def tiny_model(
@@ -176,3 +234,20 @@ def tiny_model(
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
+
+
+def save_tiny(model_type: str, directory: str | Path, *, seed: int = 0) -> Path:
+    """Save the served tiny ``model_type`` (a key of :data:`SERVED`) under
+    ``directory`` as vLLM loads it; returns the model's directory."""
+    from transformers import AutoModelForCausalLM
+
+    config = _config(SERVED, SERVED_COMMON, model_type, {})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 4.0 / p.shape[-1] ** 0.5)
+    out = Path(directory) / model_type
+    model.save_pretrained(out)
+    return out

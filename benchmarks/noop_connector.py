@@ -52,6 +52,6 @@ def noop_transfer_config() -> Any:
 
     return KVTransferConfig(
         kv_connector="NoopConnector",
-        kv_connector_module_path="kvarena.testing.vllm_noop",
+        kv_connector_module_path="noop_connector",
         kv_role="kv_both",
     )

@@ -1,4 +1,4 @@
-"""The connector that does nothing (``kvarena.testing.vllm_noop``), the decode
+"""The connector that does nothing (``benchmarks/noop_connector.py``), the decode
 benchmark's floor, through the real vLLM engine: vLLM loads it from
 configuration alone, its tokens equal vLLM alone's, and it never reports a hit
 (after ``reset_prefix_cache`` every prompt token is computed again). Runs in the
@@ -8,14 +8,24 @@ configuration alone, its tokens equal vLLM alone's, and it never reports a hit
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
 vllm = pytest.importorskip("vllm")
 
-from kvarena.testing.vllm_models import engine_args, save_tiny  # noqa: E402
+from kvarena.integrations.transformers.tiny import save_tiny  # noqa: E402
+from kvarena.testing.vllm_engine import engine_args  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("vllm_in_process")
+
+BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
+
+
+@pytest.fixture(autouse=True)
+def benchmarks_importable(monkeypatch):
+    """vLLM loads the connector by its module path: the benchmarks' folder on it."""
+    monkeypatch.syspath_prepend(BENCHMARKS)
 
 
 def run(llm, prompts):
@@ -32,10 +42,9 @@ def run(llm, prompts):
 
 
 def test_the_noop_connector_changes_no_token_and_finds_nothing(tmp_path):
+    from noop_connector import NoopConnector, noop_transfer_config
     from vllm import LLM
     from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
-
-    from kvarena.testing.vllm_noop import NoopConnector, noop_transfer_config
 
     model = save_tiny("llama", tmp_path)
     rng = random.Random(3)
