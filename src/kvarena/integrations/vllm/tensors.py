@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ...spans import coalesce
 from .groups import Group
 from .settings import ConnectorConfigError
 
@@ -126,30 +127,38 @@ class BlockRun:
         dst.copy_(src)
 
 
-def _continues(run: list[LayerBlocks], layer: LayerBlocks) -> bool:
-    """Whether ``layer``'s pages lie right behind ``run``'s in every block: the same
-    allocation, the same block stride, and all of them still inside one block."""
-    head, start = run[0], run[0].block_address()
-    at = layer.block_address()
-    if start is None or at is None or layer.raw.device != head.raw.device:
-        return False
-    if layer.raw.untyped_storage().data_ptr() != head.raw.untyped_storage().data_ptr():
-        return False
-    stride = head.raw.stride(0)
-    size = sum(x.block_bytes for x in run)
+def _runnable(layer: LayerBlocks, head: LayerBlocks) -> bool:
+    """Whether ``layer`` could share a run with ``head``: block pages in one
+    allocation on one device, at one block stride."""
     return (
-        layer.raw.stride(0) == stride and at == start + size and size + layer.block_bytes <= stride
+        layer.block_address() is not None
+        and head.block_address() is not None
+        and layer.raw.device == head.raw.device
+        and layer.raw.untyped_storage().data_ptr() == head.raw.untyped_storage().data_ptr()
+        and layer.raw.stride(0) == head.raw.stride(0)
     )
 
 
 def block_runs(layers: Sequence[LayerBlocks], *, num_blocks: int) -> list[BlockRun]:
-    """A group's layers, in order, joined into runs wherever their pages are adjacent."""
+    """A group's layers, in order, joined into runs wherever their pages are adjacent.
+
+    Adjacency is the copy engine's own rule (:func:`kvarena.spans.coalesce`):
+    each layer's page of block 0 is a span from its place in the object's
+    payload to its place in memory, and spans continuing each other on both
+    sides are one. A run never reaches past one block's stride, so block ``b``
+    of the run is one range for every ``b``."""
     runs: list[list[LayerBlocks]] = []
     for layer in layers:
-        if runs and _continues(runs[-1], layer):
-            runs[-1].append(layer)
-        else:
-            runs.append([layer])
+        if runs and _runnable(layer, runs[-1][0]):
+            joined = runs[-1] + [layer]
+            at = np.array([x.block_address() for x in joined], dtype=np.int64)
+            size = np.array([x.block_bytes for x in joined], dtype=np.int64)
+            payload = np.concatenate(([0], np.cumsum(size)[:-1]))
+            _, _, merged = coalesce(payload, at, size)
+            if merged.size == 1 and int(merged[0]) <= joined[0].raw.stride(0):
+                runs[-1] = joined
+                continue
+        runs.append([layer])
     return [BlockRun.of(run, num_blocks=num_blocks) for run in runs]
 
 
