@@ -142,8 +142,8 @@ def run(name: str, llm, work: list[tuple[list[int], int]]) -> dict:
     }
     try:  # the scheduler's half of the connector, in this process
         conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
-        row["connector_hit"] = conn._scheduler.hit_tokens
-        row["by_tier"] = dict(conn._scheduler.hit_tokens_by_tier)
+        row["connector_hit"] = conn._scheduler.telemetry.hit_tokens
+        row["by_tier"] = dict(conn._scheduler.telemetry.hit_tokens_by_tier)
     except AttributeError:
         row["connector_hit"], row["by_tier"] = 0, {}
     return row

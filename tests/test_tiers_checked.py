@@ -48,7 +48,12 @@ def test_the_span_rule():
 
 def test_write_through_puts_everything_everywhere_sealing_only_below_host(stack):
     objects = [_kv(i, i) for i in range(3)]
-    assert stack.write_through(objects) == {"host": [], "disk": []}
+    written = stack.write_through(objects)
+    assert written.evicted == {"host": [], "disk": []}
+    stored = sum(o.stored_bytes for o in objects)
+    assert written.nbytes["host"] == stored  # unsealed in host memory
+    assert written.nbytes["disk"] == sum(o.stored_bytes for o in stack.tiers[1].stored(objects))
+    assert set(written.seconds) == {"host", "disk"} and min(written.seconds.values()) >= 0
     host, disk = stack.tiers
     assert host.contains_many([o.name for o in objects]) == [True] * 3
     assert disk.contains_many([o.name for o in objects]) == [True] * 3
@@ -73,6 +78,9 @@ def test_a_failing_object_is_dropped_and_taken_from_the_tier_below(stack):
             assert got.rejected == []
             continue
         assert [(r.label, r.name, r.reason) for r in got.rejected] == [("host", good.name, "namespace")]
+        # what each tier was asked took, and the stored bytes it returned
+        assert got.read_bytes == {"host": foreign.stored_bytes, "disk": good.stored_bytes}
+        assert set(got.seconds) == {"host", "disk"}
         assert got.dropped_hosted == [good.name]
         assert host.contains_many([good.name]) == [False]
 

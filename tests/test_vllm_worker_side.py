@@ -56,6 +56,15 @@ def test_saved_objects_load_back_into_the_blocks_named(worker):
     report = w.report()
     names = [object_name(ImageKind.KV_BLOCK, K[0]), object_name(ImageKind.STATE, K[0])]
     assert report is not None and report.saved == names and report.host_added == names
+    # the write's part for the engine's metrics: one per step's saves, every tier
+    [write] = report.writes
+    stored = sum(len(x) for x in w.tiers.tiers[1].get_many(names))
+    assert write.key == names[0] and write.rank == 0
+    assert write.nbytes == {"host": stored, "disk": stored} and set(write.seconds) == {"host", "disk"}
+    assert [(h.label, h.nbytes, h.objects) for h in report.held] == [
+        ("host", w.tiers.tiers[0].used_bytes, 2),
+        ("disk", w.tiers.tiers[1].used_bytes, 2),
+    ]
     for tier in w.tiers.tiers:  # written through: every tier holds both
         assert tier.contains_many(names) == [True, True]
     fill(caches, seed=4)  # other bytes everywhere
@@ -114,6 +123,13 @@ def test_a_load_no_tier_can_serve_is_a_failure_and_copies_nothing(worker):
     assert report is not None
     assert sorted(report.failed) == sorted([name, object_name(ImageKind.KV_BLOCK, K[2])])
     assert report.host_dropped == [name]  # the foreign object is gone from the host tier
+    # the load's part for the engine's metrics: why each object failed
+    [part] = report.loads
+    assert part.key == "b" and part.failures == {
+        name: "foreign",
+        object_name(ImageKind.KV_BLOCK, K[2]): "missing",
+    }
+    assert set(part.nbytes) == {"host"}  # the foreign object was read, then refused
     assert host.contains_many([name]) == [False]
 
 

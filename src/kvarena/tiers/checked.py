@@ -20,6 +20,7 @@ under the same keys, and load them the same way, here:
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -86,6 +87,21 @@ class Expectations:
         )
 
 
+CORRUPT = frozenset({"truncated", "magic", "checksum", "length"})
+"""The checks (:class:`~kvarena.tiers.image.ImageMismatch` reasons) an object
+fails when its own bytes changed or were cut short; failing any other check
+(namespace, kind, key, span, format version, unsealed, elided) it is a sound
+image of something else."""
+
+
+def failure_class(reason: str | None) -> str:
+    """Why an object could not be used, as an operator counts it: ``missing``
+    (no tier held it: ``reason`` None), ``corrupt`` or ``foreign``."""
+    if reason is None:
+        return "missing"
+    return "corrupt" if reason in CORRUPT else "foreign"
+
+
 @dataclass(frozen=True, kw_only=True)
 class Rejected:
     """An object a tier held that failed its checks (deleted from that tier)."""
@@ -101,15 +117,27 @@ class Fetched:
     """What :func:`fetch_checked` did: ``payloads[i]`` is object ``i``'s checked
     payload (None: no tier served it); ``failed`` names those; ``rejected`` the
     objects deleted for failing their checks; ``dropped_hosted`` those of them
-    deleted from a host tier (a catalogue of its names must forget them)."""
+    deleted from a host tier (a catalogue of its names must forget them);
+    ``seconds`` and ``read_bytes`` what each tier asked (by label) took: its
+    reads and the checks of what it returned, and the stored bytes it returned."""
 
     payloads: list[memoryview | None]
     failed: list[str] = field(default_factory=list)
     rejected: list[Rejected] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
+    read_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def dropped_hosted(self) -> list[str]:
         return [r.name for r in self.rejected if r.label.startswith("host")]
+
+    def failures(self) -> dict[str, str]:
+        """Each failed name with its :func:`failure_class` (the first tier's
+        rejection where one rejected it; else it was missing everywhere)."""
+        first: dict[str, str] = {}
+        for r in self.rejected:
+            first.setdefault(r.name, r.reason)
+        return {n: failure_class(first.get(n)) for n in self.failed}
 
 
 def fetch_checked(
@@ -134,10 +162,13 @@ def fetch_checked(
     out: list[memoryview | None] = [None] * len(wanted)
     rejected: list[Rejected] = []
     left = list(range(len(wanted)))
+    seconds: dict[str, float] = {}
+    read_bytes: dict[str, int] = {}
     for level, tier in enumerate(stack.tiers):
         asking = [j for j in left if start[j] <= level]
         if not asking:
             continue
+        label, began = stack.labels[level], time.perf_counter()
         names = [wanted[j][0] for j in asking]
         if held is not None and isinstance(tier, HostTier):
             got: Sequence[object] = held.enter_context(tier.borrow(names))
@@ -147,6 +178,7 @@ def fetch_checked(
         for j, data in zip(asking, got, strict=True):
             if data is None:
                 continue
+            read_bytes[label] = read_bytes.get(label, 0) + len(data)  # type: ignore[arg-type]
             name, exp = wanted[j]
             try:
                 out[j] = decode(data, exp, trusted=tier.trusted)  # type: ignore[arg-type]
@@ -158,5 +190,12 @@ def fetch_checked(
                 bad.append(name)
         if bad:
             stack.drop(level, bad)
+        seconds[label] = time.perf_counter() - began
         left = [j for j in left if j not in served]
-    return Fetched(payloads=out, failed=[wanted[j][0] for j in left], rejected=rejected)
+    return Fetched(
+        payloads=out,
+        failed=[wanted[j][0] for j in left],
+        rejected=rejected,
+        seconds=seconds,
+        read_bytes=read_bytes,
+    )

@@ -13,6 +13,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from ..errors import InvalidValueError
 from ..locking import synchronized
@@ -49,6 +50,16 @@ def parse_tier(
 ) -> Tier:
     """A tier from its spec (the CLI's ``--tier``); opens it."""
     return TierSpec.parse(spec).open(frame_bytes=frame_bytes, pin_memory=pin_memory)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Written:
+    """What :meth:`TierStack.write_through` did, by tier label: the names each
+    tier evicted to make room, the seconds its write took, the bytes it stored."""
+
+    evicted: dict[str, list[str]] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    nbytes: dict[str, int] = field(default_factory=dict)
 
 
 class TierStack:
@@ -141,27 +152,31 @@ class TierStack:
             self.seconds[i] += time.perf_counter() - start
             batch = evicted if below else []  # (names alone otherwise: nothing goes down)
 
-    def write_through(self, objects: Sequence[TierObject]) -> dict[str, list[str]]:
+    def write_through(self, objects: Sequence[TierObject]) -> Written:
         """Store every object in every tier, top first (a restarted engine finds
         on disk, another engine in the shared store, what this one computed,
         without waiting for an eviction); nothing evicted goes down, since every
-        tier below has it already. Returns each tier's evicted names.
+        tier below has it already. Returns what each tier evicted, took and wrote.
 
         Unlike the other calls it does not hold the stack's lock across the
         tiers' I/O (each tier locks itself): a background writer must never make
         a load on the engine's step wait for a whole disk or network write."""
         batch = list(objects)
-        evicted: dict[str, list[str]] = {}
+        out = Written()
         for i, tier in enumerate(self.tiers):
             if not batch:
                 break
             start = time.perf_counter()
             batch = tier.stored(batch)  # sealed once for the first tier that needs it
             gone = tier.put_many(batch, want_evicted=False)
+            took = time.perf_counter() - start
             with self._lock:
-                self.seconds[i] += time.perf_counter() - start
-            evicted[self.labels[i]] = [o.name for o in gone]
-        return evicted
+                self.seconds[i] += took
+            label = self.labels[i]
+            out.evicted[label] = [o.name for o in gone]
+            out.seconds[label] = took
+            out.nbytes[label] = sum(o.stored_bytes for o in batch)
+        return out
 
     @synchronized
     def close(self) -> None:

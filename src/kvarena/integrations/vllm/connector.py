@@ -14,6 +14,7 @@ role's half (:mod:`.scheduler_side`, :mod:`.worker_side`).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from ...tiers.host import DEFAULT_FRAME_BYTES, MIN_FRAME_BYTES
 from ...tiers.image import object_bytes
 from .catalogue import Catalogue
 from .groups import Group, classify, namespace_json
+from .metrics import KvarenaPromMetrics, KvarenaStats
 from .ranks import rank_tier_specs
 from .records import StepPlan
 from .scheduler_side import SchedulerSide
@@ -39,6 +41,8 @@ from .tensors import payload_bytes
 from .worker_side import WorkerSide
 
 _SOURCES = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
+
+log = logging.getLogger("vllm.kvarena")
 
 
 def _identity(
@@ -107,6 +111,13 @@ class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
         self._num_blocks = int(kv_cache_config.num_blocks)
         self._block_errors: set[int] = set()
         if role == KVConnectorRole.SCHEDULER:
+            if getattr(vllm_config, "shutdown_timeout", None) == 0:
+                log.warning(
+                    "kvarena: vLLM's --shutdown-timeout is 0 (abort): a stopped server "
+                    "kills its workers at once and saves still queued for the tiers are "
+                    "lost (later misses); with --shutdown-timeout 30 the connector "
+                    "writes them before the worker exits"
+                )
             self._scheduler = SchedulerSide(
                 groups=groups,
                 namespace=namespace,
@@ -187,6 +198,29 @@ class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_worker_meta(self) -> Any:
         return self._worker.report() if self._worker is not None else None
+
+    # -- metrics ------------------------------------------------------------------
+    def get_kv_connector_stats(self) -> KvarenaStats | None:
+        """The scheduler's counts since the last step (workers report theirs to
+        it: counted once for the engine); None from a worker."""
+        if self._scheduler is None:
+            return None
+        data = self._scheduler.telemetry.take()
+        return KvarenaStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvarenaStats:
+        return KvarenaStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KvarenaPromMetrics:
+        return KvarenaPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

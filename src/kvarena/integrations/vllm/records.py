@@ -9,7 +9,7 @@ group, in the order of the connector's KV groups and state groups.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
@@ -50,6 +50,30 @@ class StepPlan(KVConnectorMetadata):
     state_saves: list[BlockCopy] = field(default_factory=list)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Timed:
+    """One rank's part of one load (``key``: the request) or of one write of a
+    step's saves (``key``: its first prefix object's name): seconds and stored
+    bytes by tier label, and for a load the prefix objects it could not use,
+    each with why (``missing``, ``corrupt``, ``foreign``)."""
+
+    key: str
+    rank: int
+    seconds: dict[str, float] = field(default_factory=dict)
+    nbytes: dict[str, int] = field(default_factory=dict)
+    failures: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Held:
+    """What one rank's tier holds now (tiers that know it locally: host, disk)."""
+
+    rank: int
+    label: str
+    nbytes: int
+    objects: int
+
+
 @dataclass(kw_only=True)
 class WorkerReport(KVConnectorWorkerMetadata):
     """A worker's news for the scheduler since its last report: host-tier names
@@ -58,18 +82,24 @@ class WorkerReport(KVConnectorWorkerMetadata):
     everywhere, or failing its checks: then dropped from its tier), by the
     prefix object's name whichever rank's shard it was.
     The scheduler's lookups skip a failed name until it is saved again, so a
-    recomputed request is not sent back to the same bad object."""
+    recomputed request is not sent back to the same bad object.
+
+    For the engine's metrics, counted once in the scheduler whatever the
+    number of ranks (:mod:`.telemetry`): each load's and each write's part
+    (``loads``, ``writes``), the prefix objects whose save the backlog skipped
+    (``skipped``), and what the rank's local tiers hold (``held``)."""
 
     host_added: list[str] = field(default_factory=list)
     host_dropped: list[str] = field(default_factory=list)
     saved: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
+    loads: list[Timed] = field(default_factory=list)
+    writes: list[Timed] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    held: list[Held] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, WorkerReport)
         return WorkerReport(
-            host_added=self.host_added + other.host_added,
-            host_dropped=self.host_dropped + other.host_dropped,
-            saved=self.saved + other.saved,
-            failed=self.failed + other.failed,
+            **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
         )

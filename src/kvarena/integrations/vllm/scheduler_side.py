@@ -25,6 +25,7 @@ from .catalogue import Catalogue
 from .groups import Group
 from .ranks import AllRanks
 from .records import BlockCopy, Load, StepPlan, WorkerReport
+from .telemetry import Telemetry
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,9 +65,7 @@ class SchedulerSide:
         self._saved_upto: dict[str, int] = {}
         self._floor: dict[str, int] = {}  # state boundaries up to this are in the tiers
         self._loads: list[Load] = []
-        self.lookups = 0
-        self.hit_tokens = 0
-        self.hit_tokens_by_tier: dict[str, int] = {}  # by the deepest tier a load reads
+        self.telemetry = Telemetry(ranks)  # what the engine's metrics count
 
     # -- keys ---------------------------------------------------------------------
     @staticmethod
@@ -105,7 +104,7 @@ class SchedulerSide:
         limit = (request.num_tokens - 1) // bs
         if limit <= local:
             return 0, False
-        self.lookups += 1
+        self.telemetry.looked_up()
         keys = self._keys_of(request, limit)
         finds = locate_in_tiers(
             self._objects,
@@ -164,9 +163,8 @@ class SchedulerSide:
             )
         self._loads.append(load)
         tokens = (b - local) * self.block_size
-        self.hit_tokens += tokens
         for kind, n in self.hit_sources(request, tokens).items():
-            self.hit_tokens_by_tier[kind] = self.hit_tokens_by_tier.get(kind, 0) + n
+            self.telemetry.hit(kind, n)
         self._saved_upto[rid] = b
         self._floor[rid] = b
 
@@ -240,6 +238,7 @@ class SchedulerSide:
 
     def reported(self, report: Any) -> None:
         if isinstance(report, WorkerReport):
+            self.telemetry.reported(report)
             self.catalogue.hosted(report.host_added, report.host_dropped)
             self._failed.update(report.failed)
             self._failed.difference_update(report.saved)

@@ -29,14 +29,22 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ...tiers import ImageKind, TierStack
-from ...tiers.checked import Expectations, fetch_checked
+from ...tiers.base import IndexedTier
+from ...tiers.checked import Expectations, Fetched, fetch_checked
 from ...tiers.image import object_name
 from .groups import Group
 from .ranks import rank_key
-from .records import BlockCopy, Load, StepPlan, WorkerReport
+from .records import BlockCopy, Held, Load, StepPlan, Timed, WorkerReport
 from .tensors import BlockRun, layer_blocks, payload_bytes
 
-log = logging.getLogger("kvarena.vllm")
+# Under vLLM's logger: an operator sees the connector in the engine's own log.
+log = logging.getLogger("vllm.kvarena")
+
+FLUSH_TIMEOUT_S = 30.0
+"""How long a stopping worker writes what its queue still holds. Within
+vLLM's own grace: the engine waits for its workers
+(``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``) when the server stops with
+``--shutdown-timeout`` above 0."""
 
 # a save: its kind, this rank's copy, the gathered parts, the prefix object's name
 _Save = tuple[ImageKind, BlockCopy, list[memoryview], str]
@@ -80,11 +88,17 @@ class WorkerSide:
         self._dropped: list[str] = []
         self._saved_names: list[str] = []
         self._failed: list[str] = []
+        self._loads: list[Timed] = []  # for the engine's metrics (records.WorkerReport)
+        self._writes: list[Timed] = []
+        self._skipped: list[str] = []
+        self._held: list[Held] = []
         self.loads_done = 0
         self.load_failures = 0
         self.objects_saved = 0
         self.save_backlog = save_backlog
         self.backlog = 0  # payload bytes gathered, not yet in the tiers (under _lock)
+        self._waiting = 0  # objects gathered, not yet in the tiers (under _lock)
+        self._drained = threading.Condition(self._lock)  # _waiting fell to 0
         self.saves_skipped = 0  # objects not saved because the backlog was full
         self._skipping = False  # in a run of skipped steps (one warning a run)
         self._jobs: queue.Queue[_Batch | None] = queue.Queue()
@@ -100,12 +114,13 @@ class WorkerSide:
         wanted: list[tuple[ImageKind, BlockCopy]],
         prefixes: list[str],
         held: contextlib.ExitStack,
-    ) -> list[memoryview | None]:
+    ) -> tuple[list[memoryview | None], Fetched, dict[str, str]]:
         """Each object's checked payload (``wanted``: this rank's copies of the
         prefix objects named ``prefixes``), from the first tier that holds a
         good one (:func:`~kvarena.tiers.checked.fetch_checked`; a host tier's
         read in place, held open by ``held`` until the caller has copied them
-        out). A failure is reported by its prefix object's name."""
+        out), what the fetch did, and each failure by its prefix object's name
+        with why. A failure is reported by its prefix object's name."""
         names = [object_name(k, c.key) for k, c in wanted]
         got = fetch_checked(
             self.tiers,
@@ -115,10 +130,11 @@ class WorkerSide:
         for r in got.rejected:
             log.warning("kvarena: %s in %s: %s", r.name, r.label, r.detail)
         prefix_of = dict(zip(names, prefixes, strict=True))
+        failures = {prefix_of[n]: why for n, why in got.failures().items()}
         with self._lock:
             self._dropped += got.dropped_hosted  # nobody should trip on them again
-            self._failed += [prefix_of[n] for n in got.failed]
-        return got.payloads
+            self._failed += list(failures)
+        return got.payloads, got, failures
 
     def _scatter(self, groups: Sequence[Group], copy: BlockCopy, payload: memoryview) -> None:
         pos = 0
@@ -145,8 +161,17 @@ class WorkerSide:
         wanted = [(kind, self._own(c)) for kind, c in named]  # this rank's shard of each
         prefixes = [object_name(kind, c.key) for kind, c in named]
         with contextlib.ExitStack() as held:
-            payloads = self._fetch(wanted, prefixes, held)
+            payloads, got, failures = self._fetch(wanted, prefixes, held)
             self._apply(job, wanted, payloads)
+        timed = Timed(
+            key=job.request,
+            rank=self.rank,
+            seconds=got.seconds,
+            nbytes=got.read_bytes,
+            failures=failures,
+        )
+        with self._lock:
+            self._loads.append(timed)
 
     def _apply(
         self,
@@ -215,6 +240,10 @@ class WorkerSide:
             # Skipped whole, before any copy: a lookup finds none of it (the
             # scheduler learns of an object only once a tier holds it).
             self.saves_skipped += len(kv) + len(state)
+            names = [object_name(ImageKind.KV_BLOCK, c.key) for c in kv]
+            names += [object_name(ImageKind.STATE, c.key) for c in state]
+            with self._lock:
+                self._skipped += names
             if not self._skipping:
                 log.warning(
                     "kvarena: saves skipped: %d bytes wait for the tiers and %d more would "
@@ -231,6 +260,8 @@ class WorkerSide:
             jobs += self._gather(ImageKind.KV_BLOCK, kv)
         if state:
             jobs += self._gather(ImageKind.STATE, state)
+        with self._lock:
+            self._waiting += len(jobs)
         self._jobs.put((jobs, nbytes))
 
     def _write_loop(self) -> None:
@@ -246,40 +277,74 @@ class WorkerSide:
                 if batch is not None:
                     with self._lock:
                         self.backlog -= batch[1]
+                        self._waiting -= len(batch[0])
+                        self._drained.notify_all()
                 self._jobs.task_done()
 
     def _write(self, jobs: list[_Save]) -> None:
         objects = [self.expect.encode(kind, c.key, c.index, parts) for kind, c, parts, _ in jobs]
-        evicted = self.tiers.write_through(objects)
+        written = self.tiers.write_through(objects)
         names = [o.name for o in objects]
-        tiers = zip(self.tiers.labels, self.tiers.tiers, strict=True)
+        tiers = list(zip(self.tiers.labels, self.tiers.tiers, strict=True))
         hosted = [label for label, t in tiers if t.kind == "host"]
+        timed = Timed(key=jobs[0][3], rank=self.rank, seconds=written.seconds, nbytes=written.nbytes)
+        held = [
+            Held(rank=self.rank, label=label, nbytes=t.used_bytes, objects=len(t))
+            for label, t in tiers
+            if isinstance(t, IndexedTier)  # known here; a shared store's is the server's
+        ]
         with self._lock:
             for label in hosted:  # the host tier's evictions come back as names alone
                 self._added += names
-                self._dropped += evicted.get(label, [])
+                self._dropped += written.evicted.get(label, [])
             self._saved_names += [prefix for *_, prefix in jobs]
+            self._writes.append(timed)
+            self._held = held
         self.objects_saved += len(objects)
 
-    def flush(self) -> None:
-        """Wait until every queued save is in the tiers."""
-        self._jobs.join()
+    def flush(self, timeout: float | None = None) -> int:
+        """Wait until every queued save is in the tiers, or ``timeout`` seconds;
+        the objects still waiting (0: all written)."""
+        with self._drained:
+            self._drained.wait_for(lambda: self._waiting == 0, timeout)
+            return self._waiting
 
     def report(self) -> WorkerReport | None:
         with self._lock:
-            if not (self._added or self._dropped or self._saved_names or self._failed):
-                return None
             report = WorkerReport(
                 host_added=self._added,
                 host_dropped=self._dropped,
                 saved=self._saved_names,
                 failed=self._failed,
+                loads=self._loads,
+                writes=self._writes,
+                skipped=self._skipped,
+                held=self._held,
             )
             self._added, self._dropped, self._saved_names, self._failed = [], [], [], []
+            self._loads, self._writes, self._skipped, self._held = [], [], [], []
+        if not any(getattr(report, f.name) for f in dataclasses.fields(report)):
+            return None
         return report
 
-    def close(self) -> None:
-        self.flush()
+    def close(self, timeout: float = FLUSH_TIMEOUT_S) -> int:
+        """Write what is queued (at most ``timeout`` seconds), then stop the
+        writer and close the tiers; the objects that could not be written (each
+        a later miss), logged as an error, never dropped silently."""
+        with self._lock:
+            waiting = self._waiting
+        left = self.flush(timeout)
+        if waiting:
+            log.info("kvarena: shutdown: %d queued saves written", waiting - left)
+        if left:
+            log.error(
+                "kvarena: shutdown: %d saves not written within %.0f s (the tiers are "
+                "slower than the engine stopping): they are lost, later misses",
+                left,
+                timeout,
+            )
+            return left  # the writer may still be inside a tier: leave it open
         self._jobs.put(None)
         self._thread.join()
         self.tiers.close()
+        return 0
