@@ -262,3 +262,15 @@ def parse_bytes(text: str) -> int:
     if value <= 0:
         raise InvalidValueError(f"{text!r} must be positive")
     return value
+
+
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration(text: str) -> float:
+    """``"90s"``, ``"30m"``, ``"12h"``, ``"7d"``, ``"2w"`` -> seconds (a bare number
+    is seconds); refused, naming the forms, where it is none of them."""
+    match = re.fullmatch(r"\s*([0-9]{1,12}(?:\.[0-9]{1,6})?)\s*([smhdw]?)\s*", str(text))
+    if match is None:
+        raise InvalidValueError(f"{text!r} is not a duration; use e.g. 90s, 30m, 12h, 7d, 2w")
+    return float(match.group(1)) * _DURATION_UNITS[match.group(2) or "s"]

@@ -1,4 +1,4 @@
-"""The kvarena command: ``plan``, ``demo`` and ``replay``.
+"""The kvarena command: ``plan``, ``demo``, ``replay`` and ``tiers``.
 
 Exit codes: 0 success, 1 a demo verification failed, 2 bad arguments or an
 unknown model (with a one-line reason on stderr, never a traceback).
@@ -8,10 +8,17 @@ in a module of its own and registers itself on import.
 
 import warnings
 
-from . import demo_command, plan_command, replay_command
+from . import demo_command, plan_command, replay_command, tiers_command
 from .app import _one_line_warning, app
 
-__all__ = ["app", "demo_command", "main", "plan_command", "replay_command"]
+__all__ = [
+    "app",
+    "demo_command",
+    "main",
+    "plan_command",
+    "replay_command",
+    "tiers_command",
+]
 
 
 def main() -> None:

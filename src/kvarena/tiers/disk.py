@@ -87,6 +87,30 @@ def _find_syncfs() -> Any:
     return fn
 
 
+def take_directory(directory: Path) -> int:
+    """The directory's lock (an open descriptor holding its exclusive ``flock``,
+    the holder's pid written in it), for as long as the descriptor is open;
+    refused, naming the owner's pid, while another holds it. A disk tier holds
+    it for its life; ``kvarena tiers`` holds it while it deletes."""
+    fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise TierError(
+            f"disk tier {directory}: the directory is in use by process {owner} (one process "
+            "owns a disk directory at a time: close the other tier, give each engine its "
+            "own directory, or share objects through a redis:// tier)"
+        ) from None
+    except OSError:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
 class DiskTier(IndexedTier):
     kind = "disk"
 
@@ -104,33 +128,13 @@ class DiskTier(IndexedTier):
         self._lock_fd: int | None = None
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            self._lock_fd = self._take_directory()
+            self._lock_fd = take_directory(self.dir)
             entries = list(os.scandir(self.dir))
         except OSError as exc:
             self.close()
             raise TierError(f"disk tier {self.dir}: cannot use the directory ({exc})") from None
         self.dropped_on_start = 0  # unreadable objects and dead writers' temporaries removed
         self._rebuild(entries)
-
-    def _take_directory(self) -> int:
-        """The directory's lock, held for this tier's life; refused if another holds it."""
-        fd = os.open(self.dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise TierError(
-                f"disk tier {self.dir}: the directory is in use by process {owner} (one process "
-                "owns a disk directory at a time: close the other tier, give each engine its "
-                "own directory, or share objects through a redis:// tier)"
-            ) from None
-        except OSError:
-            os.close(fd)
-            raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        return fd
 
     def close(self) -> None:
         """Give the directory up (its objects stay, for the next owner)."""

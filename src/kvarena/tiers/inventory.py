@@ -1,0 +1,267 @@
+"""What a durable tier holds, read from outside any engine: ``kvarena tiers``.
+
+A disk directory or a Redis database fills with the objects of many models,
+revisions, layouts and ranks. An inventory lists them from the objects
+themselves (each header names its namespace, kind and size), checks each
+whole object on its own — its header, its size, its seal and checksum, and
+that its name is the one its kind and key give — and deletes what an
+operator no longer wants. It never needs to know which engine wrote what.
+
+A disk directory owned by a live engine (its disk tier holds the
+directory's lock) may be read, never changed: deleting behind a tier's index
+would leave it promising objects that are gone. :meth:`DiskInventory.claim`
+takes the lock for the time of a deletion, refused with the owner's pid.
+A Redis store is shared by design; engines treat a vanished object as a miss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from .base import TierError
+from .disk import LOCK_NAME, NAME, SUFFIX, take_directory
+from .image import (
+    HEAD_BYTES,
+    MAX_NAMESPACE_BYTES,
+    ImageKind,
+    ImageMismatch,
+    checksum_of,
+    object_name,
+    read_header,
+)
+
+
+def namespace_id(namespace: bytes) -> str:
+    """A short stable id for a namespace, as tables and ``--namespace`` name it."""
+    return hashlib.blake2b(namespace, digest_size=6).hexdigest()
+
+
+def describe_namespace(namespace: bytes) -> dict[str, Any]:
+    """What an operator reads of a namespace: the model, revision, layout and
+    rank an engine wrote into it (vLLM's connector), or the model, block size
+    and rank of kvarena's own prefix cache; what is absent is None."""
+    try:
+        doc = json.loads(namespace)
+    except (ValueError, UnicodeDecodeError):
+        doc = None
+    if not isinstance(doc, dict):
+        return {"format": None, "model": None, "revision": None, "layout": None, "rank": None}
+    tp = doc.get("tp")
+    rank = f"{tp[0]}/{tp[1]}" if isinstance(tp, list) and len(tp) == 2 else None
+    layout = doc.get("layout")
+    if layout is None and "block_size" in doc:
+        layout = f"{doc['block_size']}-token blocks"
+    return {
+        "format": doc.get("format"),
+        "model": doc.get("model"),
+        "revision": doc.get("revision"),
+        "layout": layout,
+        "rank": rank,
+    }
+
+
+@dataclass(frozen=True, kw_only=True)
+class Entry:
+    """One stored object: its name, what its header says, where it lies, and
+    how long ago it was written (disk) or last read or written (Redis)."""
+
+    name: str
+    kind: str  # "kv", "state", or "?" where the header does not read
+    namespace: bytes
+    stored_bytes: int
+    age_s: float
+    where: str  # a file path, or the store's key
+
+
+def check_alone(name: str, data: bytes | bytearray | memoryview) -> None:
+    """Raise :class:`~kvarena.tiers.image.ImageMismatch` unless ``data`` is a whole,
+    sealed object whose checksum holds and whose name its kind and key give."""
+    head = read_header(data)
+    if memoryview(data).nbytes != head.stored_bytes:
+        raise ImageMismatch(
+            "truncated", f"{len(data)} bytes, the header declares {head.stored_bytes}"
+        )
+    if not head.sealed:
+        raise ImageMismatch("unsealed", "no checksum: an image of a process's memory")
+    if checksum_of(data) != head.checksum:
+        raise ImageMismatch("checksum", "header or payload changed since it was written")
+    try:
+        kind = ImageKind(head.kind)
+    except ValueError:
+        raise ImageMismatch("kind", f"unknown kind {head.kind}") from None
+    if object_name(kind, head.key) != name:
+        raise ImageMismatch(
+            "key", f"stored as {name}, its header names {object_name(kind, head.key)}"
+        )
+
+
+_KIND_WORDS = {ImageKind.KV_BLOCK: "kv", ImageKind.STATE: "state"}
+
+
+def _kind_word(kind: int) -> str:
+    return _KIND_WORDS.get(kind, "?")  # type: ignore[call-overload]
+
+
+class Inventory(Protocol):
+    def describe(self) -> str: ...
+
+    def entries(self) -> tuple[list[Entry], list[tuple[str, str]]]:
+        """Every object, and the ``(name, why)`` of those whose header does not read."""
+        ...
+
+    def read(self, entry: Entry) -> bytes | None: ...
+
+    def delete(self, names: Sequence[str]) -> int: ...
+
+    def claim(self) -> contextlib.AbstractContextManager[None]: ...
+
+
+class DiskInventory:
+    """A disk tier's directory, and the per-rank directories an engine's ranks
+    keep below it (``tp0``, ``tp1``, ...)."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.dir = Path(directory)
+        if not self.dir.is_dir():
+            raise TierError(f"disk {self.dir}: not a directory")
+        subdirs = sorted(p for p in self.dir.glob("tp*") if p.is_dir() and p.name[2:].isdigit())
+        self.dirs = [self.dir, *subdirs]
+
+    def describe(self) -> str:
+        return f"disk {self.dir}"
+
+    def _files(self) -> Iterator[tuple[str, Path]]:
+        for d in self.dirs:
+            for e in os.scandir(d):
+                stem = e.name[: -len(SUFFIX)]
+                if (
+                    e.name.endswith(SUFFIX)
+                    and NAME.fullmatch(stem)
+                    and e.is_file(follow_symlinks=False)
+                ):
+                    yield stem, Path(e.path)
+
+    def entries(self) -> tuple[list[Entry], list[tuple[str, str]]]:
+        out, unreadable, now = [], [], time.time()
+        for name, path in self._files():
+            try:
+                with open(path, "rb") as f:
+                    head = read_header(f.read(HEAD_BYTES + MAX_NAMESPACE_BYTES))
+                st = path.stat()
+            except (OSError, ImageMismatch) as exc:
+                unreadable.append((str(path), str(exc)))
+                continue
+            out.append(
+                Entry(
+                    name=name,
+                    kind=_kind_word(head.kind),
+                    namespace=head.namespace,
+                    stored_bytes=st.st_size,
+                    age_s=max(0.0, now - st.st_mtime),
+                    where=str(path),
+                )
+            )
+        return out, unreadable
+
+    def read(self, entry: Entry) -> bytes | None:
+        try:
+            return Path(entry.where).read_bytes()
+        except OSError:
+            return None
+
+    def delete(self, paths: Sequence[str]) -> int:
+        n = 0
+        for p in paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+                n += 1
+        return n
+
+    @contextlib.contextmanager
+    def claim(self) -> Iterator[None]:
+        """Every directory's lock, held while the caller deletes: refused with the
+        owner's pid while a live engine's disk tier holds one."""
+        fds: list[int] = []
+        try:
+            for d in self.dirs:
+                if (d / LOCK_NAME).exists() or d == self.dir:
+                    fds.append(take_directory(d))
+            yield
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+
+class RedisInventory:
+    """A Redis store's kvarena objects (its tier's key prefix)."""
+
+    def __init__(self, url: str, *, cluster: bool = False) -> None:
+        from .redis_tier import DEFAULT_PREFIX, _redis
+
+        redis = _redis()
+        self.url, self.prefix = url, DEFAULT_PREFIX
+        if cluster:
+            self._client: Any = redis.RedisCluster.from_url(url)
+        else:
+            self._client = redis.Redis.from_url(url)
+        try:
+            self._client.ping()
+        except redis.exceptions.RedisError as exc:
+            raise TierError(f"redis {url}: cannot reach the store ({exc})") from None
+
+    def describe(self) -> str:
+        return f"redis {self.url}"
+
+    def entries(self) -> tuple[list[Entry], list[tuple[str, str]]]:
+        keys = sorted(self._client.scan_iter(match=self.prefix + "*", count=1000))
+        out, unreadable = [], []
+        for i in range(0, len(keys), 512):
+            chunk = keys[i : i + 512]
+            pipe = self._client.pipeline(transaction=False)
+            for k in chunk:
+                pipe.getrange(k, 0, HEAD_BYTES + MAX_NAMESPACE_BYTES - 1)
+                pipe.strlen(k)
+                pipe.object("idletime", k)
+            replies = pipe.execute()
+            for j, k in enumerate(chunk):
+                head_bytes, size, idle = replies[3 * j : 3 * j + 3]
+                key = k.decode(errors="replace")
+                name = key[len(self.prefix) :]
+                try:
+                    head = read_header(head_bytes)
+                except ImageMismatch as exc:
+                    unreadable.append((key, str(exc)))
+                    continue
+                out.append(
+                    Entry(
+                        name=name,
+                        kind=_kind_word(head.kind),
+                        namespace=head.namespace,
+                        stored_bytes=int(size),
+                        age_s=float(idle or 0),
+                        where=key,
+                    )
+                )
+        return out, unreadable
+
+    def read(self, entry: Entry) -> bytes | None:
+        data: bytes | None = self._client.get(entry.where)
+        return data
+
+    def delete(self, keys: Sequence[str]) -> int:
+        n = 0
+        for i in range(0, len(keys), 512):
+            n += int(self._client.delete(*keys[i : i + 512]))
+        return n
+
+    @contextlib.contextmanager
+    def claim(self) -> Iterator[None]:
+        yield  # shared by design: engines take a vanished object as a miss
