@@ -62,6 +62,19 @@ class Written:
     nbytes: dict[str, int] = field(default_factory=dict)
 
 
+def tier_labels(kinds: Sequence[str]) -> list[str]:
+    """Each tier's label, top first: its kind, numbered from the second of a
+    kind on (``host``, ``disk``, ``disk2``). A tier is the object, its level its
+    index in the stack, its label what logs, reports, metrics and events say."""
+    out: list[str] = []
+    for kind in kinds:
+        label, n = kind, 2
+        while label in out:
+            label, n = f"{kind}{n}", n + 1
+        out.append(label)
+    return out
+
+
 class TierStack:
     """Tiers consulted in order; written at the top, evictions flowing down."""
 
@@ -71,7 +84,7 @@ class TierStack:
             if not isinstance(t, Tier):
                 raise InvalidValueError(f"a tier stack holds Tier objects, got {t!r}")
         self.tiers = tiers
-        self.labels = self._labels(tiers)
+        self.labels = tier_labels([t.kind for t in tiers])
         # Wall time spent in each tier (probe, fetch, write-back), for reports.
         self.seconds = [0.0] * len(tiers)
         self._lock = threading.RLock()  # see kvarena.locking
@@ -94,18 +107,6 @@ class TierStack:
             raise
         return cls(opened)
 
-    @staticmethod
-    def _labels(tiers: list[Tier]) -> list[str]:
-        """Each tier's label, top first: its kind, numbered from the second of a
-        kind on (``host``, ``disk``, ``disk2``). A tier is the object, its level
-        its index in the stack, its label what logs, reports and metrics say."""
-        out: list[str] = []
-        for t in tiers:
-            label, n = t.kind, 2
-            while label in out:
-                label, n = f"{t.kind}{n}", n + 1
-            out.append(label)
-        return out
 
     def __len__(self) -> int:
         return len(self.tiers)

@@ -30,7 +30,9 @@ from ...errors import Error
 from ...tiers import TierStack
 from ...tiers.host import DEFAULT_FRAME_BYTES, MIN_FRAME_BYTES
 from ...tiers.image import object_bytes
+from ...tiers.stack import tier_labels
 from .catalogue import Catalogue
+from .events import TierEvents
 from .groups import Group, classify, namespace_json
 from .metrics import KvarenaPromMetrics, KvarenaStats
 from .ranks import rank_tier_specs
@@ -84,6 +86,40 @@ def _host_frame(settings: ConnectorSettings, groups: list[Group], namespace: byt
     return max(MIN_FRAME_BYTES, object_bytes(namespace, payload_bytes(kv)))
 
 
+def _events(
+    vllm_config: Any,
+    kv_cache_config: Any,
+    settings: ConnectorSettings,
+    groups: list[Group],
+    block_size: int,
+    ranks: int,
+) -> TierEvents | None:
+    """The KV events book, where the engine publishes KV events (else None)."""
+    config = getattr(vllm_config, "kv_events_config", None)
+    if config is None or not config.enable_kv_cache_events:
+        return None
+    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+
+    specs = kv_cache_config.kv_cache_groups
+
+    def kinds(kind: str) -> list[tuple[int, str]]:
+        return [
+            (g.index, get_kv_cache_spec_kind(specs[g.index].kv_cache_spec).value)
+            for g in groups
+            if g.kind == kind
+        ]
+
+    tier_kinds = [spec.kind for spec in settings.tiers]
+    return TierEvents(
+        tiers=list(zip(tier_labels(tier_kinds), tier_kinds, strict=True)),
+        kv_groups=kinds("kv"),
+        state_groups=kinds("state"),
+        block_size=block_size,
+        hash_block_size=int(getattr(kv_cache_config, "hash_block_size", None) or block_size),
+        ranks=ranks,
+    )
+
+
 def _tp_rank() -> int:
     """This worker's tensor-parallel rank (vLLM has set up its groups by now)."""
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -124,6 +160,7 @@ class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
                 catalogue=Catalogue(settings, ranks),
                 block_size=block_size,
                 ranks=ranks,
+                events=_events(vllm_config, kv_cache_config, settings, groups, block_size, ranks),
             )
         else:
             try:
@@ -198,6 +235,12 @@ class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_worker_meta(self) -> Any:
         return self._worker.report() if self._worker is not None else None
+
+    def take_events(self) -> list[Any]:
+        """KV events for what the tiers stored and dropped since the last step."""
+        if self._scheduler is None or self._scheduler.events is None:
+            return []
+        return self._scheduler.events.take()
 
     # -- metrics ------------------------------------------------------------------
     def get_kv_connector_stats(self) -> KvarenaStats | None:

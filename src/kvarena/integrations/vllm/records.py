@@ -87,7 +87,8 @@ class WorkerReport(KVConnectorWorkerMetadata):
     For the engine's metrics, counted once in the scheduler whatever the
     number of ranks (:mod:`.telemetry`): each load's and each write's part
     (``loads``, ``writes``), the prefix objects whose save the backlog skipped
-    (``skipped``), and what the rank's local tiers hold (``held``)."""
+    (``skipped``), and what the rank's local tiers hold (``held``). For KV
+    events, what a tier below the host evicted (``dropped``)."""
 
     host_added: list[str] = field(default_factory=list)
     host_dropped: list[str] = field(default_factory=list)
@@ -97,6 +98,7 @@ class WorkerReport(KVConnectorWorkerMetadata):
     writes: list[Timed] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     held: list[Held] = field(default_factory=list)
+    dropped: list[tuple[str, str]] = field(default_factory=list)  # (tier label, name), not host
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, WorkerReport)

@@ -21,7 +21,9 @@ import numpy as np
 
 from ...prefix.keys import block_keys, key_root
 from ...prefix.lookup import TierFinds, locate_in_tiers, resume_point
+from ...tiers.image import ImageKind
 from .catalogue import Catalogue
+from .events import TierEvents
 from .groups import Group
 from .ranks import AllRanks
 from .records import BlockCopy, Load, StepPlan, WorkerReport
@@ -47,8 +49,10 @@ class SchedulerSide:
         catalogue: Catalogue,
         block_size: int,
         ranks: int = 1,
+        events: TierEvents | None = None,
     ) -> None:
-        """``namespace``: the engine's (all ranks'); ``ranks``: its tensor-parallel size."""
+        """``namespace``: the engine's (all ranks'); ``ranks``: its tensor-parallel size;
+        ``events``: the KV events book, where vLLM publishes them."""
         self.groups = groups
         self.kv_groups = [g for g in groups if g.kind == "kv"]
         self.state_groups = [g for g in groups if g.kind == "state"]
@@ -66,6 +70,7 @@ class SchedulerSide:
         self._floor: dict[str, int] = {}  # state boundaries up to this are in the tiers
         self._loads: list[Load] = []
         self.telemetry = Telemetry(ranks)  # what the engine's metrics count
+        self.events = events
 
     # -- keys ---------------------------------------------------------------------
     @staticmethod
@@ -207,7 +212,10 @@ class SchedulerSide:
             for i in range(first, upto):
                 blocks = tuple(ids[g.index][i] for g in self.kv_groups)
                 if 0 not in blocks:
-                    plan.kv_saves.append(BlockCopy(index=i, key=keys[i], blocks=blocks))
+                    copy = BlockCopy(index=i, key=keys[i], blocks=blocks)
+                    plan.kv_saves.append(copy)
+                    if self.events is not None:
+                        self.events.planned(request, ImageKind.KV_BLOCK, copy)
         offers = block_state.boundary_state_offloads if block_state is not None else {}
         state_ids = {g.index for g in self.state_groups}
         for rid, entries in offers.items():
@@ -227,18 +235,25 @@ class SchedulerSide:
                 ):
                     continue
                 keys = self._keys_of(request, b)
-                plan.state_saves.append(
-                    BlockCopy(
-                        index=b,
-                        key=keys[b - 1],
-                        blocks=tuple(blocks_of[g.index] for g in self.state_groups),
-                    )
+                copy = BlockCopy(
+                    index=b,
+                    key=keys[b - 1],
+                    blocks=tuple(blocks_of[g.index] for g in self.state_groups),
                 )
+                plan.state_saves.append(copy)
+                if self.events is not None:
+                    self.events.planned(request, ImageKind.STATE, copy)
         return plan
 
     def reported(self, report: Any) -> None:
         if isinstance(report, WorkerReport):
-            self.telemetry.reported(report)
+            completed = self.telemetry.reported(report)
+            if self.events is not None:
+                for name in completed:
+                    self.events.stored(name)
+                self.events.dropped("host", report.host_dropped)
+                for label, name in report.dropped:
+                    self.events.dropped(label, [name])
             self.catalogue.hosted(report.host_added, report.host_dropped)
             self._failed.update(report.failed)
             self._failed.difference_update(report.saved)

@@ -91,7 +91,9 @@ class Telemetry:
         self._add("hit_tokens", tokens, tier)
 
     # -- the workers' parts -------------------------------------------------------
-    def reported(self, report: WorkerReport) -> None:
+    def reported(self, report: WorkerReport) -> list[str]:
+        """Count a report's parts; the prefix objects every rank has now saved."""
+        completed: list[str] = []
         for kind, parts in (("load", report.loads), ("save", report.writes)):
             for t in parts:
                 for label, n in t.nbytes.items():
@@ -105,6 +107,7 @@ class Telemetry:
             if shards >= self.ranks:
                 self._objects.pop(name, None)
                 self._add("objects_saved", 1)
+                completed.append(name)
             else:
                 self._objects[name] = shards
         for name in report.skipped:
@@ -115,6 +118,7 @@ class Telemetry:
             self._held[(h.rank, h.label)] = (h.nbytes, h.objects)
             self._held_changed = True
         self._bound()
+        return completed
 
     def _observe(self, kind: str, part: _Part) -> None:
         for label, sec in part.seconds.items():

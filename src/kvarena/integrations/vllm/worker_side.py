@@ -92,6 +92,7 @@ class WorkerSide:
         self._writes: list[Timed] = []
         self._skipped: list[str] = []
         self._held: list[Held] = []
+        self._tier_dropped: list[tuple[str, str]] = []
         self.loads_done = 0
         self.load_failures = 0
         self.objects_saved = 0
@@ -300,6 +301,12 @@ class WorkerSide:
             self._saved_names += [prefix for *_, prefix in jobs]
             self._writes.append(timed)
             self._held = held
+            self._tier_dropped += [
+                (label, name)
+                for label, gone in written.evicted.items()
+                if label not in hosted
+                for name in gone
+            ]
         self.objects_saved += len(objects)
 
     def flush(self, timeout: float | None = None) -> int:
@@ -320,9 +327,11 @@ class WorkerSide:
                 writes=self._writes,
                 skipped=self._skipped,
                 held=self._held,
+                dropped=self._tier_dropped,
             )
             self._added, self._dropped, self._saved_names, self._failed = [], [], [], []
             self._loads, self._writes, self._skipped, self._held = [], [], [], []
+            self._tier_dropped = []
         if not any(getattr(report, f.name) for f in dataclasses.fields(report)):
             return None
         return report

@@ -1,0 +1,159 @@
+"""KV events for routers through the real engine and vLLM's own ZMQ publisher.
+
+A tiny Llama with a host tier too small for its prompts (it evicts) over a
+disk tier; vLLM publishes KV events (``kv_events_config``) and a real ZMQ
+client asks the publisher to replay every batch from the first, decoding
+vLLM's msgpack schema. A router built from those events alone — vLLM's
+device blocks and kvarena's tiers, by medium — must know, for every prompt,
+how many of its blocks the host holds (equal to the host tier's own
+contents), how many the disk holds, and so the tokens the next lookup hits
+once the device cache is reset (equal to what the engine then reports).
+
+Runs in ``.venv-vllm``; skipped where vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+from kvarena.integrations.transformers.tiny import save_tiny  # noqa: E402
+from kvarena.testing.vllm_engine import engine_args  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("vllm_in_process")
+
+BLOCK = 32
+
+
+def replay(endpoint: str) -> list:
+    """Every event batch the publisher still holds, from sequence 0, decoded."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import KVEventBatch
+
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    end = (-1).to_bytes(8, "big", signed=True)
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVTIMEO, 10_000)  # a publisher that never answers fails the test
+    sock.connect(endpoint)
+    try:
+        sock.send_multipart((b"", (0).to_bytes(8, "big")))
+        batches = []
+        while True:
+            _, _topic, seq, payload = sock.recv_multipart()
+            if seq == end:
+                return batches
+            batches.append(decoder.decode(payload))
+    finally:
+        sock.close(linger=0)
+
+
+class Router:
+    """What a KV-aware router knows from the events: block hashes by medium, and
+    each hash's (parent, tokens) as vLLM's device events announce them."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, set] = {}
+        self.chain: dict[tuple, object] = {}  # (parent hash, block tokens) -> hash
+        self.removed: dict[str, int] = {}
+
+    def apply(self, event) -> None:
+        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+        if isinstance(event, BlockStored):
+            self.held.setdefault(event.medium, set()).update(event.block_hashes)
+            if event.medium == "GPU":
+                parent, bs = event.parent_block_hash, event.block_size
+                for i, h in enumerate(event.block_hashes):
+                    self.chain[(parent, tuple(event.token_ids[i * bs : (i + 1) * bs]))] = h
+                    parent = h
+        elif isinstance(event, BlockRemoved):
+            self.held.setdefault(event.medium, set()).difference_update(event.block_hashes)
+            self.removed[event.medium] = self.removed.get(event.medium, 0) + 1
+        elif isinstance(event, AllBlocksCleared):
+            self.held.pop("GPU", None)  # vLLM's device cache reset; the tiers keep theirs
+
+    def hashes(self, prompt: list[int]) -> list:
+        """The prompt's block hashes, chained from its tokens as the router hashes them."""
+        out, parent = [], None
+        for i in range(len(prompt) // BLOCK):
+            h = self.chain.get((parent, tuple(prompt[i * BLOCK : (i + 1) * BLOCK])))
+            if h is None:
+                break
+            out.append(h)
+            parent = h
+        return out
+
+
+def test_a_router_reading_the_events_knows_each_tiers_share_of_every_prompt(tmp_path):
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVEventsConfig
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+    from kvarena.integrations.vllm import kv_transfer_config
+    from kvarena.prefix.keys import block_keys
+    from kvarena.tiers.image import ImageKind, object_name
+
+    model = save_tiny("llama", tmp_path)
+    events = KVEventsConfig(
+        enable_kv_cache_events=True,
+        publisher="zmq",
+        endpoint=f"ipc://{tmp_path}/events",
+        replay_endpoint=f"ipc://{tmp_path}/replay",
+    )
+    # a host tier of four KV objects (~33 KB each): the prompts' ~20 blocks evict
+    transfer = kv_transfer_config(["host:160KiB", f"disk:{tmp_path}/disk:64MiB"])
+    llm = LLM(
+        **engine_args(model, block_size=BLOCK, distributed_executor_backend="uni"),
+        kv_transfer_config=transfer,
+        kv_events_config=events,
+    )
+    try:
+        rng = random.Random(9)
+        base = [rng.randrange(3, 500) for _ in range(200)]
+        prompts = [base[:150], base[:64] + [rng.randrange(3, 500) for _ in range(120)], base]
+        params = SamplingParams(max_tokens=4, temperature=0, detokenize=False)
+        for p in prompts:
+            llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)
+        worker = get_kv_transfer_group()._worker
+        worker.flush()  # every save written: the next step carries the report
+        llm.generate([{"prompt_token_ids": [5]}], params, use_tqdm=False)
+
+        router = Router()
+        for batch in replay(events.replay_endpoint):
+            for event in batch.events:
+                router.apply(event)
+        assert router.removed.get("CPU", 0) > 0  # the host evicted, and said so
+
+        sched = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
+        host, disk = worker.tiers.tiers
+        predicted, hosted = [], []
+        for p in prompts:
+            hashes = router.hashes(p)[: (len(p) - 1) // BLOCK]  # what a lookup may use
+            keys = block_keys(sched.root, np.asarray(p[: len(hashes) * BLOCK]), BLOCK, ())
+            names = [object_name(ImageKind.KV_BLOCK, k) for k in keys]
+            in_host = sum(h in router.held.get("CPU", set()) for h in hashes)
+            assert in_host == sum(host.contains_many(names))  # the host tier's own contents
+            hosted.append(in_host)
+            on_disk = [h in router.held.get("STORAGE", set()) for h in hashes]
+            assert on_disk == disk.contains_many(names)
+            run = 0
+            while run < len(hashes) and on_disk[run]:
+                run += 1
+            predicted.append(run * BLOCK)
+        assert any(predicted) and any(hosted), (predicted, hosted)
+
+        llm.reset_prefix_cache()
+        for p, want in zip(prompts, predicted, strict=True):
+            llm.reset_prefix_cache()
+            out = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
+            assert out.num_cached_tokens == want  # what the next lookup answers
+    finally:
+        ensure_kv_transfer_shutdown()
+        llm.llm_engine.engine_core.shutdown()
