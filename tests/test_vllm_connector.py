@@ -173,6 +173,43 @@ def test_outputs_equal_vllm_alone_cold_warm_restarted_shared_and_corrupted(
     close(fifth)
 
 
+@pytest.mark.parametrize(("kind", "block_size"), CASES)
+def test_vanished_and_evicted_objects_cost_a_recompute_never_a_token(models, kind, block_size):
+    """The policy the connector requires (``recompute``) through the engine: host
+    objects deleted behind the scheduler's back after it listed them (a store
+    restarted, another engine's eviction) fail their loads as missing and vLLM
+    recomputes; a host tier too small for the prompts evicts, says so, and no
+    lookup promises what it dropped. Tokens equal vLLM alone's throughout."""
+    model = models[kind]
+    prompts = prompts_for(block_size or 256)
+    alone = engine(model, block_size=block_size)
+    reference, _ = one_by_one(alone, prompts)
+    close(alone)
+
+    llm = engine(model, block_size=block_size, tiers=["host:64MiB"])
+    assert one_by_one(llm, prompts)[0] == reference
+    worker = worker_connector()._worker
+    worker.flush()
+    host = worker.tiers.tiers[0]
+    assert len(host) > 0
+    host.delete_many(host.names())  # vanished: the scheduler still lists them
+    llm.reset_prefix_cache()
+    vanished, _ = one_by_one(llm, prompts)
+    assert vanished == reference and worker.load_failures >= 1
+    close(llm)
+
+    one_object = host.frame_bytes
+    small = engine(model, block_size=block_size, tiers=[f"host:{4 * one_object}"])
+    assert one_by_one(small, prompts)[0] == reference
+    worker = worker_connector()._worker
+    worker.flush()
+    assert worker.tiers.tiers[0].metrics.evictions > 0
+    small.reset_prefix_cache()
+    evicted, _ = one_by_one(small, prompts)
+    assert evicted == reference and worker.load_failures == 0
+    close(small)
+
+
 def test_saves_past_the_backlog_are_skipped_and_cost_only_misses(models, caplog):
     """A save backlog of one KV block (tiny Llama: 2 layers x K,V x 32 tokens x 2
     heads x 64 x 2 bytes): a prompt whose prefill saves two blocks in one step is
