@@ -81,7 +81,7 @@ def test_verify_lists_what_fails_and_fix_removes_exactly_those(filled):
     flipped.write_bytes(bytes(data))
     cut.write_bytes(cut.read_bytes()[:-10])
     renamed.rename(filled / "kv-0000000000000000000000000000dead.kvi")  # its header names another
-    (filled / "kv-junk.kvi").write_bytes(b"not an image at all")
+    (filled / "kv-junk.kvi").write_bytes(b"not an image at all")  # 19 bytes
     r = kvarena("verify", str(filled), "--json")
     assert r.returncode == 1, r.stderr  # a verification that failed
     doc = json.loads(r.stdout)
@@ -90,7 +90,7 @@ def test_verify_lists_what_fails_and_fix_removes_exactly_those(filled):
         flipped.name: "checksum",
         cut.name: "truncated",
         "kv-0000000000000000000000000000dead.kvi": "key",
-        "kv-junk.kvi": "header",
+        "kv-junk.kvi": "truncated",  # shorter than any header
     }
     assert doc["checked"] == 11 and doc["removed"] == 0
     fixed = kvarena("verify", str(filled), "--fix", "--json")

@@ -190,25 +190,21 @@ def verify(
 ) -> None:
     """Check every object whole (header, size, seal, checksum, name); exit 1 while any fails."""
     inv = open_inventory(where)
-    entries, unreadable = inv.entries()
-    bad: list[dict[str, str]] = [
-        {"where": w, "reason": "header", "detail": why} for w, why in unreadable
-    ]
-    for e in entries:
-        data = inv.read(e)
-        if data is None:
-            continue  # gone since the listing: nothing to check
+    bad: list[dict[str, str]] = []
+    checked = 0
+    for name, place, data in inv.contents():
+        checked += 1
         try:
-            check_alone(e.name, data)
+            check_alone(name, data)
         except ImageMismatch as exc:
-            bad.append({"where": e.where, "reason": exc.reason, "detail": str(exc)})
+            bad.append({"where": place, "reason": exc.reason, "detail": str(exc)})
     removed = 0
     if fix and bad:
         with inv.claim():
             removed = inv.delete([b["where"] for b in bad])
     doc = {
         "tier": inv.describe(),
-        "checked": len(entries) + len(unreadable),
+        "checked": checked,
         "failed": bad,
         "removed": removed,
     }

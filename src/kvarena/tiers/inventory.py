@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .base import TierError
-from .disk import LOCK_NAME, NAME, SUFFIX, take_directory
+from .disk import _OPEN, LOCK_NAME, NAME, SUFFIX, take_directory
 from .image import (
     HEAD_BYTES,
     MAX_NAMESPACE_BYTES,
@@ -119,6 +119,10 @@ class Inventory(Protocol):
 
     def read(self, entry: Entry) -> bytes | None: ...
 
+    def contents(self) -> Iterator[tuple[str, str, bytes]]:
+        """Every object whole, once: ``(name, where, stored bytes)``."""
+        ...
+
     def delete(self, names: Sequence[str]) -> int: ...
 
     def claim(self) -> contextlib.AbstractContextManager[None]: ...
@@ -153,9 +157,12 @@ class DiskInventory:
         out, unreadable, now = [], [], time.time()
         for name, path in self._files():
             try:
-                with open(path, "rb") as f:
-                    head = read_header(f.read(HEAD_BYTES + MAX_NAMESPACE_BYTES))
-                st = path.stat()
+                fd = os.open(path, _OPEN)
+                try:
+                    st = os.fstat(fd)
+                    head = read_header(os.pread(fd, HEAD_BYTES + MAX_NAMESPACE_BYTES, 0))
+                finally:
+                    os.close(fd)
             except (OSError, ImageMismatch) as exc:
                 unreadable.append((str(path), str(exc)))
                 continue
@@ -176,6 +183,13 @@ class DiskInventory:
             return Path(entry.where).read_bytes()
         except OSError:
             return None
+
+    def contents(self) -> Iterator[tuple[str, str, bytes]]:
+        for name, path in self._files():
+            try:
+                yield name, str(path), path.read_bytes()
+            except OSError:
+                continue  # gone since the listing: nothing to check
 
     def delete(self, paths: Sequence[str]) -> int:
         n = 0
@@ -255,6 +269,15 @@ class RedisInventory:
     def read(self, entry: Entry) -> bytes | None:
         data: bytes | None = self._client.get(entry.where)
         return data
+
+    def contents(self) -> Iterator[tuple[str, str, bytes]]:
+        keys = sorted(self._client.scan_iter(match=self.prefix + "*", count=1000))
+        for i in range(0, len(keys), 64):
+            chunk = keys[i : i + 64]
+            for k, data in zip(chunk, self._client.mget(chunk), strict=True):
+                if data is not None:
+                    key = k.decode(errors="replace")
+                    yield key[len(self.prefix) :], key, data
 
     def delete(self, keys: Sequence[str]) -> int:
         n = 0
