@@ -82,3 +82,15 @@ def test_a_spec_opens_its_tier(tmp_path):
 def test_a_share_of_no_parts_is_refused():
     with pytest.raises(InvalidValueError, match="parts"):
         TierSpec.parse("host:1GiB").share(0)
+
+
+def test_a_place_to_read_is_a_spec_a_sizeless_disk_or_a_directory():
+    from kvarena.tiers.spec import TierSpec
+
+    assert TierSpec.parse_place("/var/kv") == TierSpec(kind="disk", directory="/var/kv")
+    assert TierSpec.parse_place("disk:/var/kv") == TierSpec(kind="disk", directory="/var/kv")
+    assert TierSpec.parse_place("disk:/var/kv:1GiB") == TierSpec.parse("disk:/var/kv:1GiB")
+    assert TierSpec.parse_place("redis://h:1/2") == TierSpec(kind="redis", url="redis://h:1/2")
+    assert TierSpec.parse_place("host:1GiB").kind == "host"
+    with pytest.raises(TierSpecError):
+        TierSpec.parse_place("")

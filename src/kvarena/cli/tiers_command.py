@@ -50,12 +50,7 @@ Json = Annotated[bool, typer.Option("--json", help="one JSON document on stdout"
 def open_inventory(where: str) -> Inventory:
     """The tier ``where`` names: a directory path, a disk spec (its size, if
     given, is not needed to read it), or a Redis URL."""
-    text = where.strip()
-    if text.startswith("disk:") and text.count(":") == 1:
-        return DiskInventory(text[len("disk:") :])
-    if not text.startswith(("disk:", "host:", "redis", "rediss://", "unix://")):
-        return DiskInventory(text)
-    spec = TierSpec.parse(text)
+    spec = TierSpec.parse_place(where)
     if spec.kind == "disk" and spec.directory is not None:
         return DiskInventory(spec.directory)
     if spec.kind == "redis" and spec.url is not None:

@@ -75,6 +75,20 @@ class TierSpec:
             raise TierSpecError(spec, str(exc)) from None
         return cls(kind=kind, size=nbytes, directory=directory)
 
+    @classmethod
+    def parse_place(cls, text: object) -> TierSpec:
+        """Where a tier's objects live, as one reads them from outside an engine
+        (``kvarena tiers``): any spec, a disk spec without its size, or a bare
+        directory (a disk tier's). The size, which only a tier's owner needs,
+        is None where not given."""
+        if isinstance(text, str) and text.strip():
+            t = text.strip()
+            if not t.startswith(("host:", "disk:", *_REDIS, _CLUSTER)):
+                return cls(kind="disk", directory=t)
+            if t.startswith("disk:") and t.count(":") == 1:
+                return cls(kind="disk", directory=t[len("disk:") :])
+        return cls.parse(text)
+
     def __str__(self) -> str:
         if self.kind == "host":
             return f"host:{self.size}"
