@@ -10,15 +10,18 @@ bfloat16; 137,216 B a layer), in four KV cache groups of 12 layers, pages
 unified at 144-token blocks (each state page padded to the 147,456 B of an
 attention page, as vLLM's page unification does). Per layout, the
 connector's save of one request (its full KV blocks and one state at its
-last boundary) and the load of the same objects back: ``copy calls`` (one
-batched gather per run of layers on save, one scatter per run and block on
-load), ``ranges`` (contiguous byte ranges moved), and the load's time as a
-speed beside a copy of the same bytes as one contiguous range from host
-memory into the cache's (the physical limit), the two alternating round by
-round. A save's time is not shown: it gathers into new host buffers (handed
-to the writer thread), and what the allocator hands back for them (pages
-touched before, or a fresh mapping) moves it more than the layout does. The images' bytes are the same in every
-layout (``tests/test_vllm_layouts.py``).
+last boundary) and the load of the same objects back, as the connector does
+them: ``batches`` (one described batch per storage and object kind, for the
+copy engine), ``ranges`` (the contiguous byte ranges those batches are once
+the engine coalesces them), and the load's time as a speed beside a copy of
+the same bytes as one contiguous range from host memory into the cache's
+(the physical limit), the two alternating round by round. The load reads the
+objects where a host tier holds them (lent in place, as ``fetch_checked``
+lends them), so no staging copy is in it. A save's time is not shown: it
+gathers into a new host buffer (handed to the writer thread), and what the
+allocator hands back for it (pages touched before, or a fresh mapping) moves
+it more than the layout does. The images' bytes are the same in every layout
+(``tests/test_vllm_layouts.py``).
 
 On vLLM's CPU platform the engine itself runs ``LBHNC`` only (its attention
 backend declares no other); the block-major rows are vLLM's allocation of
@@ -46,7 +49,9 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvarena.integrations.vllm.groups import classify
-from kvarena.integrations.vllm.tensors import BlockRun, layer_blocks
+from kvarena.integrations.vllm.tensors import CachePages, cache_pages
+from kvarena.spans import coalesce
+from kvarena.tiers import HostTier, TierObject
 
 BLOCK = 144
 ATTN = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=256, dtype=torch.bfloat16)
@@ -62,7 +67,7 @@ def gdn(padded: bool) -> MambaSpec:
     )
 
 
-def allocate(layout: str, blocks: int, padded: bool, device: torch.device):
+def allocate(layout: str, blocks: int, padded: bool, device: torch.device) -> CachePages:
     cfg = VllmConfig()
     cfg.cache_config.kv_cache_layout = layout
     groups = [KVCacheGroupSpec([f"model.layers.{4 * i + 3}.self_attn" for i in range(12)], ATTN)]
@@ -74,13 +79,7 @@ def allocate(layout: str, blocks: int, padded: bool, device: torch.device):
     caches = allocate_kv_cache(kc, device, KVCacheLayout[layout])
     for t in caches.values():
         t.view(torch.uint8).random_(0, 256)
-    return layer_blocks(caches, classify(kc), num_blocks=kc.num_blocks)
-
-
-def ranges(run: BlockRun) -> int:
-    """Contiguous ranges one block of ``run`` is: one for a run of pages, else the
-    pieces of a layer's block (K and V apart in a ``[2, blocks, ...]`` tensor)."""
-    return 1 if run.dim == 0 and run.raw.select(0, 0).is_contiguous() else 2
+    return cache_pages(caches, classify(kc), num_blocks=kc.num_blocks)
 
 
 def main() -> None:
@@ -97,7 +96,7 @@ def main() -> None:
         f"{full} KV blocks of {BLOCK} tokens x 12 layers + 1 state x 36 layers; {device}"
     )
     head = (
-        f"{'layout':<28} {'save calls':>10} {'load calls':>10} {'ranges':>7} {'bytes':>12} "
+        f"{'layout':<28} {'batches':>8} {'ranges':>7} {'bytes':>12} "
         f"{'load µs':>9} {'memcpy µs':>9} {'load speed':>11}"
     )
     print(head)
@@ -109,39 +108,41 @@ def main() -> None:
 def measure(
     layout: str, padded: bool, blocks: int, full: int, device: torch.device, rounds: int
 ) -> str:
-    """One layout's row: copy calls, ranges and bytes of a request's save and load,
-    and their times beside a memcpy of the same bytes."""
-    runs = allocate(layout, blocks, padded, device)
-    kv_runs, state_runs = runs[0], [r for g in (1, 2, 3) for r in runs[g]]
-    kv_ids = list(range(3, 3 + full))  # the request's blocks (attention group)
-    state_id = blocks - 2  # its state at the last boundary (every state group)
-    nbytes = sum(r.block_bytes for r in kv_runs) * full + sum(r.block_bytes for r in state_runs)
-    saved: list[np.ndarray] = []
-
-    def save() -> None:
-        saved.clear()
-        saved.extend(r.gather(kv_ids) for r in kv_runs)
-        saved.extend(r.gather([state_id]) for r in state_runs)
-
-    save()
-    rows = list(saved)
+    """One layout's row: batches, ranges and bytes of a request's load, and its
+    time beside a memcpy of the same bytes."""
+    pages = allocate(layout, blocks, padded, device)
+    kv = [[b] for b in range(3, 3 + full)]  # the request's blocks (attention group)
+    state = [[blocks - 2, blocks - 3, blocks - 4]]  # its state at the last boundary, per group
+    saved = {"kv": pages.gather("kv", kv).numpy(), "state": pages.gather("state", state).numpy()}
+    size = pages.payload
+    nbytes = size["kv"] * full + size["state"]
+    # the objects where a host tier holds them, lent in place as a load reads them
+    host = HostTier(2 * nbytes + (1 << 20), frame_bytes=size["kv"])
+    names = {"kv": [f"kv{j}" for j in range(full)], "state": ["st"]}
+    for kind, rows in saved.items():
+        n = size[kind]
+        host.put_many(
+            [TierObject(name, (rows[j * n : (j + 1) * n].tobytes(),), n) for j, name in enumerate(names[kind])]
+        )
 
     def load() -> None:
-        for r, got in zip(kv_runs, rows, strict=False):
-            for j, b in enumerate(kv_ids):
-                r.scatter(b, memoryview(got[j]))
-        for r, got in zip(state_runs, rows[len(kv_runs) :], strict=True):
-            r.scatter(state_id, memoryview(got[0]))
+        with host.borrow(names["kv"] + names["state"]) as lent:
+            pages.place("kv", kv, lent[:full], host.buffer)  # type: ignore[arg-type]
+            pages.place("state", state, lent[full:], host.buffer)  # type: ignore[arg-type]
 
     # The limit: the same bytes as one range from host memory into the cache's.
-    host = torch.empty(nbytes, dtype=torch.uint8).random_(0, 256)
+    src = torch.empty(nbytes, dtype=torch.uint8).random_(0, 256)
     cache = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 256)
-    t = side_by_side({"load": load, "memcpy": lambda: cache.copy_(host)}, rounds, device)
-    save_calls = len(kv_runs) + len(state_runs)
-    load_calls = len(kv_runs) * full + len(state_runs)
-    n_ranges = sum(ranges(r) for r in kv_runs) * full + sum(ranges(r) for r in state_runs)
+    t = side_by_side({"load": load, "memcpy": lambda: cache.copy_(src)}, rounds, device)
+    batches = 0
+    n_ranges = 0
+    for kind, ids in (("kv", kv), ("state", state)):
+        at = np.arange(len(ids), dtype=np.int64) * size[kind]
+        for _, batch in pages.batches(kind, np.asarray(ids), at):
+            batches += 1
+            n_ranges += coalesce(batch.src, batch.dst, batch.length)[0].size
     return (
-        f"{save_calls:>10,} {load_calls:>10,} {n_ranges:>7,} {nbytes:>12,} "
+        f"{batches:>8,} {n_ranges:>7,} {nbytes:>12,} "
         f"{t['load'] * 1e6:>9,.0f} {t['memcpy'] * 1e6:>9,.0f} {t.speed('load', 'memcpy'):>10.2f}x"
     )
 

@@ -11,49 +11,79 @@ every layout; what it scatters lands there and nowhere else.
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 
 from kvarena.integrations.vllm.connector import KvarenaConnector
 from kvarena.integrations.vllm.groups import classify
 from kvarena.integrations.vllm.settings import ConnectorConfigError
-from kvarena.integrations.vllm.tensors import layer_blocks
+from kvarena.integrations.vllm.tensors import cache_pages
 from kvarena.testing.vllm_tensors import ATTN, BLOCKS, allocation, fill, page
 
 # Block ids owned by one group each, as vLLM's block pool hands them out (block-major
 # groups alias the same bytes from byte 0, so a block belongs to one group at a time).
-OWNED = {0: [1, 4, 7], 1: [2, 5], 2: [3, 9, 11]}
+OWNED = {0: [1, 4, 7], 1: [2, 5], 2: [3, 9]}
+
+
+def objects(groups, kind):
+    """Each object of ``kind``: one block id per group of that kind."""
+    mine = [g.index for g in groups if g.kind == kind]
+    return [list(ids) for ids in zip(*(OWNED[i] for i in mine), strict=True)]
+
+
+def ranges(pages, kind, ids) -> int:
+    """The contiguous ranges one object is once the copy engine coalesces its spans."""
+    from kvarena.spans import coalesce
+
+    [_, batch], *more = pages.batches(kind, np.asarray([ids]), np.zeros(1, dtype=np.int64))
+    assert not more  # one storage: vLLM allocates the groups' tensors together
+    return int(coalesce(batch.src, batch.dst, batch.length)[0].size)
+
+
+def oracle_ranges(caches, groups, kind, ids, num_blocks) -> int:
+    """The same count from torch alone: every payload byte's place in the storage
+    (each layer's page of its block, in element order, layers in group order),
+    and the places where the next byte does not follow."""
+    places = []
+    mine = [g for g in groups if g.kind == kind]
+    for g, b in zip(mine, ids, strict=True):
+        for name in g.layers:
+            t = caches[name].view(torch.uint8)
+            every = torch.arange(t.untyped_storage().nbytes(), dtype=torch.int64)
+            at = every.as_strided(t.shape, t.stride(), t.storage_offset())
+            places.append(at.select(0 if t.shape[0] == num_blocks else 1, b).reshape(-1))
+    flat = torch.cat(places)
+    return int((flat[1:] - flat[:-1] != 1).sum()) + 1
 
 
 @pytest.mark.parametrize(
-    ("layout", "padded", "runs"),
-    [
-        ("LBHNC", True, [3, 3, 3]),  # one layer per run
-        ("BLHNC", True, [1, 3, 3]),  # a block of the attention group is one range
-        ("BLHNC", False, [1, 1, 1]),  # unpadded state pages too
-        ("BLNHC", False, [3, 1, 1]),  # token-major pages are no contiguous [H, N, C] view
-    ],
+    ("layout", "padded"), [("LBHNC", True), ("BLHNC", True), ("BLHNC", False), ("BLNHC", False)]
 )
-def test_runs_gather_each_layers_page_in_group_order_and_scatter_exactly(layout, padded, runs):
+def test_objects_gather_each_layers_page_in_group_order_and_scatter_exactly(layout, padded):
     kc, caches = allocation(layout, padded=padded)
     groups = classify(kc)
     fill(caches, seed=1)
-    by_group = layer_blocks(caches, groups, num_blocks=kc.num_blocks)
-    assert [len(by_group[g.index]) for g in groups] == runs
+    pages = cache_pages(caches, groups, num_blocks=kc.num_blocks)
     _, target = allocation(layout, padded=padded)
-    target_runs = layer_blocks(target, groups, num_blocks=kc.num_blocks)
-    for g in groups:
-        ids = OWNED[g.index]
-        rows = [r.gather(ids) for r in by_group[g.index]]  # one batched gather per run
-        payloads = [b"".join(bytes(r[j]) for r in rows) for j in range(len(ids))]
-        for b, payload in zip(ids, payloads, strict=True):
-            assert payload == b"".join(page(caches[name], b) for name in g.layers)
-            pos = 0
-            for r in target_runs[g.index]:
-                r.scatter(b, memoryview(payload)[pos : pos + r.block_bytes])
-                pos += r.block_bytes
-            assert pos == len(payload)
+    into = cache_pages(target, groups, num_blocks=kc.num_blocks)
+    for kind in ("kv", "state"):
+        objs = objects(groups, kind)
+        # as few ranges as the bytes allow: in block-major layouts a group's block
+        # is one range (padded state pages leave gaps), in layer-major one per layer
+        assert ranges(pages, kind, objs[0]) == oracle_ranges(caches, groups, kind, objs[0], kc.num_blocks)
+        if layout == "BLHNC":
+            assert ranges(pages, "kv", objects(groups, "kv")[0]) == 1
+        stage = pages.gather(kind, objs)  # one batch per storage
+        size = pages.payload[kind]
+        assert stage.numel() == len(objs) * size
+        mine = [g for g in groups if g.kind == kind]
+        for j, ids in enumerate(objs):
+            want = b"".join(page(caches[n], b) for g, b in zip(mine, ids, strict=True) for n in g.layers)
+            assert bytes(stage[j * size : (j + 1) * size].numpy()) == want
+        into.place(kind, objs, [memoryview(stage.numpy())[j * size : (j + 1) * size] for j in range(len(objs))], None)
     # Groups alias one allocation (a block's bytes are whichever group owns it), so a
     # layer is checked at its own group's blocks and at the blocks nobody owns.
     owned = {b for ids in OWNED.values() for b in ids}
@@ -66,17 +96,47 @@ def test_runs_gather_each_layers_page_in_group_order_and_scatter_exactly(layout,
                     assert not any(page(target[name], b)), (layout, name, b)  # untouched
 
 
+def test_a_payload_lent_by_the_host_tier_is_copied_straight_from_its_allocation():
+    """Views into the host tier's allocation are read there (offsets into it), the
+    rest staged: both land exactly in their blocks."""
+    from kvarena.tiers import HostTier, TierObject
+
+    kc, caches = allocation("LBHNC", padded=True)
+    groups = classify(kc)
+    fill(caches, seed=2)
+    pages = cache_pages(caches, groups, num_blocks=kc.num_blocks)
+    objs = objects(groups, "kv")
+    size = pages.payload["kv"]
+    stage = pages.gather("kv", objs).numpy()
+    host = HostTier(8 * size, frame_bytes=size)
+    host.put_many([TierObject("a", (stage[:size].tobytes(),), size)])
+    _, target = allocation("LBHNC", padded=True)
+    into = cache_pages(target, groups, num_blocks=kc.num_blocks)
+    with host.borrow(["a"]) as (lent,):
+        assert lent is not None
+        rest = [memoryview(stage[j * size : (j + 1) * size].tobytes()) for j in (1, 2)]
+        into.place("kv", objs, [lent, *rest], host.buffer)
+    for name in groups[0].layers:
+        for b in OWNED[0]:
+            assert page(target[name], b) == page(caches[name], b)
+
+
 def test_the_images_bytes_are_the_same_in_every_layout():
     payloads = {}
     for layout in ("LBHNC", "BLHNC", "BLNHC"):
         kc, caches = allocation(layout, padded=True)
         groups = classify(kc)
-        runs = layer_blocks(caches, groups, num_blocks=kc.num_blocks)
+        pages = cache_pages(caches, groups, num_blocks=kc.num_blocks)
         payloads[layout] = []
         for g in groups:  # one group at a time: groups alias the same bytes
             fill({name: caches[name] for name in g.layers}, seed=7 + g.index)
+            mine = [x for x in groups if x.kind == g.kind]
+            size = pages.payload[g.kind]
+            start = sum(x.block_bytes * len(x.layers) for x in mine[: mine.index(g)])
+            part = g.block_bytes * len(g.layers)
+            stage = pages.gather(g.kind, [[b] * len(mine) for b in range(BLOCKS)]).numpy()
             payloads[layout] += [
-                b"".join(bytes(r.gather([b])[0]) for r in runs[g.index]) for b in range(BLOCKS)
+                bytes(stage[j * size + start : j * size + start + part]) for j in range(BLOCKS)
             ]
     assert payloads["LBHNC"] == payloads["BLHNC"] == payloads["BLNHC"]
 
@@ -84,11 +144,11 @@ def test_the_images_bytes_are_the_same_in_every_layout():
 def test_a_batched_gather_equals_block_by_block():
     kc, caches = allocation("BLHNC", padded=False, attn_layers=4)
     fill(caches, seed=3)
-    run = layer_blocks(caches, classify(kc), num_blocks=kc.num_blocks)[0][0]
-    ids = [5, 0, 11, 6]
-    rows = run.gather(ids)
-    assert rows.shape == (4, 4 * ATTN.page_size_bytes)
-    assert [bytes(r) for r in rows] == [bytes(run.gather([b])[0]) for b in ids]
+    pages = cache_pages(caches, classify(kc), num_blocks=kc.num_blocks)
+    ids = [[5], [0], [11], [6]]
+    rows = pages.gather("kv", ids)
+    assert rows.numel() == 4 * 4 * ATTN.page_size_bytes
+    assert bytes(rows.numpy()) == b"".join(bytes(pages.gather("kv", [b]).numpy()) for b in ids)
 
 
 def _config(layout):

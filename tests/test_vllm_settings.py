@@ -29,8 +29,8 @@ from kvarena.integrations.vllm.settings import (
     ConnectorSettings,
 )
 from kvarena.integrations.vllm.tensors import (
-    BlockRun,
-    LayerBlocks,
+    CachePages,
+    LayerPages,
     payload_bytes,
 )
 from kvarena.tiers import HostTier, TierSpec
@@ -200,19 +200,16 @@ def test_block_bytes_round_trip_exactly(kv_first, blocks, inner, dtype, data):
         spec={"class": "MambaSpec", "shapes": [[per_block]], "dtypes": ["torch.int8"]},
         block_bytes=per_block,
     )
-    layer = BlockRun.of(
-        [LayerBlocks.of("l", src, num_blocks=blocks, group=group)], num_blocks=blocks
-    )
+    layer = CachePages({"state": [[LayerPages.of("l", src, num_blocks=blocks, group=group)]]})
     ids = data.draw(st.lists(st.integers(0, blocks - 1), min_size=1, max_size=blocks, unique=True))
-    rows = layer.gather(ids)
+    rows = layer.gather("state", [[b] for b in ids]).numpy().reshape(len(ids), per_block)
     raw = src.view(torch.uint8)
     for row, b in zip(rows, ids, strict=True):
         want = (raw[:, b] if kv_first else raw[b]).contiguous().reshape(-1).numpy()
         assert bytes(row) == bytes(want)
     dst = torch.zeros_like(src)
-    out = BlockRun.of([LayerBlocks.of("l", dst, num_blocks=blocks, group=group)], num_blocks=blocks)
-    for row, b in zip(rows, ids, strict=True):
-        out.scatter(b, memoryview(row))
+    out = CachePages({"state": [[LayerPages.of("l", dst, num_blocks=blocks, group=group)]]})
+    out.place("state", [[b] for b in ids], [memoryview(row) for row in rows], None)
     for b in range(blocks):
         got, want = (dst[:, b], src[:, b]) if kv_first else (dst[b], src[b])
         expect = want if b in ids else torch.zeros_like(want)
@@ -222,16 +219,16 @@ def test_block_bytes_round_trip_exactly(kv_first, blocks, inner, dtype, data):
 def test_unknown_tensor_layouts_are_refused_with_the_shapes():
     group = classify(config(attention()))[0]
     with pytest.raises(ConnectorConfigError, match=r"\[32, 8, 2, 128\]"):
-        LayerBlocks.of(
+        LayerPages.of(
             "l", torch.zeros(32, 8, 2, 128, dtype=torch.bfloat16), num_blocks=8, group=group
         )
     with pytest.raises(ConnectorConfigError, match="holds"):
-        LayerBlocks.of(
+        LayerPages.of(
             "l", torch.zeros(8, 2, 32, 64, dtype=torch.bfloat16), num_blocks=8, group=group
         )
     with pytest.raises(ConnectorConfigError, match="contiguous"):
         t = torch.zeros(8, 2, 128, 32, dtype=torch.bfloat16).transpose(2, 3)
-        LayerBlocks.of("l", t, num_blocks=8, group=group)
+        LayerPages.of("l", t, num_blocks=8, group=group)
 
 
 def test_an_engine_with_a_bad_config_is_refused_at_start(tmp_path):

@@ -83,6 +83,12 @@ class HostTier(IndexedTier):
         self.pinned = pin_memory
 
     @property
+    def buffer(self) -> torch.Tensor:
+        """The tier's one allocation (1-D uint8): what a borrowed object's view
+        lies in, for a caller copying out of it with offsets instead of views."""
+        return self._buf
+
+    @property
     def trusted(self) -> bool:
         return True
 

@@ -1,4 +1,4 @@
-"""vLLM's registered cache tensors, read and written one block at a time.
+"""vLLM's registered cache tensors as byte spans, copied by kvarena's copy engine.
 
 ``register_kv_caches`` hands each worker one tensor per layer. The connector
 finds the block dimension from the shape and the block count — first
@@ -7,27 +7,30 @@ or second behind K/V (``[2, blocks, ...]``) — and checks that a block holds
 exactly the bytes its group's spec says. Anything else is refused at start
 with the shapes named: a guessed layout would copy the wrong bytes silently.
 
-Every copy goes through a ``uint8`` view of the tensor, so a block's bytes are
-moved as they are (bfloat16 K/V, a float32 SSM state and its conv window
-alike). Consecutive layers of a group whose pages of one block lie side by
-side in one allocation are copied as one range (:class:`BlockRun`): in
-vLLM's block-major layouts (``BLHNC``, ``BLNHC``: a block of every layer of a
-group is one contiguous run) a block is one copy for the whole group, the
-one-range-per-entry idea inside vLLM; in its layer-major ones (``LBHNC``)
-every layer is its own run. The bytes, and so the images, are the same
-either way: a group's layers in its order, each layer's page as it is.
+Each layer's page of a block is a few contiguous byte spans of the storage
+vLLM allocated (one for a page that is one range, two for K and V apart,
+one per token row where a page is token-major), at the same places in every
+block shifted by the block dimension's stride (:class:`LayerPages`). An
+object's payload is a group's layers in its order, each layer's page in its
+own element order, so the images are the same bytes in every layout. A load
+or a step's saves are then ONE described batch per storage
+(:class:`CachePages`): every object's every layer span, which the copy
+engine (:mod:`kvarena.copy`) checks whole, coalesces where spans continue
+each other (a block of every layer of a group in vLLM's block-major layouts
+is one range: the one-range-per-entry idea inside vLLM) and moves with its
+own strategies, instead of a copy per layer per block.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ...spans import coalesce
+from ...copy.executor import execute_batch
+from ...copy.plan import CopyBatch
 from .groups import Group
 from .settings import ConnectorConfigError
 
@@ -39,17 +42,39 @@ def payload_bytes(groups: Sequence[Group]) -> int:
     return sum(g.block_bytes * len(g.layers) for g in groups)
 
 
+def page_spans(page: torch.Tensor) -> np.ndarray:
+    """The ``[n, 2]`` (offset from the page's first byte, length) spans of a uint8
+    view, in its element order: trailing dimensions that continue each other
+    are merged first, so only the outer indices are enumerated."""
+    shape, strides = list(page.shape), list(page.stride())
+    run = 1
+    while shape and (strides[-1] == run or shape[-1] == 1):
+        run *= shape.pop()
+        strides.pop()
+    if not shape:
+        return np.array([[0, run]], dtype=np.int64)
+    grids = np.meshgrid(
+        *[np.arange(n, dtype=np.int64) * st for n, st in zip(shape, strides, strict=True)],
+        indexing="ij",
+    )
+    starts = np.sum(grids, axis=0).reshape(-1)
+    return np.stack([starts, np.full_like(starts, run)], axis=1)
+
+
 @dataclass(frozen=True, eq=False)
-class LayerBlocks:
-    """One layer's cache tensor as blocks of raw bytes."""
+class LayerPages:
+    """One layer's pages as spans of the storage vLLM allocated: block ``b``'s page
+    is ``spans`` shifted by ``first + b * step`` bytes."""
 
     name: str
-    raw: torch.Tensor  # a uint8 view of vLLM's tensor
-    dim: int  # the block dimension of ``raw``
+    storage: torch.Tensor  # the whole allocation as a 1-D uint8 tensor
+    first: int  # where block 0's page starts, in bytes from the storage's start
+    step: int  # bytes from one block's page to the next
+    spans: np.ndarray  # [n, 2]: offset from ``first``, length
     block_bytes: int
 
     @classmethod
-    def of(cls, name: str, tensor: torch.Tensor, *, num_blocks: int, group: Group) -> LayerBlocks:
+    def of(cls, name: str, tensor: torch.Tensor, *, num_blocks: int, group: Group) -> LayerPages:
         shape = tuple(tensor.shape)
         if tensor.dim() >= 2 and shape[0] == num_blocks:
             dim = 0
@@ -67,7 +92,8 @@ class LayerBlocks:
                 f"strides {list(tensor.stride())}; its last dimension must be contiguous"
             )
         raw = tensor.view(torch.uint8)
-        block_bytes = raw.select(dim, 0).numel()
+        page = raw.select(dim, 0)
+        block_bytes = page.numel()
         want = group.block_bytes
         if block_bytes != want:
             raise ConnectorConfigError(
@@ -75,107 +101,177 @@ class LayerBlocks:
                 f"({tensor.dtype}) holds {block_bytes:,} B, its group's "
                 f"{group.spec['class']} says {want:,} B"
             )
-        return cls(name=name, raw=raw, dim=dim, block_bytes=block_bytes)
-
-    def block_address(self) -> int | None:
-        """Where block 0's page starts, when one block's page is one contiguous range
-        and blocks are the first dimension (what a run can be made of), else None."""
-        if self.dim != 0 or not self.raw.select(0, 0).is_contiguous():
-            return None
-        return int(self.raw.data_ptr())
-
-
-@dataclass(frozen=True, eq=False)
-class BlockRun:
-    """Consecutive layers of one group whose pages of each block form one range.
-
-    ``raw`` views the run as ``[blocks, block_bytes]`` (or, for a single layer
-    that is no run of pages, that layer's own view with its block dimension
-    ``dim``): gathering or scattering a block is one copy for every layer in it."""
-
-    layers: tuple[str, ...]
-    raw: torch.Tensor
-    dim: int
-    block_bytes: int
-
-    @classmethod
-    def of(cls, layers: Sequence[LayerBlocks], *, num_blocks: int) -> BlockRun:
-        first = layers[0]
-        if len(layers) == 1:
-            return cls(
-                layers=(first.name,), raw=first.raw, dim=first.dim, block_bytes=first.block_bytes
-            )
-        total = sum(layer.block_bytes for layer in layers)
-        raw = torch.as_strided(
-            first.raw, (num_blocks, total), (first.raw.stride(0), 1), first.raw.storage_offset()
+        storage = torch.empty(0, dtype=torch.uint8, device=raw.device).set_(raw.untyped_storage())
+        return cls(
+            name=name,
+            storage=storage,
+            first=int(page.storage_offset()),
+            step=int(raw.stride(dim)),
+            spans=page_spans(page),
+            block_bytes=block_bytes,
         )
-        return cls(layers=tuple(layer.name for layer in layers), raw=raw, dim=0, block_bytes=total)
-
-    def gather(self, block_ids: Sequence[int]) -> np.ndarray:
-        """The bytes of ``block_ids``, a host array ``[len(block_ids), block_bytes]``
-        (one copy; on CUDA it waits for the forward that wrote them)."""
-        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.raw.device)
-        rows = torch.index_select(self.raw, self.dim, ids).movedim(self.dim, 0)
-        return rows.reshape(len(block_ids), self.block_bytes).contiguous().cpu().numpy()
-
-    def scatter(self, block_id: int, data: memoryview) -> None:
-        """Write one block's bytes (``block_bytes`` of them) into the tensor."""
-        dst = self.raw.select(self.dim, block_id)
-        with warnings.catch_warnings():  # a read-only source, only ever read from
-            warnings.simplefilter("ignore", UserWarning)
-            src = torch.frombuffer(data, dtype=torch.uint8).view(dst.shape)
-        dst.copy_(src)
 
 
-def _runnable(layer: LayerBlocks, head: LayerBlocks) -> bool:
-    """Whether ``layer`` could share a run with ``head``: block pages in one
-    allocation on one device, at one block stride."""
-    return (
-        layer.block_address() is not None
-        and head.block_address() is not None
-        and layer.raw.device == head.raw.device
-        and layer.raw.untyped_storage().data_ptr() == head.raw.untyped_storage().data_ptr()
-        and layer.raw.stride(0) == head.raw.stride(0)
-    )
+@dataclass(frozen=True, kw_only=True)
+class _StorageSpans:
+    """Every span one group's objects have in one storage: for each, the layer's
+    offset in the payload plus the span's (``payload``), where it lies in block
+    0 (``at``) and its block step (``step``), and its ``length``."""
+
+    storage: torch.Tensor
+    group: np.ndarray  # which of the object kind's groups each span belongs to
+    payload: np.ndarray
+    at: np.ndarray
+    step: np.ndarray
+    length: np.ndarray
 
 
-def block_runs(layers: Sequence[LayerBlocks], *, num_blocks: int) -> list[BlockRun]:
-    """A group's layers, in order, joined into runs wherever their pages are adjacent.
+class CachePages:
+    """The registered cache as spans, by object kind (KV groups, state groups):
+    where every byte of an object's payload lives for any block ids."""
 
-    Adjacency is the copy engine's own rule (:func:`kvarena.spans.coalesce`):
-    each layer's page of block 0 is a span from its place in the object's
-    payload to its place in memory, and spans continuing each other on both
-    sides are one. A run never reaches past one block's stride, so block ``b``
-    of the run is one range for every ``b``."""
-    runs: list[list[LayerBlocks]] = []
-    for layer in layers:
-        if runs and _runnable(layer, runs[-1][0]):
-            joined = runs[-1] + [layer]
-            at = np.array([x.block_address() for x in joined], dtype=np.int64)
-            size = np.array([x.block_bytes for x in joined], dtype=np.int64)
-            payload = np.concatenate(([0], np.cumsum(size)[:-1]))
-            _, _, merged = coalesce(payload, at, size)
-            if merged.size == 1 and int(merged[0]) <= joined[0].raw.stride(0):
-                runs[-1] = joined
-                continue
-        runs.append([layer])
-    return [BlockRun.of(run, num_blocks=num_blocks) for run in runs]
+    def __init__(self, kinds: dict[str, list[list[LayerPages]]]) -> None:
+        """``kinds``: for each object kind, its groups' layers in payload order."""
+        self.payload = {
+            k: sum(layer.block_bytes for g in gs for layer in g) for k, gs in kinds.items()
+        }
+        self._spans: dict[str, list[_StorageSpans]] = {}
+        for kind, groups in kinds.items():
+            by_storage: dict[int, list[tuple[int, int, LayerPages]]] = {}
+            pos = 0
+            for gi, layers in enumerate(groups):
+                for layer in layers:
+                    key = layer.storage.untyped_storage().data_ptr()
+                    by_storage.setdefault(key, []).append((gi, pos, layer))
+                    pos += layer.block_bytes
+            out = []
+            for entries in by_storage.values():
+                rows = [
+                    (gi, pos + within, layer.first + at, layer.step, n)
+                    for gi, pos, layer in entries
+                    for (at, n), within in zip(
+                        layer.spans.tolist(),
+                        np.concatenate(([0], np.cumsum(layer.spans[:, 1])[:-1])).tolist(),
+                        strict=True,
+                    )
+                ]
+                cols = np.array(rows, dtype=np.int64).reshape(-1, 5)
+                out.append(
+                    _StorageSpans(
+                        storage=entries[0][2].storage,
+                        group=cols[:, 0],
+                        payload=cols[:, 1],
+                        at=cols[:, 2],
+                        step=cols[:, 3],
+                        length=cols[:, 4],
+                    )
+                )
+            self._spans[kind] = out
+
+    @property
+    def device(self) -> torch.device:
+        for spans in self._spans.values():
+            for s in spans:
+                return s.storage.device
+        return torch.device("cpu")
+
+    def batches(
+        self, kind: str, blocks: np.ndarray, payload_at: np.ndarray
+    ) -> list[tuple[torch.Tensor, CopyBatch]]:
+        """For objects ``j`` of ``kind`` whose blocks are ``blocks[j]`` (one id per
+        group) and whose payloads start at ``payload_at[j]`` of a flat buffer:
+        each storage with the batch of (payload offset, storage offset, length)."""
+        out = []
+        for s in self._spans[kind]:
+            src = payload_at[:, None] + s.payload[None, :]
+            dst = s.at[None, :] + blocks[:, s.group] * s.step[None, :]
+            length = np.broadcast_to(s.length[None, :], src.shape)
+            out.append((s.storage, CopyBatch(src.reshape(-1), dst.reshape(-1), length.reshape(-1))))
+        return out
+
+    def gather(self, kind: str, blocks: Sequence[Sequence[int]]) -> torch.Tensor:
+        """The payloads of ``kind`` objects at ``blocks`` (one id per group each),
+        back to back in a host buffer: one batch per storage (on CUDA into the
+        device, then one copy to the host, which waits for the forward)."""
+        ids = np.asarray(blocks, dtype=np.int64).reshape(len(blocks), -1)
+        size = self.payload[kind]
+        stage = torch.empty(len(blocks) * size, dtype=torch.uint8, device=self.device)
+        at = np.arange(len(blocks), dtype=np.int64) * size
+        for storage, batch in self.batches(kind, ids, at):
+            execute_batch(_reversed(batch), storage, stage)
+        return stage.cpu()
+
+    def scatter(
+        self,
+        kind: str,
+        blocks: Sequence[Sequence[int]],
+        source: torch.Tensor,
+        payload_at: Sequence[int],
+    ) -> None:
+        """Write objects of ``kind`` from ``source`` (a flat uint8 buffer, payload
+        ``j`` at ``payload_at[j]``) into their blocks: one batch per storage, each
+        checked whole before a byte moves."""
+        ids = np.asarray(blocks, dtype=np.int64).reshape(len(blocks), -1)
+        at = np.asarray(payload_at, dtype=np.int64)
+        if source.device != self.device:
+            source = source.to(self.device)
+        for storage, batch in self.batches(kind, ids, at):
+            execute_batch(batch, source, storage)
 
 
-def layer_blocks(
+    def place(
+        self,
+        kind: str,
+        blocks: Sequence[Sequence[int]],
+        payloads: Sequence[memoryview],
+        arena: torch.Tensor | None,
+    ) -> None:
+        """Copy checked payloads of ``kind`` objects into their blocks: those a host
+        tier lends in place (views into ``arena``, its one allocation) straight
+        from it, the rest staged once, back to back; one batch per storage each.
+        On a device the payloads are staged (one copy to the device), never the
+        whole arena."""
+        lent: list[tuple[Sequence[int], int]] = []
+        staged: list[tuple[Sequence[int], memoryview]] = []
+        if self.device.type != "cpu":
+            arena = None
+        base = arena.data_ptr() if arena is not None else 0
+        end = base + (arena.numel() if arena is not None else 0)
+        for ids, p in zip(blocks, payloads, strict=True):
+            at = np.frombuffer(p, dtype=np.uint8).__array_interface__["data"][0] if len(p) else 0
+            if arena is not None and base <= at and at + len(p) <= end:
+                lent.append((ids, at - base))
+            else:
+                staged.append((ids, p))
+        if lent:
+            assert arena is not None
+            self.scatter(kind, [ids for ids, _ in lent], arena, [o for _, o in lent])
+        if staged:
+            flat = np.concatenate([np.frombuffer(p, dtype=np.uint8) for _, p in staged])
+            size = self.payload[kind]
+            at_ = [j * size for j in range(len(staged))]
+            self.scatter(kind, [ids for ids, _ in staged], torch.from_numpy(flat), at_)
+
+
+def _reversed(batch: CopyBatch) -> CopyBatch:
+    return CopyBatch(batch.dst, batch.src, batch.length)
+
+
+def cache_pages(
     kv_caches: Mapping[str, torch.Tensor], groups: Sequence[Group], *, num_blocks: int
-) -> dict[int, list[BlockRun]]:
-    """Each group's layers as :class:`BlockRun` s, in the group's layer order; a
-    layer the config names but vLLM did not register is refused."""
-    out: dict[int, list[BlockRun]] = {}
+) -> CachePages:
+    """The registered tensors as :class:`CachePages`, objects by kind (``kv``,
+    ``state``) in the groups' order; a layer the config names but vLLM did not
+    register is refused."""
+    kinds: dict[str, list[list[LayerPages]]] = {"kv": [], "state": []}
     for g in groups:
-        rows = []
+        layers = []
         for name in g.layers:
             if name not in kv_caches:
                 raise ConnectorConfigError(
                     f"kvarena connector: layer {name} of KV cache group {g.index} has no "
                     f"registered cache tensor (registered: {', '.join(list(kv_caches)[:4])}...)"
                 )
-            rows.append(LayerBlocks.of(name, kv_caches[name], num_blocks=num_blocks, group=g))
-        out[g.index] = block_runs(rows, num_blocks=num_blocks)
-    return out
+            layers.append(LayerPages.of(name, kv_caches[name], num_blocks=num_blocks, group=g))
+        kinds[g.kind].append(layers)
+    return CachePages(kinds)

@@ -3,13 +3,14 @@
 Loads run before the step's forward (vLLM waits for them): every object is
 fetched top tier first, checked against what this engine expects — kind, key,
 namespace, token span, length, checksum — and copied into the block ids the
-scheduler names; an object that fails anywhere is tried in the next tier, and
+scheduler names, one batch of kvarena's copy engine per storage and object
+kind (:class:`~.tensors.CachePages`; a host tier's objects straight from its
+allocation); an object that fails anywhere is tried in the next tier, and
 a load no tier can serve is reported by its block ids so vLLM recomputes them
 (``kv_load_failure_policy="recompute"``). Nothing unchecked is ever copied.
 
-Saves take the step's bytes after its forward (one gather per run of layers:
-per layer in vLLM's layer-major layouts, per group in its block-major ones), then
-hand checksumming and the tier writes to one background thread: a save never
+Saves take the step's bytes after its forward (one batch per storage and object
+kind into one host buffer), then hand checksumming and the tier writes to one background thread: a save never
 waits for a disk or a network (a load does: it runs before the forward). Every save is written through to every
 tier, so a restarted engine finds it on disk and another engine in the store.
 What waits for that thread is bounded (``save_backlog`` bytes): a step's saves
@@ -24,18 +25,20 @@ import dataclasses
 import logging
 import queue
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 
+from ...errors import Error
 from ...tiers import ImageKind, TierStack
 from ...tiers.base import IndexedTier
 from ...tiers.checked import Expectations, Fetched, fetch_checked
+from ...tiers.host import HostTier
 from ...tiers.image import object_name
 from .groups import Group
 from .ranks import rank_key
 from .records import BlockCopy, Held, Load, StepPlan, Timed, WorkerReport
-from .tensors import BlockRun, layer_blocks, payload_bytes
+from .tensors import CachePages, cache_pages, payload_bytes
 
 # Under vLLM's logger: an operator sees the connector in the engine's own log.
 log = logging.getLogger("vllm.kvarena")
@@ -79,7 +82,9 @@ class WorkerSide:
             state_bytes=payload_bytes(self.state_groups),
         )
         self.tiers = tiers
-        self.runs: dict[int, list[BlockRun]] = {}  # each group's layers, as runs of pages
+        self.pages: CachePages | None = None  # vLLM's tensors as spans, once registered
+        hosts = [t for t in tiers.tiers if isinstance(t, HostTier)]
+        self._arena = hosts[0].buffer if hosts else None  # where borrowed payloads lie
         self._errors: set[int] = set()
         self._received: set[str] = set()  # requests whose load ran (or failed) this step
         self._failed_requests: set[str] = set()
@@ -107,7 +112,7 @@ class WorkerSide:
         self._thread.start()
 
     def register(self, kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> None:
-        self.runs = layer_blocks(kv_caches, self.groups, num_blocks=num_blocks)
+        self.pages = cache_pages(kv_caches, self.groups, num_blocks=num_blocks)
 
     # -- loads ----------------------------------------------------------------------
     def _fetch(
@@ -125,7 +130,10 @@ class WorkerSide:
         names = [object_name(k, c.key) for k, c in wanted]
         got = fetch_checked(
             self.tiers,
-            [(n, self.expect.of(k, c.key, c.index)) for n, (k, c) in zip(names, wanted, strict=True)],
+            [
+                (n, self.expect.of(k, c.key, c.index))
+                for n, (k, c) in zip(names, wanted, strict=True)
+            ],
             held=held,
         )
         for r in got.rejected:
@@ -136,13 +144,6 @@ class WorkerSide:
             self._dropped += got.dropped_hosted  # nobody should trip on them again
             self._failed += list(failures)
         return got.payloads, got, failures
-
-    def _scatter(self, groups: Sequence[Group], copy: BlockCopy, payload: memoryview) -> None:
-        pos = 0
-        for gi, g in enumerate(groups):
-            for run in self.runs[g.index]:
-                run.scatter(copy.blocks[gi], payload[pos : pos + run.block_bytes])
-                pos += run.block_bytes
 
     def _own(self, copy: BlockCopy) -> BlockCopy:
         """The plan names a prefix's object; this rank copies its own."""
@@ -180,26 +181,38 @@ class WorkerSide:
         wanted: list[tuple[ImageKind, BlockCopy]],
         payloads: list[memoryview | None],
     ) -> None:
-        if any(p is None for p in payloads):
-            # Nothing is copied for a load that cannot be served whole: vLLM
-            # recomputes every block it named, from the first.
-            self.load_failures += 1
-            self._errors |= job.block_ids
-            self._failed_requests.add(job.request)
-            log.warning(
-                "kvarena: request %s: %d of %d objects missing or failing their checks; "
-                "vLLM recomputes its %d blocks",
-                job.request,
-                sum(p is None for p in payloads),
-                len(payloads),
-                len(job.block_ids),
-            )
-            return
-        for (kind, copy), payload in zip(wanted, payloads, strict=True):
-            assert payload is not None
-            groups = self.kv_groups if kind is ImageKind.KV_BLOCK else self.state_groups
-            self._scatter(groups, copy, payload)
-        self.loads_done += 1
+        missing = sum(p is None for p in payloads)
+        why = f"{missing} of {len(payloads)} objects missing or failing their checks"
+        if not missing:
+            try:
+                for kind in (ImageKind.KV_BLOCK, ImageKind.STATE):
+                    chosen = [
+                        (c, p) for (k, c), p in zip(wanted, payloads, strict=True) if k is kind
+                    ]
+                    if chosen:
+                        assert self.pages is not None
+                        self.pages.place(
+                            "kv" if kind is ImageKind.KV_BLOCK else "state",
+                            [c.blocks for c, _ in chosen],
+                            [p for _, p in chosen if p is not None],
+                            self._arena,
+                        )
+            except Error as exc:  # a batch refused before a byte moved: recompute
+                why = f"its copy was refused ({exc})"
+            else:
+                self.loads_done += 1
+                return
+        # Nothing usable is left for a load that cannot be served whole: vLLM
+        # recomputes every block it named, from the first.
+        self.load_failures += 1
+        self._errors |= job.block_ids
+        self._failed_requests.add(job.request)
+        log.warning(
+            "kvarena: request %s: %s; vLLM recomputes its %d blocks",
+            job.request,
+            why,
+            len(job.block_ids),
+        )
 
     def received(self) -> tuple[set[str], set[str]]:
         """Requests whose load ran since the last call, and those of them that failed."""
@@ -213,18 +226,15 @@ class WorkerSide:
 
     # -- saves ----------------------------------------------------------------------
     def _gather(self, kind: ImageKind, copies: list[BlockCopy]) -> list[_Save]:
-        """The planned objects' bytes, one gather per run of layers, as this rank's
-        objects (each with its prefix object's name, for the report)."""
-        groups = self.kv_groups if kind is ImageKind.KV_BLOCK else self.state_groups
-        parts: list[list[memoryview]] = [[] for _ in copies]
-        for gi, g in enumerate(groups):
-            for run in self.runs[g.index]:
-                rows = run.gather([c.blocks[gi] for c in copies])
-                for j in range(len(copies)):
-                    parts[j].append(memoryview(rows[j]))
+        """The planned objects' bytes, one batch per storage into one host buffer,
+        as this rank's objects (each with its prefix object's name, for the report)."""
+        assert self.pages is not None
+        word = "kv" if kind is ImageKind.KV_BLOCK else "state"
+        stage = memoryview(self.pages.gather(word, [c.blocks for c in copies]).numpy())  # type: ignore[arg-type]
+        size = self.pages.payload[word]
         return [
-            (kind, self._own(c), p, object_name(kind, c.key))
-            for c, p in zip(copies, parts, strict=True)
+            (kind, self._own(c), [stage[j * size : (j + 1) * size]], object_name(kind, c.key))
+            for j, c in enumerate(copies)
         ]
 
     def save(self, plan: StepPlan) -> None:
@@ -288,7 +298,9 @@ class WorkerSide:
         names = [o.name for o in objects]
         tiers = list(zip(self.tiers.labels, self.tiers.tiers, strict=True))
         hosted = [label for label, t in tiers if t.kind == "host"]
-        timed = Timed(key=jobs[0][3], rank=self.rank, seconds=written.seconds, nbytes=written.nbytes)
+        timed = Timed(
+            key=jobs[0][3], rank=self.rank, seconds=written.seconds, nbytes=written.nbytes
+        )
         held = [
             Held(rank=self.rank, label=label, nbytes=t.used_bytes, objects=len(t))
             for label, t in tiers
