@@ -1,9 +1,9 @@
 """KV events for routers through the real engine and vLLM's own ZMQ publisher.
 
 A tiny Llama with a host tier too small for its prompts (it evicts) over a
-disk tier; vLLM publishes KV events (``kv_events_config``) and a real ZMQ
-client asks the publisher to replay every batch from the first, decoding
-vLLM's msgpack schema. A router built from those events alone — vLLM's
+disk tier; vLLM publishes KV events (``kv_events_config``) to a real ZMQ
+subscriber, which asks the publisher's replay socket for what it missed (as a
+router does), decoding vLLM's msgpack schema. A router built from those events alone — vLLM's
 device blocks and kvarena's tiers, by medium — must know, for every prompt,
 how many of its blocks the host holds (equal to the host tier's own
 contents), how many the disk holds, and so the tokens the next lookup hits
@@ -29,13 +29,32 @@ pytestmark = pytest.mark.usefixtures("vllm_in_process")
 BLOCK = 32
 
 
-def replay(endpoint: str) -> list:
-    """Every event batch the publisher still holds, from sequence 0, decoded."""
-    import msgspec
+def subscriber(endpoint: str):
+    """A live subscriber to every topic (a router's socket)."""
     import zmq
-    from vllm.distributed.kv_events import KVEventBatch
 
-    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    sock = zmq.Context.instance().socket(zmq.SUB)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.connect(endpoint)
+    return sock
+
+
+def received(sock) -> dict[int, bytes]:
+    """What the live subscriber has received by now: payload by sequence number."""
+    import zmq
+
+    got = {}
+    while sock.poll(200, zmq.POLLIN):
+        _topic, seq, payload = sock.recv_multipart()
+        got[int.from_bytes(seq, "big")] = payload
+    return got
+
+
+def replay(endpoint: str) -> list:
+    """Every event batch the publisher still holds, from sequence 0, as
+    ``(sequence, payload)``: what a router asks for to fill what it missed."""
+    import zmq
+
     end = (-1).to_bytes(8, "big", signed=True)
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
@@ -48,7 +67,7 @@ def replay(endpoint: str) -> list:
             _, _topic, seq, payload = sock.recv_multipart()
             if seq == end:
                 return batches
-            batches.append(decoder.decode(payload))
+            batches.append((int.from_bytes(seq, "big"), payload))
     finally:
         sock.close(linger=0)
 
@@ -114,6 +133,7 @@ def test_a_router_reading_the_events_knows_each_tiers_share_of_every_prompt(tmp_
         kv_transfer_config=transfer,
         kv_events_config=events,
     )
+    live = subscriber(events.endpoint)
     try:
         rng = random.Random(9)
         base = [rng.randrange(3, 500) for _ in range(200)]
@@ -125,9 +145,18 @@ def test_a_router_reading_the_events_knows_each_tiers_share_of_every_prompt(tmp_
         worker.flush()  # every save written: the next step carries the report
         llm.generate([{"prompt_token_ids": [5]}], params, use_tqdm=False)
 
+        # The live socket may miss the first batches (a subscription takes a moment
+        # to reach the publisher); the replay fills them, and agrees with it.
+        import msgspec
+        from vllm.distributed.kv_events import KVEventBatch
+
+        heard = received(live)
+        buffered = replay(events.replay_endpoint)
+        assert heard and all(heard[seq] == payload for seq, payload in buffered if seq in heard)
         router = Router()
-        for batch in replay(events.replay_endpoint):
-            for event in batch.events:
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        for seq, payload in buffered:
+            for event in decoder.decode(heard.get(seq, payload)).events:
                 router.apply(event)
         assert router.removed.get("CPU", 0) > 0  # the host evicted, and said so
 
@@ -155,5 +184,6 @@ def test_a_router_reading_the_events_knows_each_tiers_share_of_every_prompt(tmp_
             out = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
             assert out.num_cached_tokens == want  # what the next lookup answers
     finally:
+        live.close(linger=0)
         ensure_kv_transfer_shutdown()
         llm.llm_engine.engine_core.shutdown()

@@ -15,7 +15,8 @@ Two server processes over one disk directory and one Redis:
 2. A restarted server with the connector alone over the same disk: the first
    prompt again is a tier hit (``usage.prompt_tokens_details.cached_tokens``),
    its tokens unchanged, and the scrape counts the hit tokens and the bytes
-   loaded from the disk tier.
+   loaded from the disk tier; the prompt answered just before SIGINT hits
+   every block it computed.
 
 Runs in ``.venv-vllm``; skipped where vLLM is not installed.
 """
@@ -214,5 +215,8 @@ def test_serve_metrics_shutdown_and_restart(model, reference, tmp_path, redis_se
                 ("vllm:kvarena_load_seconds_count", disk_tier): 1,
             },
         )
+        # the answer given just before SIGINT: every block it computed is here
+        tokens, cached = complete(client, model, THIRD)
+        assert tokens == reference["third"] and cached == (len(THIRD) - 1) // BLOCK * BLOCK
     finally:
         again.stop(signal.SIGTERM)
