@@ -31,6 +31,7 @@ from .disk import _OPEN, LOCK_NAME, NAME, SUFFIX, take_directory
 from .image import (
     HEAD_BYTES,
     MAX_NAMESPACE_BYTES,
+    ImageHeader,
     ImageKind,
     ImageMismatch,
     checksum_of,
@@ -68,6 +69,9 @@ def describe_namespace(namespace: bytes) -> dict[str, Any]:
     }
 
 
+_KIND_WORDS = {ImageKind.KV_BLOCK: "kv", ImageKind.STATE: "state"}
+
+
 @dataclass(frozen=True, kw_only=True)
 class Entry:
     """One stored object: its name, what its header says, where it lies, and
@@ -79,6 +83,20 @@ class Entry:
     stored_bytes: int
     age_s: float
     where: str  # a file path, or the store's key
+
+    @classmethod
+    def of(
+        cls, name: str, head: ImageHeader, *, stored_bytes: int, age_s: float, where: str
+    ) -> Entry:
+        """The entry of an object whose header reads as ``head``."""
+        return cls(
+            name=name,
+            kind=_KIND_WORDS.get(head.kind, "?"),  # type: ignore[call-overload]
+            namespace=head.namespace,
+            stored_bytes=stored_bytes,
+            age_s=age_s,
+            where=where,
+        )
 
 
 def check_alone(name: str, data: bytes | bytearray | memoryview) -> None:
@@ -101,13 +119,6 @@ def check_alone(name: str, data: bytes | bytearray | memoryview) -> None:
         raise ImageMismatch(
             "key", f"stored as {name}, its header names {object_name(kind, head.key)}"
         )
-
-
-_KIND_WORDS = {ImageKind.KV_BLOCK: "kv", ImageKind.STATE: "state"}
-
-
-def _kind_word(kind: int) -> str:
-    return _KIND_WORDS.get(kind, "?")  # type: ignore[call-overload]
 
 
 class Inventory(Protocol):
@@ -166,16 +177,8 @@ class DiskInventory:
             except (OSError, ImageMismatch) as exc:
                 unreadable.append((str(path), str(exc)))
                 continue
-            out.append(
-                Entry(
-                    name=name,
-                    kind=_kind_word(head.kind),
-                    namespace=head.namespace,
-                    stored_bytes=st.st_size,
-                    age_s=max(0.0, now - st.st_mtime),
-                    where=str(path),
-                )
-            )
+            age = max(0.0, now - st.st_mtime)
+            out.append(Entry.of(name, head, stored_bytes=st.st_size, age_s=age, where=str(path)))
         return out, unreadable
 
     def read(self, entry: Entry) -> bytes | None:
@@ -254,16 +257,8 @@ class RedisInventory:
                 except ImageMismatch as exc:
                     unreadable.append((key, str(exc)))
                     continue
-                out.append(
-                    Entry(
-                        name=name,
-                        kind=_kind_word(head.kind),
-                        namespace=head.namespace,
-                        stored_bytes=int(size),
-                        age_s=float(idle or 0),
-                        where=key,
-                    )
-                )
+                age = float(idle or 0)
+                out.append(Entry.of(name, head, stored_bytes=int(size), age_s=age, where=key))
         return out, unreadable
 
     def read(self, entry: Entry) -> bytes | None:
