@@ -71,7 +71,6 @@ def test_a_lookup_counts_an_object_where_every_rank_holds_it(tmp_path):
     # scheduler's to skip, by the prefix object's name: not the catalogue's).
     catalogue.hosted([*rank_names(full, 2), rank_names(split, 2)[0], rank_names(half, 2)[0]], [])
     catalogue.hosted(rank_names(bad, 2), [])
-    (disk / "tp1").mkdir(parents=True)
-    (disk / "tp1" / f"{rank_names(split, 2)[1]}.kvi").write_bytes(b"x")
+    catalogue.reported("disk", [rank_names(split, 2)[1]], [])  # rank 1's worker wrote it
     view = AllRanks(catalogue, 2)
     assert view.locate([full, split, half, bad]) == [0, 1, None, 0]

@@ -309,6 +309,20 @@ class RedisTier(Tier):
         return [bool(v) for v in got] if got is not None else [False] * len(names)
 
     @synchronized
+    def names(self) -> list[str] | None:
+        """Every object name the store holds under this tier's prefix (``SCAN``, in
+        batches: a store many engines share is listed whole), or None when it
+        cannot be reached."""
+        try:
+            keys = list(self._client.scan_iter(match=self.prefix + "*", count=1000))
+        except self._errors as exc:
+            self._failed("scan", exc)
+            return None
+        self._worked()
+        cut = len(self.prefix)
+        return [(k.decode(errors="replace") if isinstance(k, bytes) else str(k))[cut:] for k in keys]
+
+    @synchronized
     def delete_many(self, names: Sequence[str]) -> int:
         if not names:
             return 0

@@ -1,72 +1,136 @@
-"""What the scheduler knows of the tiers: the one place its lookups ask.
+"""What the scheduler knows of the tiers, answered from memory.
 
-The worker owns the tiers' bytes (it copies into and out of vLLM's tensors);
-the scheduler answers ``get_num_new_matched_tokens`` from another process.
-So each tier is asked where its truth lives:
+vLLM's scheduler is one thread: whatever it waits for, every request waits
+for. So a lookup does no I/O: the catalogue keeps, per tier, the names it
+knows held, and ``locate`` is set membership. Each book is fed from where
+that tier's truth lives:
 
-- the host tier lives in the worker's memory: its book here is the names the
-  worker reported putting and dropping (a step late; a name reported but gone
-  by load time is a failed load, which vLLM recomputes);
-- the disk tier's truth is its directory: a complete object is a file of its
-  name (written to a temporary, renamed into view), so a probe is one
-  ``stat`` — and a restarted engine sees what the last one wrote at once;
-- the shared store is asked (one pipelined ``EXISTS`` batch): other engines
-  write to it too.
+- the host tier lives in the worker's memory: the names the worker reports
+  putting and dropping (a step late);
+- the disk tier's directory is read once at start (every rank's; a restarted
+  engine finds what the last one wrote), then kept by the worker's reports of
+  what it wrote through and what the tier evicted or dropped;
+- the shared store is listed at start and again every ``rescan_s`` seconds
+  on a background thread (other engines write to it, its server evicts), and
+  kept between listings by this engine's own writes.
+
+A name listed but gone by load time (evicted by another engine, a disk
+pruned by hand) is a failed load, which vLLM recomputes, and the lookups skip
+it until it is saved again: a stale answer costs a recompute, never a wrong
+token, and never a wait on the step.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterable, Sequence
 
 from ...tiers import RedisTier
-from ...tiers.disk import SUFFIX
+from ...tiers.disk import NAME, SUFFIX
 from ...tiers.stack import first_holders
 from .ranks import rank_dir
 from .settings import ConnectorSettings
 
+RESCAN_S = 10.0
+"""How often the shared store is listed again: what other engines saved is
+found within this long, what its server evicted is forgotten within it."""
+
+
+def _disk_names(directory: str) -> set[str]:
+    """The object names a disk tier's directory holds now (no file is opened)."""
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return set()  # not made yet: the worker makes it
+    out = set()
+    for e in entries:
+        stem = e.name[: -len(SUFFIX)]
+        if e.name.endswith(SUFFIX) and NAME.fullmatch(stem):
+            out.add(stem)
+    return out
+
 
 class Catalogue:
-    """Which tier holds each name, as the scheduler can know it."""
+    """Which tier holds each name, as the scheduler can know it without asking."""
 
-    def __init__(self, settings: ConnectorSettings, ranks: int = 1) -> None:
+    def __init__(
+        self, settings: ConnectorSettings, ranks: int = 1, *, rescan_s: float = RESCAN_S
+    ) -> None:
         """``ranks``: the engine's tensor-parallel size (each rank's worker writes
         its disk objects into a directory of its own, :func:`.ranks.rank_dir`)."""
-        self.kinds: list[str] = []
-        self._host: set[str] = set()
-        self._disk: list[str] = []
+        self.kinds: list[str] = [spec.kind for spec in settings.tiers]
+        self._held: dict[str, set[str]] = {kind: set() for kind in self.kinds}
+        self._lock = threading.Lock()  # the store's book: swapped by the lister
+        self._written: set[str] = set()  # this engine's writes since the listing began
         self._redis: RedisTier | None = None
+        self._stop = threading.Event()
+        self._lister: threading.Thread | None = None
         for spec in settings.tiers:
-            self.kinds.append(spec.kind)
             if spec.kind == "disk":
                 assert spec.directory is not None
-                self._disk = [
-                    os.path.join(rank_dir(spec.directory, r, ranks), "") for r in range(ranks)
-                ]
+                for r in range(ranks):
+                    self._held["disk"] |= _disk_names(rank_dir(spec.directory, r, ranks))
             elif spec.kind == "redis":
                 self._redis = spec.open()  # type: ignore[assignment]
+                self._relist()
+                self._lister = threading.Thread(
+                    target=self._list_loop, args=(rescan_s,), name="kvarena-catalogue", daemon=True
+                )
+                self._lister.start()
 
+    # -- fed by the workers' reports -----------------------------------------------
     def hosted(self, added: Iterable[str], dropped: Iterable[str]) -> None:
         """Apply a worker's report of its host tier (puts, then drops)."""
-        self._host.update(added)
-        self._host.difference_update(dropped)
+        self.reported("host", added, dropped)
 
+    def reported(self, kind: str, added: Iterable[str], dropped: Iterable[str]) -> None:
+        """Apply what a worker did to its tier of ``kind``: names put, then dropped."""
+        book = self._held.get(kind)
+        if book is None:
+            return
+        added = list(added)
+        with self._lock:
+            book = self._held[kind]  # the lister may have swapped it
+            book.update(added)
+            book.difference_update(dropped)
+            if kind == "redis":
+                self._written.update(added)
+
+    def written(self, names: Iterable[str]) -> None:
+        """Names a worker wrote through to every tier below the host."""
+        names = list(names)
+        for kind in ("disk", "redis"):
+            self.reported(kind, names, ())
+
+    # -- the shared store's listing --------------------------------------------------
+    def _relist(self) -> None:
+        assert self._redis is not None
+        with self._lock:
+            self._written = set()
+        listed = self._redis.names()
+        if listed is None:
+            return  # unreachable: keep what is known (loads that miss recompute)
+        with self._lock:
+            self._held["redis"] = set(listed) | self._written
+
+    def _list_loop(self, every: float) -> None:
+        while not self._stop.wait(every):
+            self._relist()
+
+    # -- lookups ---------------------------------------------------------------------
     def locate(self, names: Sequence[str]) -> list[int | None]:
         """For each name, the first tier (index in the settings' order) that holds
-        it, None where none does; one batched question per tier."""
+        it, None where none does: set membership, no I/O."""
         return first_holders(names, [self._probe(kind) for kind in self.kinds])
 
     def _probe(self, kind: str) -> Callable[[list[str]], list[bool]]:
-        if kind == "host":
-            return lambda asked: [n in self._host for n in asked]
-        if kind == "disk":
-            dirs = self._disk  # a name is one rank's: it lies in that rank's directory
-            return lambda asked: [
-                any(os.path.isfile(f"{d}{n}{SUFFIX}") for d in dirs) for n in asked
-            ]
-        assert self._redis is not None
-        return self._redis.contains_many
+        book = self._held[kind]
+        return lambda asked: [n in book for n in asked]
 
     def close(self) -> None:
+        self._stop.set()
+        if self._lister is not None:
+            self._lister.join()
         if self._redis is not None:
             self._redis.close()

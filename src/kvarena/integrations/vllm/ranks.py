@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from ...prefix.lookup import Locates
@@ -51,12 +52,18 @@ def rank_tier_specs(specs: Sequence[TierSpec], rank: int, ranks: int) -> tuple[T
     )
 
 
-def rank_names(name: str, ranks: int) -> list[str]:
-    """Every rank's object name for the prefix object named ``name``."""
+def rank_names(name: str, ranks: int, *, only: int | None = None) -> list[str]:
+    """Every rank's object name for the prefix object named ``name`` (rank
+    ``only``'s alone, where given)."""
     if ranks == 1:
         return [name]
     kind, key = parse_object_name(name)
-    return [object_name(kind, rank_key(key, r, ranks)) for r in range(ranks)]
+    which = range(ranks) if only is None else (only,)
+    return [object_name(kind, rank_key(key, r, ranks)) for r in which]
+
+
+NAMES_KEPT = 1 << 18
+"""Prefix objects whose rank names a lookup keeps (a few hundred bytes each at TP 8)."""
 
 
 class AllRanks:
@@ -66,15 +73,41 @@ class AllRanks:
 
     def __init__(self, catalogue: Locates, ranks: int) -> None:
         self.catalogue, self.ranks = catalogue, ranks
+        # Each prefix object's rank names, kept for the prefixes asked most lately:
+        # shared prefixes (a system prompt, a conversation's earlier turns) are
+        # asked again and again, and each name is a hash per rank.
+        self._names: OrderedDict[str, list[str]] = OrderedDict()
+
+    def _rank_names(self, name: str) -> list[str]:
+        got = self._names.get(name)
+        if got is None:
+            got = self._names[name] = rank_names(name, self.ranks)
+            if len(self._names) > NAMES_KEPT:
+                self._names.popitem(last=False)
+        else:
+            self._names.move_to_end(name)
+        return got
 
     def locate(self, names: Sequence[str]) -> list[int | None]:
-        per_rank = [rank_names(n, self.ranks) for n in names]
-        where = self.catalogue.locate([x for names_of in per_rank for x in names_of])
-        out: list[int | None] = []
-        for i in range(len(per_rank)):
-            tiers = where[i * self.ranks : (i + 1) * self.ranks]
+        """Each prefix object's deepest tier over every rank, None where some rank's
+        object is missing. Rank 0's names are asked first: a block no tier holds
+        (most of a miss's probe) costs one name, not one per rank."""
+        if self.ranks == 1:
+            return self.catalogue.locate(list(names))
+        known = [self._names.get(n) for n in names]
+        first = [
+            k[0] if k is not None else rank_names(n, self.ranks, only=0)[0]
+            for n, k in zip(names, known, strict=True)
+        ]
+        out: list[int | None] = list(self.catalogue.locate(first))
+        held = [i for i, where in enumerate(out) if where is not None]
+        others = [self._rank_names(names[i])[1:] for i in held]
+        where = self.catalogue.locate([x for names_of in others for x in names_of])
+        step = self.ranks - 1
+        for j, i in enumerate(held):
+            tiers = where[j * step : (j + 1) * step]
             if any(t is None for t in tiers):
-                out.append(None)
+                out[i] = None
             else:
-                out.append(max(t for t in tiers if t is not None))
+                out[i] = max([out[i], *tiers])  # type: ignore[type-var]
         return out

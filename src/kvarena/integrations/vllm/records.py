@@ -88,7 +88,9 @@ class WorkerReport(KVConnectorWorkerMetadata):
     number of ranks (:mod:`.telemetry`): each load's and each write's part
     (``loads``, ``writes``), the prefix objects whose save the backlog skipped
     (``skipped``), and what the rank's local tiers hold (``held``). For KV
-    events, what a tier below the host evicted (``dropped``)."""
+    events and the scheduler's book of the tiers below the host, what this
+    rank wrote through (``written``: its own names) and what those tiers
+    evicted or dropped (``dropped``)."""
 
     host_added: list[str] = field(default_factory=list)
     host_dropped: list[str] = field(default_factory=list)
@@ -99,6 +101,7 @@ class WorkerReport(KVConnectorWorkerMetadata):
     skipped: list[str] = field(default_factory=list)
     held: list[Held] = field(default_factory=list)
     dropped: list[tuple[str, str]] = field(default_factory=list)  # (tier label, name), not host
+    written: list[str] = field(default_factory=list)  # written through, below the host too
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, WorkerReport)

@@ -255,6 +255,9 @@ class SchedulerSide:
                 for label, name in report.dropped:
                     self.events.dropped(label, [name])
             self.catalogue.hosted(report.host_added, report.host_dropped)
+            self.catalogue.written(report.written)
+            for label, name in report.dropped:  # the connector names each kind once
+                self.catalogue.reported(label, (), [name])
             self._failed.update(report.failed)
             self._failed.difference_update(report.saved)
 

@@ -98,6 +98,7 @@ class WorkerSide:
         self._skipped: list[str] = []
         self._held: list[Held] = []
         self._tier_dropped: list[tuple[str, str]] = []
+        self._written: list[str] = []
         self.loads_done = 0
         self.load_failures = 0
         self.objects_saved = 0
@@ -142,6 +143,9 @@ class WorkerSide:
         failures = {prefix_of[n]: why for n, why in got.failures().items()}
         with self._lock:
             self._dropped += got.dropped_hosted  # nobody should trip on them again
+            self._tier_dropped += [
+                (r.label, r.name) for r in got.rejected if not r.label.startswith("host")
+            ]
             self._failed += list(failures)
         return got.payloads, got, failures
 
@@ -313,6 +317,7 @@ class WorkerSide:
             self._saved_names += [prefix for *_, prefix in jobs]
             self._writes.append(timed)
             self._held = held
+            self._written += names
             self._tier_dropped += [
                 (label, name)
                 for label, gone in written.evicted.items()
@@ -340,10 +345,11 @@ class WorkerSide:
                 skipped=self._skipped,
                 held=self._held,
                 dropped=self._tier_dropped,
+                written=self._written,
             )
             self._added, self._dropped, self._saved_names, self._failed = [], [], [], []
             self._loads, self._writes, self._skipped, self._held = [], [], [], []
-            self._tier_dropped = []
+            self._tier_dropped, self._written = [], []
         if not any(getattr(report, f.name) for f in dataclasses.fields(report)):
             return None
         return report

@@ -1,0 +1,145 @@
+"""The scheduler's lookup per request at TP 8 with a host, a disk and a Redis tier.
+
+.venv-vllm/bin/python benchmarks/bench_vllm_lookup.py [--requests 200] [--tokens 4096] [--held 20000]
+
+vLLM's scheduler is one thread: a lookup's time is every request's. The
+connector's scheduler side answers ``get_num_new_matched_tokens`` (the
+request's keys hashed, every rank's name of every block asked of the
+catalogue, the resume point found); its catalogue answers from memory
+(:mod:`kvarena.integrations.vllm.catalogue`). Beside it, in the same rounds,
+the same lookups answered as the connector answered them before: a ``stat``
+per rank's name in the disk directories and one pipelined ``EXISTS`` batch to
+a real ``redis-server`` on loopback (the network's cost is not in it). The
+tiers hold ``--held`` objects per rank (half on disk, half in the store) of a
+shared prefix family, and each request misses past its first half: the
+lookup probes every block it could use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from vllm import SamplingParams
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.request import Request
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from conftest import redis_binary
+
+from kvarena.integrations.vllm.catalogue import Catalogue
+from kvarena.integrations.vllm.groups import classify
+from kvarena.integrations.vllm.ranks import rank_dir, rank_names
+from kvarena.integrations.vllm.scheduler_side import SchedulerSide
+from kvarena.integrations.vllm.settings import ConnectorSettings
+from kvarena.prefix.keys import block_keys, key_root
+from kvarena.testing.redis_server import RedisServer
+from kvarena.tiers import RedisTier, TierObject
+from kvarena.tiers.disk import SUFFIX
+from kvarena.tiers.image import ImageKind, object_name
+
+BS = 16
+RANKS = 8
+NS = b'{"model":"bench"}'
+
+
+class ProbingCatalogue(Catalogue):
+    """The lookups as they were answered before: the disk by ``stat``, the store by
+    one pipelined ``EXISTS`` per lookup, on the scheduler's thread."""
+
+    def __init__(self, settings: ConnectorSettings, ranks: int, store: RedisTier, disk: str) -> None:
+        super().__init__(settings, ranks)
+        self._store, self._dirs = store, [os.path.join(rank_dir(disk, r, ranks), "") for r in range(ranks)]
+
+    def _probe(self, kind: str):  # type: ignore[override]
+        if kind == "disk":
+            return lambda asked: [any(os.path.isfile(f"{d}{n}{SUFFIX}") for d in self._dirs) for n in asked]
+        if kind == "redis":
+            return self._store.contains_many
+        return super()._probe(kind)
+
+
+def groups():
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=128, dtype=torch.bfloat16)
+    config = KVCacheConfig(
+        num_blocks=4096, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)]
+    )
+    return classify(config)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--held", type=int, default=20000, help="objects per rank in the tiers")
+    args = ap.parse_args()
+    prefix = [(i * 7919) % 30000 + 1 for i in range(args.tokens)]
+    root = key_root(NS)
+    keys = block_keys(root, torch.tensor(prefix[: args.tokens // 2]).numpy(), BS, ())
+    with tempfile.TemporaryDirectory() as tmp, RedisServer(tmp, binary=redis_binary()) as server:
+        url = f"redis://127.0.0.1:{server.port}"
+        disk = tmp + "/disk"
+        store = RedisTier(url)
+        # the request's first half in the tiers (every rank), the rest filler
+        names = [object_name(ImageKind.KV_BLOCK, k) for k in keys]
+        filler = [object_name(ImageKind.KV_BLOCK, i.to_bytes(16, "big")) for i in range(args.held)]
+        held = names + filler
+        for i, name in enumerate(held):
+            for r, rn in enumerate(rank_names(name, RANKS)):
+                if i % 2 == 0:
+                    d = Path(rank_dir(disk, r, RANKS))
+                    d.mkdir(parents=True, exist_ok=True)
+                    (d / f"{rn}{SUFFIX}").touch()
+        store.put_many(
+            [TierObject(rn, (b"x",), 1) for i, n in enumerate(held) if i % 2 for rn in rank_names(n, RANKS)]
+        )
+        settings = ConnectorSettings.parse({"tiers": ["host:1GiB", f"disk:{disk}:1TiB", url]})
+        sides = {
+            "in memory": SchedulerSide(
+                groups=groups(), namespace=NS, catalogue=Catalogue(settings, RANKS), block_size=BS, ranks=RANKS
+            ),
+            "stat + EXISTS": SchedulerSide(
+                groups=groups(),
+                namespace=NS,
+                catalogue=ProbingCatalogue(settings, RANKS, store, disk),
+                block_size=BS,
+                ranks=RANKS,
+            ),
+        }
+        times: dict[str, list[float]] = {k: [] for k in sides}
+        hits: dict[str, set[int]] = {k: set() for k in sides}
+        for i in range(args.requests):
+            order = list(sides) if i % 2 == 0 else list(reversed(sides))  # turn by turn
+            for label in order:
+                side = sides[label]
+                tail = [(i * 31 + j) % 30000 + 1 for j in range(args.tokens // 2)]
+                request = Request(f"{label}{i}", prefix[: args.tokens // 2] + tail, SamplingParams(max_tokens=1), None)
+                t0 = time.perf_counter()
+                hit, _ = side.matched(request, 0)
+                times[label].append(time.perf_counter() - t0)
+                hits[label].add(hit)
+                side.finished(request)
+        for side in sides.values():
+            side.catalogue.close()
+        store.close()
+    probes = RANKS * ((args.tokens - 1) // BS)
+    print(
+        f"TP {RANKS}, {args.tokens:,}-token prompts (a hit of the first half), {args.held:,} objects per rank "
+        f"held; {probes:,} names a lookup may ask"
+    )
+    print(f"{'catalogue':<16} {'p50 µs':>9} {'p99 µs':>9} {'hit tokens':>11}")
+    for label, ts in times.items():
+        ts.sort()
+        p99 = ts[min(len(ts) - 1, int(0.99 * len(ts)))]
+        print(f"{label:<16} {statistics.median(ts) * 1e6:>9,.0f} {p99 * 1e6:>9,.0f} {sorted(hits[label])!s:>11}")
+
+
+if __name__ == "__main__":
+    main()
