@@ -210,6 +210,51 @@ def test_vanished_and_evicted_objects_cost_a_recompute_never_a_token(models, kin
     close(small)
 
 
+def test_a_hybrid_with_an_irregular_pattern_hits_every_turn_of_a_conversation(tmp_path):
+    """Four turns of a conversation, each the last one's prompt and answer plus a
+    new 504-token piece, through a tiny Qwen3-Next whose layers are irregular
+    (Gated DeltaNet, Gated DeltaNet, attention, Gated DeltaNet, attention), the
+    device cache reset between turns: every later turn resumes from the tiers
+    where the last one's computed blocks end (the state saved where a step ends
+    on a block boundary: the prompt's end, which vLLM does not offer), as many
+    tokens as the KV alone allows, with tokens equal to vLLM alone's."""
+    pattern = ["linear_attention"] * 2 + ["full_attention", "linear_attention", "full_attention"]
+    model = save_tiny(
+        "qwen3_next", tmp_path, name="irregular", num_hidden_layers=5, layer_types=pattern
+    )
+
+    def conversation(llm):
+        from vllm import SamplingParams
+
+        rng = random.Random(1)
+        turn = [rng.randrange(3, 500) for _ in range(1024)]
+        params = SamplingParams(max_tokens=8, temperature=0, detokenize=False)
+        out = []
+        for _ in range(4):
+            o = llm.generate([{"prompt_token_ids": turn}], params, use_tqdm=False)[0]
+            answer = list(o.outputs[0].token_ids)
+            out.append((len(turn), o.num_cached_tokens, answer))
+            llm.reset_prefix_cache()
+            turn = turn + answer + [rng.randrange(3, 500) for _ in range(504)]
+        return out
+
+    alone = engine(model)
+    reference = conversation(alone)
+    close(alone)
+    llm = engine(model, tiers=["host:256MiB", f"disk:{tmp_path / 'disk'}:1GiB"])
+    got = conversation(llm)
+    close(llm)
+    block = 256  # vLLM's unified block for this model
+    assert [a for *_, a in got] == [a for *_, a in reference]
+    previous = 0
+    for length, cached, answer in got:
+        # the KV the last turn computed (its prompt and all but its last answer token)
+        bound = min(previous // block, (length - 1) // block) * block
+        assert cached == bound, (length, cached, bound)
+        previous = length + len(answer) - 1
+    assert sum(c for _, c, _ in got) > 0
+
+
 def test_saves_past_the_backlog_are_skipped_and_cost_only_misses(models, caplog):
     """A save backlog of one KV block (tiny Llama: 2 layers x K,V x 32 tokens x 2
     heads x 64 x 2 bytes): a prompt whose prefill saves two blocks in one step is

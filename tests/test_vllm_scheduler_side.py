@@ -143,6 +143,24 @@ def test_every_offered_state_at_a_block_boundary_is_saved():
     assert [c.index for c in plan.kv_saves] == [0, 1, 2, 3]
 
 
+def test_the_state_where_a_step_ends_on_a_block_boundary_is_saved_from_that_blocks_slot():
+    """A prompt whose prefill ends on a block boundary: vLLM does not offer that
+    state, yet the next turn of the conversation resumes there. It is saved from
+    each state group's block of the boundary's last token; an offer of the same
+    boundary wins; a step ending off a boundary saves no state."""
+    side = _side("kv", "state")
+    r = _request("r4", 64)
+    ids = _blocks("r4", 2)
+    side.allocated(r, ids, 0)
+    plan = side.plan(_step([r], {"r4": 40}, {"r4": 0}, 2))
+    assert plan.state_saves == []  # 40 tokens: no boundary
+    plan = side.plan(_step([r], {"r4": 24}, {"r4": 40}, 2))
+    keys = block_keys(key_root(NS), torch.tensor(r.all_token_ids).numpy(), BS)
+    assert [(c.index, c.blocks, c.key) for c in plan.state_saves] == [(4, (ids[1][3],), keys[3])]
+    offered = side.plan(_step([r], {"r4": 16}, {"r4": 48}, 2, {"r4": [(1, 77, 64)]}))
+    assert [(c.index, c.blocks) for c in offered.state_saves] == [(4, (77,))]
+
+
 def test_a_lookup_loads_what_the_tiers_hold_and_a_failed_object_is_missed_until_saved():
     side = _side("kv")
     first = _request("r3", 80)

@@ -236,18 +236,26 @@ def tiny_model(
     return model.eval()
 
 
-def save_tiny(model_type: str, directory: str | Path, *, seed: int = 0) -> Path:
-    """Save the served tiny ``model_type`` (a key of :data:`SERVED`) under
-    ``directory`` as vLLM loads it; returns the model's directory."""
+def save_tiny(
+    model_type: str,
+    directory: str | Path,
+    *,
+    seed: int = 0,
+    name: str | None = None,
+    **overrides: Any,
+) -> Path:
+    """Save the served tiny ``model_type`` (a key of :data:`SERVED`; config fields
+    ``overrides``, e.g. another layer pattern) under ``directory`` as vLLM loads
+    it, in a folder ``name`` (default: the model type); returns that folder."""
     from transformers import AutoModelForCausalLM
 
-    config = _config(SERVED, SERVED_COMMON, model_type, {})
+    config = _config(SERVED, SERVED_COMMON, model_type, overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         with torch.no_grad():
             for p in model.parameters():
                 p.normal_(0.0, 4.0 / p.shape[-1] ** 0.5)
-    out = Path(directory) / model_type
+    out = Path(directory) / (name or model_type)
     model.save_pretrained(out)
     return out

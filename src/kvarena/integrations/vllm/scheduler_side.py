@@ -122,9 +122,7 @@ class SchedulerSide:
             device_image=lambda _b: False,
             skip=frozenset(self._failed),
         )
-        point = resume_point(
-            finds.kv_end, bool(self.state_groups), lambda b: b in finds.state
-        )
+        point = resume_point(finds.kv_end, bool(self.state_groups), lambda b: b in finds.state)
         if point <= local:
             return 0, False
         self._found[request.request_id] = Found(
@@ -192,11 +190,15 @@ class SchedulerSide:
         starts = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        ends: dict[str, int] = {}  # requests whose step ends on a block boundary: that boundary
         for rid, count in scheduler_output.num_scheduled_tokens.items():
             request = self._requests.get(rid)
             if request is None or not self._cacheable(request) or rid not in starts:
                 continue
             start = starts[rid]
+            end = start + count
+            if self.state_groups and end % bs == 0 and 0 < end <= len(request.all_token_ids):
+                ends[rid] = end // bs
             first = self._saved_upto.setdefault(rid, start // bs)
             self._floor.setdefault(rid, start // bs)
             upto = min(start + count, len(request.all_token_ids)) // bs
@@ -216,34 +218,56 @@ class SchedulerSide:
                     plan.kv_saves.append(copy)
                     if self.events is not None:
                         self.events.planned(request, ImageKind.KV_BLOCK, copy)
-        offers = block_state.boundary_state_offloads if block_state is not None else {}
-        state_ids = {g.index for g in self.state_groups}
-        for rid, entries in offers.items():
-            request = self._requests.get(rid)
-            if request is None or not self._cacheable(request):
-                continue
-            at: dict[int, dict[int, int]] = {}
-            for group, block, tokens in entries:
-                if group in state_ids and block != 0 and tokens % bs == 0 and tokens > 0:
-                    at.setdefault(tokens // bs, {})[group] = block
+        for rid, at in self._state_points(block_state, ends).items():
+            request = self._requests[rid]
             for b in sorted(at):
-                blocks_of = at[b]
-                if (
-                    len(blocks_of) != len(state_ids)
-                    or b * bs > len(request.all_token_ids)
-                    or b <= self._floor.get(rid, 0)
-                ):
+                if b * bs > len(request.all_token_ids) or b <= self._floor.get(rid, 0):
                     continue
                 keys = self._keys_of(request, b)
                 copy = BlockCopy(
                     index=b,
                     key=keys[b - 1],
-                    blocks=tuple(blocks_of[g.index] for g in self.state_groups),
+                    blocks=tuple(at[b][g.index] for g in self.state_groups),
                 )
                 plan.state_saves.append(copy)
                 if self.events is not None:
                     self.events.planned(request, ImageKind.STATE, copy)
         return plan
+
+    def _state_points(
+        self, block_state: Any, ends: dict[str, int]
+    ) -> dict[str, dict[int, dict[int, int]]]:
+        """Where this step leaves each request's state exactly at a block boundary,
+        with each state group's block holding it: the boundaries vLLM offers
+        (``boundary_state_offloads``), and the one a step ends on (a prompt's end
+        above all: where the next turn of a conversation resumes), whose state is
+        in the block of the boundary's last token. Only boundaries every state
+        group holds in a real block."""
+        if block_state is None:
+            return {}
+        bs = self.block_size
+        state_ids = {g.index for g in self.state_groups}
+        out: dict[str, dict[int, dict[int, int]]] = {}
+        for rid, entries in block_state.boundary_state_offloads.items():
+            request = self._requests.get(rid)
+            if request is None or not self._cacheable(request):
+                continue
+            for group, block, tokens in entries:
+                if group in state_ids and block != 0 and tokens % bs == 0 and tokens > 0:
+                    out.setdefault(rid, {}).setdefault(tokens // bs, {})[group] = block
+        for rid, b in ends.items():
+            ids = block_state.get_block_ids(rid)
+            if ids is None or b in out.get(rid, {}):
+                continue  # vLLM's offer of the same boundary stands
+            blocks = {
+                g.index: ids[g.index][b - 1] for g in self.state_groups if len(ids[g.index]) >= b
+            }
+            if len(blocks) == len(state_ids) and 0 not in blocks.values():
+                out.setdefault(rid, {})[b] = blocks
+        return {
+            rid: {b: g for b, g in at.items() if len(g) == len(state_ids)}
+            for rid, at in out.items()
+        }
 
     def reported(self, report: Any) -> None:
         if isinstance(report, WorkerReport):
