@@ -255,6 +255,73 @@ def test_a_hybrid_with_an_irregular_pattern_hits_every_turn_of_a_conversation(tm
     assert sum(c for _, c, _ in got) > 0
 
 
+def test_a_load_stuck_in_a_tier_holds_up_its_request_alone(models, tmp_path):
+    """A disk read that hangs (the disk tier's reads held by a test double of the
+    medium) while one request loads from it: another request, already decoding,
+    keeps decoding step after step; once the read comes back the waiting request
+    resumes from the tiers, its tokens equal to vLLM alone's."""
+    import threading
+
+    from vllm import SamplingParams
+
+    model = models["llama"]
+    rng = random.Random(4)
+    cached_prompt = [rng.randrange(3, 500) for _ in range(32 * 4 + 5)]
+    busy_prompt = [rng.randrange(3, 500) for _ in range(40)]
+    params = SamplingParams(max_tokens=24, temperature=0, detokenize=False)
+    alone = engine(model, block_size=32)
+    reference = {
+        "cached": generate(alone, [cached_prompt])[0][0],
+        "busy": list(
+            alone.generate([{"prompt_token_ids": busy_prompt}], params, use_tqdm=False)[0]
+            .outputs[0]
+            .token_ids
+        ),
+    }
+    close(alone)
+
+    disk = tmp_path / "disk"
+    first = engine(model, block_size=32, tiers=[f"disk:{disk}:64MiB"])
+    generate(first, [cached_prompt])  # computed once: its blocks go to the disk tier
+    worker_connector()._worker.flush()
+    close(first)
+
+    llm = engine(model, block_size=32, tiers=[f"disk:{disk}:64MiB"])
+    tier = worker_connector()._worker.tiers.tiers[0]
+    stuck, read = threading.Event(), tier.get_many
+    tier.get_many = lambda names: (stuck.wait(), read(names))[1]
+    core = llm.llm_engine
+    try:
+        # a fresh SamplingParams: LLM.generate made the reference's final-output-only
+        decoding = SamplingParams(max_tokens=24, temperature=0, detokenize=False)
+        core.add_request("busy", {"prompt_token_ids": busy_prompt}, decoding)
+        for _ in range(3):
+            core.step()  # the busy request is decoding
+        later = SamplingParams(max_tokens=12, temperature=0, detokenize=False)
+        core.add_request("cached", {"prompt_token_ids": cached_prompt}, later)
+        progress = []
+        for _ in range(10):  # the cached request's read hangs; the busy one decodes on
+            for o in core.step():
+                if o.request_id.startswith("busy"):  # (vLLM may suffix the id)
+                    progress.append(len(o.outputs[0].token_ids))
+        assert len(progress) >= 5 and progress == sorted(progress) and progress[-1] > progress[0]
+        assert worker_connector()._worker.queue  # the cached request's load: still in flight
+        stuck.set()
+        done = {}
+        while core.has_unfinished_requests():
+            for o in core.step():
+                if o.finished:
+                    done[o.request_id.split("-")[0]] = (
+                        list(o.outputs[0].token_ids),
+                        o.num_cached_tokens,
+                    )
+        assert done["busy"][0] == reference["busy"]
+        assert done["cached"] == (reference["cached"][:12], 4 * 32)  # resumed from the tiers
+    finally:
+        stuck.set()  # never leave a thread hanging behind a failed assertion
+        close(llm)
+
+
 def test_saves_past_the_backlog_are_skipped_and_cost_only_misses(models, caplog):
     """A save backlog of one KV block (tiny Llama: 2 layers x K,V x 32 tokens x 2
     heads x 64 x 2 bytes): a prompt whose prefill saves two blocks in one step is

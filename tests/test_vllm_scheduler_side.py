@@ -192,3 +192,19 @@ def test_nothing_is_planned_for_a_request_vllm_holds_whole():
         [],
     )
     assert side.matched(r, 32) == (0, False)  # vLLM's own cache already reaches the limit
+
+
+def test_past_the_loads_in_flight_a_hit_is_asked_again_and_a_miss_is_not(monkeypatch):
+    import kvarena.integrations.vllm.scheduler_side as sched
+
+    monkeypatch.setattr(sched, "LOADS_IN_FLIGHT", 1)
+    side = _side("kv")
+    first, second = _request("r5", 80), _request("r6", 80)  # the same tokens: both would hit
+    keys = block_keys(key_root(NS), torch.tensor(first.all_token_ids).numpy(), BS)
+    side.catalogue.hosted([object_name(ImageKind.KV_BLOCK, k) for k in keys], [])
+    assert side.matched(first, 0) == (64, True)
+    side.allocated(first, _blocks("r5", 1), 64)
+    assert side.matched(second, 0) == (None, False)  # one load in flight: ask again
+    assert side.matched(_request("r7", 80, seed=3), 0) == (0, False)  # a miss needs no load
+    side.loaded({"r5"})  # vLLM reports the first load done
+    assert side.matched(second, 0) == (64, True)

@@ -8,6 +8,8 @@ Runs in the ``.venv-vllm`` environment; skipped where vLLM is not installed.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -35,6 +37,49 @@ def worker(tmp_path):
     w.register(caches, kc.num_blocks)
     yield w, caches, groups, kc.num_blocks
     w.close()
+
+
+def finish_loads(w) -> None:
+    """The next step: every load the I/O threads fetched is copied in and reported."""
+    w.queue.wait()
+    w.load(StepPlan())
+
+
+def test_a_load_from_below_the_host_is_fetched_off_the_step_and_copied_in_a_later_one(worker):
+    """A load the host tier cannot serve whole goes to the I/O threads: the step
+    that asks for it returns at once and reports nothing; a later step copies the
+    fetched bytes in and reports it; one past its deadline is given up (failed:
+    vLLM recomputes), whatever its thread fetches later."""
+    w, caches, groups, _ = worker
+    fill(caches, seed=6)
+    w.save(StepPlan(kv_saves=[BlockCopy(index=0, key=K[2], blocks=(2,))]))
+    w.flush()
+    want = _pages(caches, groups, "kv", 2)
+    w.tiers.tiers[0].delete_many([object_name(ImageKind.KV_BLOCK, K[2])])  # only on disk now
+    fill(caches, seed=7)
+    disk_load = Load(request="d", kv=(BlockCopy(index=0, key=K[2], blocks=(5,), level=1),), state=None)
+    w.load(StepPlan(loads=[disk_load]))
+    assert w.received() == (set(), set()) and len(w.queue) == 1  # in flight, the step goes on
+    finish_loads(w)
+    assert w.received() == ({"d"}, set()) and _pages(caches, groups, "kv", 5) == want
+    late = Load(request="e", kv=(BlockCopy(index=0, key=K[2], blocks=(6,), level=1),), state=None)
+    before = _pages(caches, groups, "kv", 6)
+    disk = w.tiers.tiers[1]
+    stuck, read = threading.Event(), disk.get_many
+    disk.get_many = lambda names: (stuck.wait(), read(names))[1]  # a read that hangs
+    w.queue.deadline_s = 0.0  # past its deadline at the next step
+    w.load(StepPlan(loads=[late]))
+    w.load(StepPlan())
+    assert w.received() == ({"e"}, {"e"}) and w.load_errors() == {6}  # given up: recompute
+    stuck.set()  # the read comes back late
+    w.queue.wait()
+    w.load(StepPlan())
+    assert w.received() == (set(), set())
+    assert _pages(caches, groups, "kv", 6) == before  # its fetched bytes were dropped
+    report = w.report()
+    assert report is not None and [t.failures for t in report.loads if t.key == "e"] == [
+        {object_name(ImageKind.KV_BLOCK, K[2]): "timeout"}
+    ]
 
 
 def _pages(caches, groups, kind, block):
@@ -74,12 +119,13 @@ def test_saved_objects_load_back_into_the_blocks_named(worker):
             loads=[
                 Load(
                     request="a",
-                    kv=(BlockCopy(index=0, key=K[0], blocks=(7,)),),
-                    state=BlockCopy(index=1, key=K[0], blocks=(9,)),
+                    kv=(BlockCopy(index=0, key=K[0], blocks=(7,), level=0),),
+                    state=BlockCopy(index=1, key=K[0], blocks=(9,), level=0),
                 )
             ]
         )
     )
+    # found in the host tier on top: done in the step it is asked for
     assert w.received() == ({"a"}, set()) and w.load_errors() == set()
     assert _pages(caches, groups, "kv", 7) == want_kv
     assert _pages(caches, groups, "state", 9) == want_state
@@ -116,6 +162,7 @@ def test_a_load_no_tier_can_serve_is_a_failure_and_copies_nothing(worker):
         state=None,
     )
     w.load(StepPlan(loads=[load]))
+    finish_loads(w)
     assert w.received() == ({"b"}, {"b"})  # finished, and failed: vLLM recomputes
     assert w.load_errors() == {3, 4} and w.load_failures == 1
     assert [_pages(caches, groups, "kv", b) for b in (3, 4)] == before
@@ -153,6 +200,7 @@ def test_a_rank_reports_what_it_saved_and_failed_by_the_prefix_objects_name(tmp_
         w.load(StepPlan(loads=[Load(request="c", kv=(BlockCopy(index=0, key=K[0], blocks=(3,)),
                                                      BlockCopy(index=1, key=K[3], blocks=(4,))),
                                     state=None)]))
+        finish_loads(w)
         assert w.received() == ({"c"}, {"c"})
         report = w.report()
         assert report is not None and report.failed == [object_name(ImageKind.KV_BLOCK, K[3])]

@@ -128,15 +128,18 @@ class TierStack:
 
         return first_holders(names, [functools.partial(timed, i) for i in range(len(self.tiers))])
 
-    @synchronized
     def fetch(self, level: int, names: Sequence[str]) -> list[bytes | bytearray | memoryview | None]:
+        """The tier at ``level``'s copies of ``names``. Like :meth:`write_through`,
+        it holds the stack's lock for its timing alone, not across the tier's I/O
+        (each tier locks itself): a load stuck on a disk or a store off the
+        engine's step must not stall the writer, nor a load from another tier."""
         start = time.perf_counter()
         try:
             return self.tiers[level].get_many(names)
         finally:
-            self.seconds[level] += time.perf_counter() - start
+            with self._lock:
+                self.seconds[level] += time.perf_counter() - start
 
-    @synchronized
     def drop(self, level: int, names: Sequence[str]) -> None:
         self.tiers[level].delete_many(names)
 

@@ -178,6 +178,7 @@ class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
                 rank=rank or 0,
                 ranks=ranks,
                 save_backlog=settings.save_backlog,
+                load_deadline_s=settings.load_timeout,
             )
 
     @classmethod
@@ -205,7 +206,7 @@ class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads complete in start_load_kv, before the forward
+        return None  # a load is copied in a step's start_load_kv, before its forward
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any):
         return None  # saves read every layer after the forward, in wait_for_save
@@ -292,6 +293,7 @@ class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is not None:
             self._scheduler.reported(connector_output.kv_connector_worker_meta)
+            self._scheduler.loaded(set(connector_output.finished_recving or ()))
 
     def request_finished(self, request: Any, block_ids: list[int]):
         if self._scheduler is not None:

@@ -9,7 +9,9 @@ group, in the order of the connector's KV groups and state groups.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
@@ -108,3 +110,26 @@ class WorkerReport(KVConnectorWorkerMetadata):
         return WorkerReport(
             **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
         )
+
+
+class News:
+    """A worker's news since its last report, gathered from its step and from its
+    writer thread (thread-safe): lists accumulate, ``held`` is the latest."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._report = WorkerReport()
+
+    def add(self, **parts: list[Any]) -> None:
+        with self._lock:
+            for name, items in parts.items():
+                if name == "held":
+                    self._report.held = list(items)
+                else:
+                    getattr(self._report, name).extend(items)
+
+    def take(self) -> WorkerReport | None:
+        """The news (None if there is none), and a clean slate."""
+        with self._lock:
+            report, self._report = self._report, WorkerReport()
+        return report if any(getattr(report, f.name) for f in fields(report)) else None

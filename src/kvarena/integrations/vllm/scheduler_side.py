@@ -40,6 +40,12 @@ class Found:
     keys: list[bytes]
 
 
+LOADS_IN_FLIGHT = 64
+"""Loads at most not yet reported done, per engine: past it a lookup that would
+hit answers "ask again" (vLLM keeps the request waiting and asks next step)
+rather than promise a load that would wait behind the others."""
+
+
 class SchedulerSide:
     def __init__(
         self,
@@ -70,6 +76,7 @@ class SchedulerSide:
         self._floor: dict[str, int] = {}  # state boundaries up to this are in the tiers
         self._loads: list[Load] = []
         self.telemetry = Telemetry(ranks)  # what the engine's metrics count
+        self._inflight: set[str] = set()  # requests whose load is not reported done
         self.events = events
 
     # -- keys ---------------------------------------------------------------------
@@ -100,7 +107,7 @@ class SchedulerSide:
         return keys[:blocks]
 
     # -- lookups ------------------------------------------------------------------
-    def matched(self, request: Any, num_computed: int) -> tuple[int, bool]:
+    def matched(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
         self._found.pop(request.request_id, None)
         if not self._cacheable(request):
             return 0, False
@@ -125,6 +132,8 @@ class SchedulerSide:
         point = resume_point(finds.kv_end, bool(self.state_groups), lambda b: b in finds.state)
         if point <= local:
             return 0, False
+        if len(self._inflight) >= LOADS_IN_FLIGHT:
+            return None, False  # ask again: no load starts past the bound
         self._found[request.request_id] = Found(
             local=local, resume_point=point, finds=finds, keys=keys
         )
@@ -165,6 +174,7 @@ class SchedulerSide:
                 f"of {b} blocks loads (block ids {block_ids}); refusing to load"
             )
         self._loads.append(load)
+        self._inflight.add(rid)
         tokens = (b - local) * self.block_size
         for kind, n in self.hit_sources(request, tokens).items():
             self.telemetry.hit(kind, n)
@@ -285,7 +295,12 @@ class SchedulerSide:
             self._failed.update(report.failed)
             self._failed.difference_update(report.saved)
 
+    def loaded(self, requests: set[str]) -> None:
+        """vLLM's word that these requests' loads are done (or failed)."""
+        self._inflight.difference_update(requests)
+
     def finished(self, request: Any) -> None:
         rid = request.request_id
+        self._inflight.discard(rid)
         for book in (self._requests, self._keys, self._found, self._saved_upto, self._floor):
             book.pop(rid, None)

@@ -18,7 +18,7 @@ from ...errors import Error
 from ...tiers import SPEC_FORMS, TierSpec, TierSpecError
 from ...tiers.host import MIN_FRAME_BYTES
 
-KEYS = ("tiers", "namespace", "host_frame_bytes", "layout", "save_backlog")
+KEYS = ("tiers", "namespace", "host_frame_bytes", "layout", "save_backlog", "load_timeout")
 """Every key the connector reads; any other key is refused (a typo must not
 silently turn a tier off)."""
 
@@ -63,6 +63,10 @@ class ConnectorSettings:
     ``BLHNC`` everywhere (vLLM keeps it where every backend lists it, else
     falls back to its own choice with a warning); ``engine``: no preference.
 
+    ``load_timeout``: the most seconds a load from the disk or a shared store may
+    take off the engine's step (30 by default); one that takes longer is given
+    up and vLLM recomputes its tokens.
+
     ``save_backlog``: the most bytes of saves a worker holds gathered and not yet
     written to its tiers (a size, ``"1GiB"`` by default). A step's saves that
     would go past it are skipped, before anything is copied: the forward outruns
@@ -75,6 +79,7 @@ class ConnectorSettings:
     host_frame_bytes: int | None = None
     layout: str = "auto"
     save_backlog: int = 1 << 30
+    load_timeout: float = 30.0
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -150,12 +155,23 @@ class ConnectorSettings:
                 f"{where}['save_backlog'] must be a size of at least 1 byte (an integer "
                 f"or a string such as '1GiB'), got {backlog!r:.80}"
             )
+        timeout = extra.get("load_timeout", cls.load_timeout)
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not 0 < timeout <= 3600
+        ):
+            raise ConnectorConfigError(
+                f"{where}['load_timeout'] must be a number of seconds in (0, 3600], "
+                f"got {timeout!r:.80}"
+            )
         return cls(
             tiers=tuple(specs),
             namespace=namespace,
             host_frame_bytes=frame,
             layout=layout,
             save_backlog=backlog_bytes,
+            load_timeout=float(timeout),
         )
 
     def preferred_layout(self, *, cpu: bool) -> str | None:

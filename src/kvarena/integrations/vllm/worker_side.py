@@ -26,6 +26,7 @@ import logging
 import queue
 import threading
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -36,8 +37,9 @@ from ...tiers.checked import Expectations, Fetched, fetch_checked
 from ...tiers.host import HostTier
 from ...tiers.image import object_name
 from .groups import Group
+from .loads import LoadQueue
 from .ranks import rank_key
-from .records import BlockCopy, Held, Load, StepPlan, Timed, WorkerReport
+from .records import BlockCopy, Held, Load, News, StepPlan, Timed, WorkerReport
 from .tensors import CachePages, cache_pages, payload_bytes
 
 # Under vLLM's logger: an operator sees the connector in the engine's own log.
@@ -65,6 +67,7 @@ class WorkerSide:
         rank: int = 0,
         ranks: int = 1,
         save_backlog: int,
+        load_deadline_s: float = 30.0,
     ) -> None:
         """``namespace``: this rank's (written into and checked in every image);
         ``rank`` of ``ranks``: which shard of each object this worker holds;
@@ -88,17 +91,8 @@ class WorkerSide:
         self._errors: set[int] = set()
         self._received: set[str] = set()  # requests whose load ran (or failed) this step
         self._failed_requests: set[str] = set()
-        self._lock = threading.Lock()  # guards the report lists below
-        self._added: list[str] = []
-        self._dropped: list[str] = []
-        self._saved_names: list[str] = []
-        self._failed: list[str] = []
-        self._loads: list[Timed] = []  # for the engine's metrics (records.WorkerReport)
-        self._writes: list[Timed] = []
-        self._skipped: list[str] = []
-        self._held: list[Held] = []
-        self._tier_dropped: list[tuple[str, str]] = []
-        self._written: list[str] = []
+        self._lock = threading.Lock()  # guards the backlog counts below
+        self.news = News()  # what the next report tells the scheduler
         self.loads_done = 0
         self.load_failures = 0
         self.objects_saved = 0
@@ -111,6 +105,7 @@ class WorkerSide:
         self._jobs: queue.Queue[_Batch | None] = queue.Queue()
         self._thread = threading.Thread(target=self._write_loop, name="kvarena-save", daemon=True)
         self._thread.start()
+        self.queue = LoadQueue(lambda job: self._fetch_job(job, None), deadline_s=load_deadline_s)
 
     def register(self, kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> None:
         self.pages = cache_pages(kv_caches, self.groups, num_blocks=num_blocks)
@@ -120,7 +115,7 @@ class WorkerSide:
         self,
         wanted: list[tuple[ImageKind, BlockCopy]],
         prefixes: list[str],
-        held: contextlib.ExitStack,
+        held: contextlib.ExitStack | None,
     ) -> tuple[list[memoryview | None], Fetched, dict[str, str]]:
         """Each object's checked payload (``wanted``: this rank's copies of the
         prefix objects named ``prefixes``), from the first tier that holds a
@@ -141,12 +136,11 @@ class WorkerSide:
             log.warning("kvarena: %s in %s: %s", r.name, r.label, r.detail)
         prefix_of = dict(zip(names, prefixes, strict=True))
         failures = {prefix_of[n]: why for n, why in got.failures().items()}
-        with self._lock:
-            self._dropped += got.dropped_hosted  # nobody should trip on them again
-            self._tier_dropped += [
-                (r.label, r.name) for r in got.rejected if not r.label.startswith("host")
-            ]
-            self._failed += list(failures)
+        self.news.add(
+            host_dropped=got.dropped_hosted,  # nobody should trip on them again
+            dropped=[(r.label, r.name) for r in got.rejected if not r.label.startswith("host")],
+            failed=list(failures),
+        )
         return got.payloads, got, failures
 
     def _own(self, copy: BlockCopy) -> BlockCopy:
@@ -156,19 +150,48 @@ class WorkerSide:
         return dataclasses.replace(copy, key=rank_key(copy.key, self.rank, self.ranks))
 
     def load(self, plan: StepPlan) -> None:
+        """This step's loads: the fetches finished since the last step copied in
+        and reported; new loads the host tier serves whole done now (in place,
+        well inside a step), the rest handed to the I/O threads."""
+        done, late = self.queue.collect()
+        for job, fetched in done:
+            self._finish(job, *fetched)
+        for job in late:
+            self._give_up(job)
         for job in plan.loads:
-            self._load_one(job)
+            if self._hosted(job):
+                with contextlib.ExitStack() as held:
+                    self._finish(job, *self._fetch_job(job, held))
+            else:
+                self.queue.submit(job)
 
-    def _load_one(self, job: Load) -> None:
-        self._received.add(job.request)
+    def _hosted(self, job: Load) -> bool:
+        """Whether the scheduler found every object of ``job`` in a host tier on top."""
+        copies = [*job.kv, *([job.state] if job.state is not None else [])]
+        return self._arena is not None and all(c.level == 0 for c in copies)
+
+    def _named(self, job: Load) -> tuple[list[tuple[ImageKind, BlockCopy]], list[str]]:
         named = [(ImageKind.KV_BLOCK, c) for c in job.kv]
         if job.state is not None:
             named.append((ImageKind.STATE, job.state))
         wanted = [(kind, self._own(c)) for kind, c in named]  # this rank's shard of each
-        prefixes = [object_name(kind, c.key) for kind, c in named]
-        with contextlib.ExitStack() as held:
-            payloads, got, failures = self._fetch(wanted, prefixes, held)
-            self._apply(job, wanted, payloads)
+        return wanted, [object_name(kind, c.key) for kind, c in named]
+
+    def _fetch_job(self, job: Load, held: contextlib.ExitStack | None) -> tuple[Any, ...]:
+        wanted, prefixes = self._named(job)
+        payloads, got, failures = self._fetch(wanted, prefixes, held)
+        return wanted, payloads, got, failures
+
+    def _finish(
+        self,
+        job: Load,
+        wanted: list[tuple[ImageKind, BlockCopy]],
+        payloads: list[memoryview | None],
+        got: Fetched,
+        failures: dict[str, str],
+    ) -> None:
+        self._received.add(job.request)
+        self._apply(job, wanted, payloads)
         timed = Timed(
             key=job.request,
             rank=self.rank,
@@ -176,8 +199,15 @@ class WorkerSide:
             nbytes=got.read_bytes,
             failures=failures,
         )
-        with self._lock:
-            self._loads.append(timed)
+        self.news.add(loads=[timed])
+
+    def _give_up(self, job: Load) -> None:
+        """A load past its deadline: failed, so vLLM recomputes it."""
+        self._received.add(job.request)
+        self._fail(job, f"its fetch passed the {self.queue.deadline_s:g} s deadline")
+        _, prefixes = self._named(job)
+        late = Timed(key=job.request, rank=self.rank, failures=dict.fromkeys(prefixes, "timeout"))
+        self.news.add(loads=[late])
 
     def _apply(
         self,
@@ -206,8 +236,11 @@ class WorkerSide:
             else:
                 self.loads_done += 1
                 return
-        # Nothing usable is left for a load that cannot be served whole: vLLM
-        # recomputes every block it named, from the first.
+        self._fail(job, why)
+
+    def _fail(self, job: Load, why: str) -> None:
+        """Nothing usable is left for a load that cannot be served whole: vLLM
+        recomputes every block it named, from the first."""
         self.load_failures += 1
         self._errors |= job.block_ids
         self._failed_requests.add(job.request)
@@ -257,8 +290,7 @@ class WorkerSide:
             self.saves_skipped += len(kv) + len(state)
             names = [object_name(ImageKind.KV_BLOCK, c.key) for c in kv]
             names += [object_name(ImageKind.STATE, c.key) for c in state]
-            with self._lock:
-                self._skipped += names
+            self.news.add(skipped=names)
             if not self._skipping:
                 log.warning(
                     "kvarena: saves skipped: %d bytes wait for the tiers and %d more would "
@@ -310,20 +342,20 @@ class WorkerSide:
             for label, t in tiers
             if isinstance(t, IndexedTier)  # known here; a shared store's is the server's
         ]
-        with self._lock:
-            for label in hosted:  # the host tier's evictions come back as names alone
-                self._added += names
-                self._dropped += written.evicted.get(label, [])
-            self._saved_names += [prefix for *_, prefix in jobs]
-            self._writes.append(timed)
-            self._held = held
-            self._written += names
-            self._tier_dropped += [
+        for label in hosted:  # the host tier's evictions come back as names alone
+            self.news.add(host_added=names, host_dropped=written.evicted.get(label, []))
+        self.news.add(
+            saved=[prefix for *_, prefix in jobs],
+            writes=[timed],
+            held=held,
+            written=names,
+            dropped=[
                 (label, name)
                 for label, gone in written.evicted.items()
                 if label not in hosted
                 for name in gone
-            ]
+            ],
+        )
         self.objects_saved += len(objects)
 
     def flush(self, timeout: float | None = None) -> int:
@@ -334,30 +366,13 @@ class WorkerSide:
             return self._waiting
 
     def report(self) -> WorkerReport | None:
-        with self._lock:
-            report = WorkerReport(
-                host_added=self._added,
-                host_dropped=self._dropped,
-                saved=self._saved_names,
-                failed=self._failed,
-                loads=self._loads,
-                writes=self._writes,
-                skipped=self._skipped,
-                held=self._held,
-                dropped=self._tier_dropped,
-                written=self._written,
-            )
-            self._added, self._dropped, self._saved_names, self._failed = [], [], [], []
-            self._loads, self._writes, self._skipped, self._held = [], [], [], []
-            self._tier_dropped, self._written = [], []
-        if not any(getattr(report, f.name) for f in dataclasses.fields(report)):
-            return None
-        return report
+        return self.news.take()
 
     def close(self, timeout: float = FLUSH_TIMEOUT_S) -> int:
         """Write what is queued (at most ``timeout`` seconds), then stop the
         writer and close the tiers; the objects that could not be written (each
         a later miss), logged as an error, never dropped silently."""
+        self.queue.close()
         with self._lock:
             waiting = self._waiting
         left = self.flush(timeout)
