@@ -142,6 +142,39 @@ def test_a_write_through_in_progress_does_not_hold_up_a_fetch(tmp_path):
         stack.close()
 
 
+def test_a_fetch_stuck_in_a_tier_does_not_hold_up_a_write_through(tmp_path):
+    """A load off the step may hang in a tier's read: the writer's write-through
+    (and a fetch from another tier) must still run meanwhile."""
+    import threading
+
+    entered, release = threading.Event(), threading.Event()
+
+    class StuckDisk(DiskTier):
+        def get_many(self, names):
+            entered.set()
+            release.wait()
+            return super().get_many(names)
+
+    host, disk = HostTier(1 << 20, frame_bytes=4096), StuckDisk(tmp_path / "d", 1 << 20)
+    stack = TierStack([host, disk])
+    try:
+        reader = threading.Thread(target=stack.fetch, args=(1, [_kv(7, 1).name]))
+        reader.start()
+        assert entered.wait(20)  # a bound for a broken build, not a race
+        writer = threading.Thread(target=stack.write_through, args=([_kv(8, 2)],))
+        writer.start()
+        writer.join(20)
+        wrote = not writer.is_alive()
+        release.set()
+        reader.join(20)
+        writer.join(20)
+        assert wrote, "the write-through waited for a stuck fetch"
+        assert disk.contains_many([_kv(8, 2).name]) == [True]
+    finally:
+        release.set()
+        stack.close()
+
+
 def test_a_hint_that_names_no_tier_is_refused(stack):
     wanted = [(_kv(1, 1).name, EXPECT.kv(_key(1), 1))]
     for bad in ([2], [-1], [0, 0]):

@@ -187,3 +187,46 @@ def test_a_router_reading_the_events_knows_each_tiers_share_of_every_prompt(tmp_
         live.close(linger=0)
         ensure_kv_transfer_shutdown()
         llm.llm_engine.engine_core.shutdown()
+
+
+def test_an_object_dropped_from_every_local_tier_is_announced_once_each_and_forgotten():
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    from kvarena.integrations.vllm.events import TierEvents
+    from kvarena.integrations.vllm.ranks import rank_names
+    from kvarena.integrations.vllm.records import BlockCopy
+    from kvarena.tiers.image import ImageKind, object_name
+
+    book = TierEvents(
+        tiers=[("host", "host"), ("disk", "disk")],
+        kv_groups=[(0, "full_attention")],
+        state_groups=[],
+        block_size=32,
+        hash_block_size=16,
+        ranks=2,
+    )
+    request = SimpleNamespace(
+        block_hashes=[bytes([i]) * 32 for i in range(8)], all_token_ids=list(range(128)), lora_request=None
+    )
+    copy = BlockCopy(index=1, key=bytes([9]) * 16, blocks=(4,))
+    prefix = object_name(ImageKind.KV_BLOCK, copy.key)
+    book.planned(request, ImageKind.KV_BLOCK, copy)
+    book.stored(prefix)
+    stored = book.take()
+    assert [(e.medium, e.locality) for e in stored] == [("CPU", "LOCAL"), ("STORAGE", "LOCAL")]
+    assert all(isinstance(e, BlockStored) for e in stored)
+    # vLLM's hash of 2 blocks of 32 = its 4th hash of 16; the parent its 2nd; tokens 32..63
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as vllm_hash
+
+    assert stored[0].block_hashes == [vllm_hash(bytes([3]) * 32)]
+    assert stored[0].parent_block_hash == vllm_hash(bytes([1]) * 32)
+    assert stored[0].token_ids == list(range(32, 64))
+    rank1 = rank_names(prefix, 2)[1]
+    book.dropped("host", [rank1])
+    book.dropped("host", [rank_names(prefix, 2)[0]])  # the other rank's drop: already said
+    book.dropped("disk", [rank1])
+    removed = book.take()
+    assert [(type(e), e.medium) for e in removed] == [(BlockRemoved, "CPU"), (BlockRemoved, "STORAGE")]
+    assert not (book._held or book._prefix_of or book._removed)  # nothing kept for it

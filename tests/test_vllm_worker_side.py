@@ -82,6 +82,25 @@ def test_a_load_from_below_the_host_is_fetched_off_the_step_and_copied_in_a_late
     ]
 
 
+def test_only_a_load_from_a_host_tier_on_top_is_done_in_the_step(tmp_path):
+    """Level 0 is the host tier only where the stack starts with it: with the disk
+    on top, a load found at level 0 reads the disk, so it goes off the step."""
+    kc, caches = allocation("LBHNC", states=1)
+    tiers = TierStack([DiskTier(tmp_path / "d", 64 << 20), HostTier(8 << 20, frame_bytes=64 << 10)])
+    w = WorkerSide(groups=classify(kc), namespace=NS, tiers=tiers, block_size=BLOCK_SIZE, save_backlog=1 << 30)
+    try:
+        w.register(caches, kc.num_blocks)
+        w.save(StepPlan(kv_saves=[BlockCopy(index=0, key=K[0], blocks=(2,))]))
+        w.flush()
+        job = Load(request="f", kv=(BlockCopy(index=0, key=K[0], blocks=(5,), level=0),), state=None)
+        w.load(StepPlan(loads=[job]))
+        assert w.received() == (set(), set()) and len(w.queue) == 1  # off the step
+        finish_loads(w)
+        assert w.received() == ({"f"}, set())
+    finally:
+        w.close()
+
+
 def _pages(caches, groups, kind, block):
     names = [n for g in groups if g.kind == kind for n in g.layers]
     return [page(caches[n], block) for n in names]

@@ -87,6 +87,20 @@ def _find_syncfs() -> Any:
     return fn
 
 
+def object_entries(directory: str | os.PathLike[str]) -> list[os.DirEntry[str]]:
+    """The files of ``directory`` named as a disk tier names its objects
+    (``NAME.kvi``), without opening any; none where the directory is absent."""
+    try:
+        entries = list(os.scandir(directory))
+    except FileNotFoundError:
+        return []
+    return [
+        e
+        for e in entries
+        if e.name.endswith(SUFFIX) and NAME.fullmatch(e.name[: -len(SUFFIX)])
+    ]
+
+
 def take_directory(directory: Path) -> int:
     """The directory's lock (an open descriptor holding its exclusive ``flock``,
     the holder's pid written in it), for as long as the descriptor is open;

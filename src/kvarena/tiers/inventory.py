@@ -21,13 +21,14 @@ import hashlib
 import json
 import os
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from .base import TierError
-from .disk import _OPEN, LOCK_NAME, NAME, SUFFIX, take_directory
+from .disk import _OPEN, LOCK_NAME, SUFFIX, object_entries, take_directory
 from .image import (
     HEAD_BYTES,
     MAX_NAMESPACE_BYTES,
@@ -155,14 +156,9 @@ class DiskInventory:
 
     def _files(self) -> Iterator[tuple[str, Path]]:
         for d in self.dirs:
-            for e in os.scandir(d):
-                stem = e.name[: -len(SUFFIX)]
-                if (
-                    e.name.endswith(SUFFIX)
-                    and NAME.fullmatch(stem)
-                    and e.is_file(follow_symlinks=False)
-                ):
-                    yield stem, Path(e.path)
+            for e in object_entries(d):
+                if e.is_file(follow_symlinks=False):
+                    yield e.name[: -len(SUFFIX)], Path(e.path)
 
     def entries(self) -> tuple[list[Entry], list[tuple[str, str]]]:
         out, unreadable, now = [], [], time.time()
@@ -221,24 +217,31 @@ class RedisInventory:
     """A Redis store's kvarena objects (its tier's key prefix)."""
 
     def __init__(self, url: str, *, cluster: bool = False) -> None:
-        from .redis_tier import DEFAULT_PREFIX, _redis
+        from .redis_tier import RedisTier
 
-        redis = _redis()
-        self.url, self.prefix = url, DEFAULT_PREFIX
-        if cluster:
-            self._client: Any = redis.RedisCluster.from_url(url)
-        else:
-            self._client = redis.Redis.from_url(url)
-        try:
-            self._client.ping()
-        except redis.exceptions.RedisError as exc:
-            raise TierError(f"redis {url}: cannot reach the store ({exc})") from None
+        self.url = url
+        # A tier outside a stack warns and serves on when its store is gone; a
+        # tool reading the store refuses instead, with the tier's reason.
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            self.tier = RedisTier(url, cluster=cluster)
+            self._names = self.tier.names()
+        if self._names is None:
+            # the tier's own words, less its describe() and its serving advice
+            why = str(said[-1].message).split("; ")[0].split(": ", 1)[-1] if said else "no reply"
+            raise TierError(f"redis {url}: cannot reach the store ({why})")
+        self.prefix, self._client = self.tier.prefix, self.tier.client
+
+    def _keys(self) -> list[str]:
+        """Every object's key, sorted (the tier's one listing of the store, taken
+        when the inventory opened it)."""
+        return sorted(self.prefix + n for n in self._names or ())
 
     def describe(self) -> str:
         return f"redis {self.url}"
 
     def entries(self) -> tuple[list[Entry], list[tuple[str, str]]]:
-        keys = sorted(self._client.scan_iter(match=self.prefix + "*", count=1000))
+        keys = self._keys()
         out, unreadable = [], []
         for i in range(0, len(keys), 512):
             chunk = keys[i : i + 512]
@@ -248,9 +251,8 @@ class RedisInventory:
                 pipe.strlen(k)
                 pipe.object("idletime", k)
             replies = pipe.execute()
-            for j, k in enumerate(chunk):
+            for j, key in enumerate(chunk):
                 head_bytes, size, idle = replies[3 * j : 3 * j + 3]
-                key = k.decode(errors="replace")
                 name = key[len(self.prefix) :]
                 try:
                     head = read_header(head_bytes)
@@ -266,12 +268,11 @@ class RedisInventory:
         return data
 
     def contents(self) -> Iterator[tuple[str, str, bytes]]:
-        keys = sorted(self._client.scan_iter(match=self.prefix + "*", count=1000))
+        keys = self._keys()
         for i in range(0, len(keys), 64):
             chunk = keys[i : i + 64]
-            for k, data in zip(chunk, self._client.mget(chunk), strict=True):
+            for key, data in zip(chunk, self._client.mget(chunk), strict=True):
                 if data is not None:
-                    key = k.decode(errors="replace")
                     yield key[len(self.prefix) :], key, data
 
     def delete(self, keys: Sequence[str]) -> int:

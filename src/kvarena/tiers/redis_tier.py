@@ -308,6 +308,12 @@ class RedisTier(Tier):
         got = self._pipeline("exists", build, len(keys), _zero_or_one)
         return [bool(v) for v in got] if got is not None else [False] * len(names)
 
+    @property
+    def client(self) -> Any:
+        """The redis-py client, for tools that read the store outside a stack
+        (``kvarena tiers``: headers, sizes and idle times in one pipeline)."""
+        return self._client
+
     @synchronized
     def names(self) -> list[str] | None:
         """Every object name the store holds under this tier's prefix (``SCAN``, in

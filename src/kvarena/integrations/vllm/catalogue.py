@@ -22,12 +22,11 @@ token, and never a wait on the step.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
 
 from ...tiers import RedisTier
-from ...tiers.disk import NAME, SUFFIX
+from ...tiers.disk import SUFFIX, object_entries
 from ...tiers.stack import first_holders
 from .ranks import rank_dir
 from .settings import ConnectorSettings
@@ -40,15 +39,9 @@ found within this long, what its server evicted is forgotten within it."""
 def _disk_names(directory: str) -> set[str]:
     """The object names a disk tier's directory holds now (no file is opened)."""
     try:
-        entries = list(os.scandir(directory))
+        return {e.name[: -len(SUFFIX)] for e in object_entries(directory)}
     except OSError:
-        return set()  # not made yet: the worker makes it
-    out = set()
-    for e in entries:
-        stem = e.name[: -len(SUFFIX)]
-        if e.name.endswith(SUFFIX) and NAME.fullmatch(stem):
-            out.add(stem)
-    return out
+        return set()  # unreadable: the worker's own tier will say so
 
 
 class Catalogue:
@@ -86,8 +79,7 @@ class Catalogue:
 
     def reported(self, kind: str, added: Iterable[str], dropped: Iterable[str]) -> None:
         """Apply what a worker did to its tier of ``kind``: names put, then dropped."""
-        book = self._held.get(kind)
-        if book is None:
+        if kind not in self._held:
             return
         added = list(added)
         with self._lock:

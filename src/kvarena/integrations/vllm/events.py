@@ -139,9 +139,15 @@ class TierEvents:
                     )
                 )
         while len(self._held) > REMEMBERED:
-            gone, _ = self._held.popitem(last=False)
-            for name in rank_names(gone, self.ranks):
-                self._prefix_of.pop(name, None)
+            self._forget(next(iter(self._held)))
+
+    def _forget(self, prefix: str) -> None:
+        """Drop every book entry of ``prefix`` (its removal goes unannounced after)."""
+        self._held.pop(prefix, None)
+        for name in rank_names(prefix, self.ranks):
+            self._prefix_of.pop(name, None)
+        for label, _, _ in self.tiers:
+            self._removed.discard((label, prefix))
 
     def dropped(self, label: str, names: list[str]) -> None:
         """A rank's tier ``label`` dropped these objects (its own names)."""
@@ -166,8 +172,7 @@ class TierEvents:
                     )
                 )
             if all((t[0], prefix) in self._removed for t in self.tiers if t[0] != "redis"):
-                # gone from every tier that reports drops: forget it
-                self._held.pop(prefix, None)
+                self._forget(prefix)  # gone from every tier that reports drops
 
     def take(self) -> list[Any]:
         events, self._events = self._events, []

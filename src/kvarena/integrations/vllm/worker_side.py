@@ -166,9 +166,11 @@ class WorkerSide:
                 self.queue.submit(job)
 
     def _hosted(self, job: Load) -> bool:
-        """Whether the scheduler found every object of ``job`` in a host tier on top."""
+        """Whether the scheduler found every object of ``job`` in a host tier on top
+        (a stack whose top is the disk reads it off the step, whatever is below)."""
         copies = [*job.kv, *([job.state] if job.state is not None else [])]
-        return self._arena is not None and all(c.level == 0 for c in copies)
+        on_top = isinstance(self.tiers.tiers[0], HostTier) if self.tiers.tiers else False
+        return on_top and all(c.level == 0 for c in copies)
 
     def _named(self, job: Load) -> tuple[list[tuple[ImageKind, BlockCopy]], list[str]]:
         named = [(ImageKind.KV_BLOCK, c) for c in job.kv]
