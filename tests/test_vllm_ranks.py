@@ -34,10 +34,11 @@ def test_a_name_no_object_has_is_refused(name):
 
 
 @given(key=keys, ranks=st.integers(2, 8))
-def test_each_rank_has_a_key_of_its_own_and_one_rank_keeps_the_prefix_key(key, ranks):
+def test_each_rank_has_a_key_of_its_own_and_rank_0_keeps_the_prefix_key(key, ranks):
     assert rank_key(key, 0, 1) == key
     derived = [rank_key(key, r, ranks) for r in range(ranks)]
-    assert len(set(derived) | {key}) == ranks + 1 and all(len(k) == len(key) for k in derived)
+    assert derived[0] == key
+    assert len(set(derived)) == ranks and all(len(k) == len(key) for k in derived)
     name = object_name(ImageKind.STATE, key)
     assert rank_names(name, ranks) == [object_name(ImageKind.STATE, k) for k in derived]
     assert rank_names(name, 1) == [name]
@@ -74,3 +75,41 @@ def test_a_lookup_counts_an_object_where_every_rank_holds_it(tmp_path):
     catalogue.reported("disk", [rank_names(split, 2)[1]], [])  # rank 1's worker wrote it
     view = AllRanks(catalogue, 2)
     assert view.locate([full, split, half, bad]) == [0, 1, None, 0]
+
+
+def test_a_lookup_remembers_whole_objects_until_a_rank_leaves_a_book(tmp_path):
+    """Every rank's names are asked once per object; an object found whole is
+    answered from memory until one of its rank names is dropped (then asked
+    again, and missing), and an object only a deeper tier still holds is found
+    there."""
+    settings = ConnectorSettings.parse({"tiers": ["host:1GiB", f"disk:{tmp_path}:1GiB"]})
+    catalogue = Catalogue(settings, ranks=4)
+    a, b = (object_name(ImageKind.KV_BLOCK, bytes([i]) * 16) for i in range(2))
+    catalogue.hosted([*rank_names(a, 4), *rank_names(b, 4)], [])
+    catalogue.reported("disk", rank_names(b, 4), [])
+    asked: list[str] = []
+    real = catalogue.locate
+    catalogue.locate = lambda names: (asked.extend(names), real(names))[1]  # type: ignore[method-assign]
+    view = AllRanks(catalogue, 4)
+    assert view.locate([a, b]) == [0, 0]
+    assert len(asked) == 8  # both objects, every rank
+    asked.clear()
+    assert view.locate([a, b]) == [0, 0] and asked == []  # from memory
+    catalogue.hosted([], [rank_names(a, 4)[2]])  # rank 2's host tier evicts a
+    catalogue.hosted([], [rank_names(b, 4)[3]])  # and rank 3's evicts b (still on disk)
+    assert view.locate([a, b]) == [None, 1]
+    assert set(asked) == {*rank_names(a, 4), *rank_names(b, 4)}
+
+
+def test_a_lookup_that_fell_behind_the_removals_forgets_everything(tmp_path, monkeypatch):
+    from kvarena.integrations.vllm import catalogue as module
+
+    monkeypatch.setattr(module, "GONE_KEPT", 2)
+    catalogue = Catalogue(ConnectorSettings.parse({"tiers": ["host:1GiB"]}), ranks=2)
+    names = [object_name(ImageKind.KV_BLOCK, bytes([i]) * 16) for i in range(4)]
+    catalogue.hosted([n for name in names for n in rank_names(name, 2)], [])
+    view = AllRanks(catalogue, 2)
+    assert view.locate(names) == [0, 0, 0, 0]
+    catalogue.hosted([], [rank_names(names[0], 2)[1], "kv-" + "ee" * 16, *rank_names(names[3], 2)])
+    assert catalogue.gone(0) == (None, 3)  # three removals, two kept: the first is lost
+    assert view.locate(names) == [None, 0, 0, None]  # asked again, all of them

@@ -135,6 +135,25 @@ def _extra_bytes(extra: Sequence[object]) -> bytes:
         ) from None
 
 
+def tail_key(
+    parent: bytes, tokens: np.ndarray, block_size: int, extra: Sequence[object] = ()
+) -> bytes:
+    """The key of a PARTIAL block: the ``tokens`` (fewer than ``block_size``) that
+    follow the full blocks whose last key is ``parent``. Hashed under a person of
+    its own and with its token count, so a tail's key is never a full block's,
+    nor a shorter or longer tail's of the same tokens."""
+    n = int(tokens.size)
+    if not 0 < n < block_size:
+        raise InvalidValueError(
+            f"a partial block holds 1..{block_size - 1} tokens (block size {block_size}), got {n}"
+        )
+    h = hashlib.blake2b(parent, digest_size=KEY_BYTES, person=b"kvarena-tail")
+    h.update(n.to_bytes(4, "little"))
+    h.update(tokens.astype(np.int64, copy=False).tobytes())
+    h.update(_extra_bytes(extra))
+    return h.digest()
+
+
 def block_keys(
     root: bytes, tokens: np.ndarray, block_size: int, extra: Sequence[object] = ()
 ) -> list[bytes]:

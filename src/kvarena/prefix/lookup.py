@@ -40,6 +40,21 @@ def resume_point(cand: int, has_state: bool, image_at: Callable[[int], bool]) ->
         cand = new
 
 
+class Keys(Protocol):
+    """A prompt's chained keys by block index: a list, or a chain hashed as far
+    as it is asked for."""
+
+    def __getitem__(self, i: int, /) -> bytes: ...
+
+
+class Names(Protocol):
+    """Object names of a run of a prompt's keys: ``kind``'s names of keys
+    ``start`` to ``stop`` (a chain keeps them: a waiting request is looked up
+    step after step)."""
+
+    def __call__(self, kind: ImageKind, start: int, stop: int, /) -> list[str]: ...
+
+
 class Locates(Protocol):
     """What the tier walk asks of the tiers: a :class:`~kvarena.tiers.TierStack`,
     or an engine's catalogue of tiers another process owns."""
@@ -59,15 +74,16 @@ class TierFinds:
 
 def locate_in_tiers(
     tiers: Locates,
-    keys: list[bytes],
+    keys: Keys,
     *,
     kv_end: int,
     limit: int,
     has_kv: bool,
     has_state: bool,
-    device_kv: Callable[[bytes], bool],
-    device_image: Callable[[int], bool],
+    device_kv: Callable[[bytes], bool] | None,
+    device_image: Callable[[int], bool] | None,
     skip: Set[str] = frozenset(),
+    names: Names | None = None,
 ) -> TierFinds:
     """Extend the device's KV run (``kv_end`` blocks) with blocks the tiers
     hold, then find the boundaries up to it whose image a tier holds.
@@ -75,7 +91,16 @@ def locate_in_tiers(
     KV is probed in windows that double while every block is found (32, 64,
     128...): a prompt that misses costs one small probe per tier, not one name
     per block of the prompt; a long hit costs log2(its length) probes. Names in
-    ``skip`` (objects that failed their checks) count as absent."""
+    ``skip`` (objects that failed their checks) count as absent. ``device_kv``
+    and ``device_image`` None: the device holds nothing past ``kv_end`` (an
+    engine's scheduler, whose device cache vLLM has already matched).
+    ``names``: where the keys' object names are kept (else made here)."""
+
+    def named(kind: ImageKind, at: list[int]) -> list[str]:
+        if names is not None and at and at[-1] - at[0] == len(at) - 1:  # a run
+            return names(kind, at[0], at[-1] + 1)
+        return [object_name(kind, keys[i]) for i in at]
+
     full = kv_end
     tier_kv: dict[int, int] = {}
     tier_state: dict[int, int] = {}
@@ -83,14 +108,20 @@ def locate_in_tiers(
         window = 32
         while full < limit:
             todo = range(full, min(limit, full + window))
-            wanted = [i for i in todo if not device_kv(keys[i])]
-            names = [object_name(ImageKind.KV_BLOCK, keys[i]) for i in wanted]
-            for i, name, where in zip(wanted, names, tiers.locate(names), strict=True):
+            wanted = (
+                list(todo) if device_kv is None else [i for i in todo if not device_kv(keys[i])]
+            )
+            asked = named(ImageKind.KV_BLOCK, wanted)
+            for i, name, where in zip(wanted, asked, tiers.locate(asked), strict=True):
                 if where is not None and name not in skip:
                     tier_kv[i] = where
             start = full
-            while full < limit and (full in tier_kv or device_kv(keys[full])):
-                full += 1
+            if device_kv is None:
+                while full < limit and full in tier_kv:
+                    full += 1
+            else:
+                while full < limit and (full in tier_kv or device_kv(keys[full])):
+                    full += 1
             if full < start + len(todo):
                 break  # a gap: the run ends here
             window *= 2
@@ -98,9 +129,9 @@ def locate_in_tiers(
         del tier_kv[i]
     top = full if has_kv else limit
     if has_state and top:
-        at = [b for b in range(1, top + 1) if not device_image(b)]
-        names = [object_name(ImageKind.STATE, keys[b - 1]) for b in at]
-        for b, name, where in zip(at, names, tiers.locate(names), strict=True):
+        at = [b for b in range(1, top + 1) if device_image is None or not device_image(b)]
+        asked = named(ImageKind.STATE, [b - 1 for b in at])
+        for b, name, where in zip(at, asked, tiers.locate(asked), strict=True):
             if where is not None and name not in skip:
                 tier_state[b] = where
     return TierFinds(kv_end=full, kv=tier_kv, state=tier_state)

@@ -23,6 +23,7 @@ token, and never a wait on the step.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
 from ...tiers import RedisTier
@@ -30,6 +31,9 @@ from ...tiers.disk import SUFFIX, object_entries
 from ...tiers.stack import first_holders
 from .ranks import rank_dir
 from .settings import ConnectorSettings
+
+GONE_KEPT = 1 << 20
+"""Names removed from the books that a reader may yet ask about (:meth:`Catalogue.gone`)."""
 
 RESCAN_S = 10.0
 """How often the shared store is listed again: what other engines saved is
@@ -59,6 +63,9 @@ class Catalogue:
         self._redis: RedisTier | None = None
         self._stop = threading.Event()
         self._lister: threading.Thread | None = None
+        # every name removed from a book, in order, and how many ever were
+        self._gone: deque[str] = deque(maxlen=GONE_KEPT)
+        self._gone_total = 0
         for spec in settings.tiers:
             if spec.kind == "disk":
                 assert spec.directory is not None
@@ -85,7 +92,10 @@ class Catalogue:
         with self._lock:
             book = self._held[kind]  # the lister may have swapped it
             book.update(added)
-            book.difference_update(dropped)
+            for name in dropped:
+                if name in book:
+                    book.discard(name)
+                    self._forget(name)
             if kind == "redis":
                 self._written.update(added)
 
@@ -104,7 +114,26 @@ class Catalogue:
         if listed is None:
             return  # unreachable: keep what is known (loads that miss recompute)
         with self._lock:
-            self._held["redis"] = set(listed) | self._written
+            new = set(listed) | self._written
+            for name in self._held["redis"] - new:
+                self._forget(name)
+            self._held["redis"] = new
+
+    def _forget(self, name: str) -> None:
+        """Log a name removed from a book (under the lock)."""
+        self._gone.append(name)
+        self._gone_total += 1
+
+    def gone(self, since: int) -> tuple[list[str] | None, int]:
+        """The names removed from any book after the first ``since`` removals (None:
+        more than :data:`GONE_KEPT` ago, no longer known), and the count to ask
+        from next. What a reader that remembers answers needs to forget."""
+        with self._lock:
+            total = self._gone_total
+            new = total - since
+            if new > len(self._gone):
+                return None, total
+            return [self._gone[-k] for k in range(new, 0, -1)], total  # near the end: fast
 
     def _list_loop(self, every: float) -> None:
         while not self._stop.wait(every):
@@ -118,7 +147,7 @@ class Catalogue:
 
     def _probe(self, kind: str) -> Callable[[list[str]], list[bool]]:
         book = self._held[kind]
-        return lambda asked: [n in book for n in asked]
+        return lambda asked: list(map(book.__contains__, asked))
 
     def close(self) -> None:
         self._stop.set()

@@ -17,6 +17,7 @@ import hashlib
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Protocol
 
 from ...prefix.lookup import Locates
 from ...tiers import TierSpec
@@ -24,9 +25,10 @@ from ...tiers.image import KEY_BYTES, object_name, parse_object_name
 
 
 def rank_key(key: bytes, rank: int, ranks: int) -> bytes:
-    """Rank ``rank``'s key for the object of prefix key ``key`` (the key itself at
-    one rank: a single-rank engine's objects are named by the prefix)."""
-    if ranks == 1:
+    """Rank ``rank``'s key for the object of prefix key ``key``: the key itself for
+    rank 0 (a single-rank engine's objects, and rank 0's, are named by the
+    prefix), a keyed hash of it for every other rank."""
+    if ranks == 1 or rank == 0:
         return key
     return hashlib.blake2b(
         key, digest_size=KEY_BYTES, person=b"kvarena-tp" + rank.to_bytes(2, "big")
@@ -52,18 +54,23 @@ def rank_tier_specs(specs: Sequence[TierSpec], rank: int, ranks: int) -> tuple[T
     )
 
 
-def rank_names(name: str, ranks: int, *, only: int | None = None) -> list[str]:
-    """Every rank's object name for the prefix object named ``name`` (rank
-    ``only``'s alone, where given)."""
+def rank_names(name: str, ranks: int) -> list[str]:
+    """Every rank's object name for the prefix object named ``name`` (rank 0's is
+    ``name`` itself)."""
     if ranks == 1:
         return [name]
     kind, key = parse_object_name(name)
-    which = range(ranks) if only is None else (only,)
-    return [object_name(kind, rank_key(key, r, ranks)) for r in which]
+    return [name, *(object_name(kind, rank_key(key, r, ranks)) for r in range(1, ranks))]
 
 
 NAMES_KEPT = 1 << 18
 """Prefix objects whose rank names a lookup keeps (a few hundred bytes each at TP 8)."""
+
+
+class Catalogued(Locates, Protocol):
+    """A catalogue that says which names it has removed since a reader last asked."""
+
+    def gone(self, since: int) -> tuple[list[str] | None, int]: ...
 
 
 class AllRanks:
@@ -71,43 +78,70 @@ class AllRanks:
     rank's object is (at the deepest tier any of them is in), and not at all
     where one is missing."""
 
-    def __init__(self, catalogue: Locates, ranks: int) -> None:
+    def __init__(self, catalogue: Catalogued, ranks: int) -> None:
         self.catalogue, self.ranks = catalogue, ranks
         # Each prefix object's rank names, kept for the prefixes asked most lately:
         # shared prefixes (a system prompt, a conversation's earlier turns) are
         # asked again and again, and each name is a hash per rank.
         self._names: OrderedDict[str, list[str]] = OrderedDict()
+        self._prefix_of: dict[str, str] = {}  # each kept rank name's prefix object
+        # Prefix objects every rank was found to hold, at which deepest tier: true
+        # until one of their rank names leaves a book (the catalogue's removals,
+        # read before each lookup). A name joining a higher tier leaves the
+        # answer deeper than it could be: a fetch then starts lower, no more.
+        self._whole: dict[str, int] = {}
+        self._since = 0
 
     def _rank_names(self, name: str) -> list[str]:
         got = self._names.get(name)
         if got is None:
             got = self._names[name] = rank_names(name, self.ranks)
+            self._prefix_of.update(dict.fromkeys(got, name))
             if len(self._names) > NAMES_KEPT:
-                self._names.popitem(last=False)
+                old, names = self._names.popitem(last=False)
+                self._whole.pop(old, None)
+                for n in names:
+                    self._prefix_of.pop(n, None)
         else:
             self._names.move_to_end(name)
         return got
 
+    def _forget_removed(self) -> None:
+        gone, self._since = self.catalogue.gone(self._since)
+        if gone is None:
+            self._whole.clear()
+            return
+        for name in gone:
+            prefix = self._prefix_of.get(name)
+            if prefix is not None:
+                self._whole.pop(prefix, None)
+
     def locate(self, names: Sequence[str]) -> list[int | None]:
         """Each prefix object's deepest tier over every rank, None where some rank's
-        object is missing. Rank 0's names are asked first: a block no tier holds
-        (most of a miss's probe) costs one name, not one per rank."""
+        object is missing. Rank 0's names (the prefix objects' own) are asked
+        first: a block no tier holds (most of a miss's probe) costs one name,
+        not one per rank, and no hash."""
         if self.ranks == 1:
             return self.catalogue.locate(list(names))
-        known = [self._names.get(n) for n in names]
-        first = [
-            k[0] if k is not None else rank_names(n, self.ranks, only=0)[0]
-            for n, k in zip(names, known, strict=True)
-        ]
-        out: list[int | None] = list(self.catalogue.locate(first))
-        held = [i for i, where in enumerate(out) if where is not None]
+        self._forget_removed()
+        whole = self._whole
+        out: list[int | None] = [whole.get(n) for n in names]
+        ask = [i for i, where in enumerate(out) if where is None]
+        if not ask:
+            return out
+        for i, found in zip(ask, self.catalogue.locate([names[i] for i in ask]), strict=True):
+            out[i] = found
+        held = [i for i in ask if out[i] is not None]
+        if not held:
+            return out
         others = [self._rank_names(names[i])[1:] for i in held]
         where = self.catalogue.locate([x for names_of in others for x in names_of])
         step = self.ranks - 1
         for j, i in enumerate(held):
             tiers = where[j * step : (j + 1) * step]
-            if any(t is None for t in tiers):
+            first = out[i]
+            if first is None or any(t is None for t in tiers):
                 out[i] = None
             else:
-                out[i] = max([out[i], *tiers])  # type: ignore[type-var]
+                out[i] = whole[names[i]] = max(first, *(t for t in tiers if t is not None))
         return out

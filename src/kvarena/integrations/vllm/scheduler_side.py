@@ -17,12 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from ...prefix.keys import block_keys, key_root
+from ...prefix.keys import key_root
 from ...prefix.lookup import TierFinds, locate_in_tiers, resume_point
 from ...tiers.image import ImageKind
 from .catalogue import Catalogue
+from .chains import RequestKeys
 from .events import TierEvents
 from .groups import Group
 from .ranks import AllRanks
@@ -37,7 +36,7 @@ class Found:
     local: int  # blocks vLLM holds itself
     resume_point: int  # blocks the request resumes after
     finds: TierFinds
-    keys: list[bytes]
+    keys: RequestKeys
 
 
 LOADS_IN_FLIGHT = 64
@@ -69,7 +68,7 @@ class SchedulerSide:
         self._failed: set[str] = set()
         self._objects = AllRanks(catalogue, ranks)  # what a lookup asks
         self._requests: dict[str, Any] = {}
-        self._keys: dict[str, list[bytes]] = {}
+        self._keys: dict[str, RequestKeys] = {}
         self._found: dict[str, Found] = {}
         # KV blocks below this are in the tiers (loaded from them, or planned to be saved)
         self._saved_upto: dict[str, int] = {}
@@ -94,17 +93,17 @@ class SchedulerSide:
         do not name which image it is."""
         return not getattr(request, "mm_features", None)
 
+    def _chain(self, request: Any) -> RequestKeys:
+        """The request's keys (hashed as far as asked, never rehashed)."""
+        chain = self._keys.get(request.request_id)
+        if chain is None:
+            chain = RequestKeys(self.root, request, self.block_size, self._extra(request))
+            self._keys[request.request_id] = chain
+        return chain
+
     def _keys_of(self, request: Any, blocks: int) -> list[bytes]:
-        """The chained keys of the request's first ``blocks`` blocks (extended as
-        the request grows, never rehashed)."""
-        keys = self._keys.setdefault(request.request_id, [])
-        if len(keys) < blocks:
-            bs = self.block_size
-            tokens = np.asarray(request.all_token_ids[len(keys) * bs : blocks * bs], dtype=np.int64)
-            keys.extend(
-                block_keys(keys[-1] if keys else self.root, tokens, bs, self._extra(request))
-            )
-        return keys[:blocks]
+        """The chained keys of the request's first ``blocks`` blocks."""
+        return self._chain(request).upto(blocks)
 
     # -- lookups ------------------------------------------------------------------
     def matched(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
@@ -117,7 +116,7 @@ class SchedulerSide:
         if limit <= local:
             return 0, False
         self.telemetry.looked_up()
-        keys = self._keys_of(request, limit)
+        keys = self._chain(request)
         finds = locate_in_tiers(
             self._objects,
             keys,
@@ -125,9 +124,10 @@ class SchedulerSide:
             limit=limit,
             has_kv=bool(self.kv_groups),
             has_state=bool(self.state_groups),
-            device_kv=lambda _key: False,
-            device_image=lambda _b: False,
-            skip=frozenset(self._failed),
+            device_kv=None,
+            device_image=None,
+            skip=self._failed,
+            names=keys.names,
         )
         point = resume_point(finds.kv_end, bool(self.state_groups), lambda b: b in finds.state)
         if point <= local:

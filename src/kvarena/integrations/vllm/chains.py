@@ -1,0 +1,70 @@
+"""A request's prefix keys, hashed as far as they are asked for.
+
+The scheduler keys a request once: the saves of every later step and every
+lookup of it read the same chain. A lookup probes in windows (32 blocks, then
+64, 128...), so a prompt that misses at its first window is hashed for 32
+blocks, not for its whole length; the chain grows as the request does and is
+never rehashed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ...prefix.keys import block_keys, tail_key
+from ...tiers.image import ImageKind, object_name
+
+CHUNK = 32
+"""Blocks hashed at a time: a window's worth, so a probe hashes in few calls."""
+
+
+class RequestKeys:
+    """The chained keys of one request's full blocks (``keys[i]``: block ``i``'s),
+    and of a partial block after them (:meth:`tail`)."""
+
+    def __init__(self, root: bytes, request: Any, block_size: int, extra: tuple[object, ...]):
+        self._root, self._request, self._bs, self._extra = root, request, block_size, extra
+        self._keys: list[bytes] = []
+        self._names: dict[ImageKind, list[str]] = {kind: [] for kind in ImageKind}
+
+    def _tokens(self, start: int, stop: int) -> np.ndarray:
+        return np.fromiter(
+            self._request.all_token_ids[start:stop], dtype=np.int64, count=stop - start
+        )
+
+    def _extend(self, blocks: int) -> None:
+        have, bs = len(self._keys), self._bs
+        if blocks <= have:
+            return
+        parent = self._keys[-1] if self._keys else self._root
+        self._keys.extend(block_keys(parent, self._tokens(have * bs, blocks * bs), bs, self._extra))
+
+    def __getitem__(self, i: int) -> bytes:
+        try:
+            return self._keys[i]
+        except IndexError:
+            full = len(self._request.all_token_ids) // self._bs
+            if i >= full:
+                raise IndexError(f"block {i}: the request has {full} full blocks") from None
+            self._extend(min(full, -(-(i + 1) // CHUNK) * CHUNK))
+            return self._keys[i]
+
+    def upto(self, blocks: int) -> list[bytes]:
+        """The keys of the first ``blocks`` blocks."""
+        self._extend(blocks)
+        return self._keys[:blocks]
+
+    def names(self, kind: ImageKind, start: int, stop: int) -> list[str]:
+        """``kind``'s object names of blocks ``start`` to ``stop`` (made once)."""
+        made = self._names[kind]
+        if len(made) < stop:
+            made.extend(object_name(kind, k) for k in self.upto(stop)[len(made) :])
+        return made[start:stop]
+
+    def tail(self, blocks: int, tokens: int) -> bytes:
+        """The key of the partial block of ``tokens`` tokens after ``blocks`` full ones."""
+        start = blocks * self._bs
+        parent = self[blocks - 1] if blocks else self._root
+        return tail_key(parent, self._tokens(start, start + tokens), self._bs, self._extra)
