@@ -134,8 +134,14 @@ def test_outputs_equal_vllm_alone_cold_warm_restarted_shared_and_corrupted(
     first.reset_prefix_cache()
     warm, warm_cached = one_by_one(first, prompts)
     assert warm == reference
-    # Every prompt resumes at its last full block (its own blocks were saved cold).
-    assert warm_cached == [n * block for n in PROMPT_BLOCKS]
+    # Every prompt's own blocks were saved cold: an attention-only model resumes
+    # at its last token (its partial last block saved too), a hybrid at its last
+    # full block (a state is exact only at a boundary).
+    hits = [
+        len(p) - 1 if kind == "llama" else n * block
+        for p, n in zip(prompts, PROMPT_BLOCKS, strict=True)
+    ]
+    assert warm_cached == hits
     saved = worker_connector()._worker
     assert saved.loads_done >= len(prompts) and saved.load_failures == 0
     close(first)
@@ -145,13 +151,13 @@ def test_outputs_equal_vllm_alone_cold_warm_restarted_shared_and_corrupted(
     # A restarted engine over the same disk: hits what the first one computed.
     second = engine(model, block_size=block_size, tiers=[f"disk:{disk}:256MiB"])
     again, again_cached = one_by_one(second, prompts)
-    assert again == reference and again_cached[0] == PROMPT_BLOCKS[0] * block
+    assert again == reference and again_cached[0] == hits[0]
     close(second)
 
     # Another engine sharing only the store: hits what the first one wrote there.
     third = engine(model, block_size=block_size, tiers=[store.url])
     shared, shared_cached = one_by_one(third, prompts[:1])
-    assert shared == reference[:1] and shared_cached[0] == PROMPT_BLOCKS[0] * block
+    assert shared == reference[:1] and shared_cached[0] == hits[0]
     close(third)
 
     # Every disk object corrupted (one payload byte flipped): each load fails its
@@ -255,6 +261,45 @@ def test_a_hybrid_with_an_irregular_pattern_hits_every_turn_of_a_conversation(tm
     assert sum(c for _, c, _ in got) > 0
 
 
+def test_an_attention_only_model_hits_a_partial_block_only_where_its_tokens_match(models, tmp_path):
+    """Prompts ending off a block boundary (under one block; one token past two
+    blocks; exactly two blocks; tails of 6 and 11 tokens, one extending the
+    other; a tail diverging after 3 tokens) saved cold; then new prompts: one
+    whose tail extends a saved tail hits through it (and stops where it ends),
+    one that diverges from every longer saved tail hits as far as the longest
+    saved tail it begins with (one token: ``base[:65]``'s). Warm, every saved prompt hits all but its last token, and
+    a restarted engine over the same disk as well; tokens always vLLM alone's."""
+    model = models["llama"]
+    rng = random.Random(21)
+    base = [rng.randrange(3, 500) for _ in range(96)]
+    saved = [base[:20], base[:65], base[:64], base[:70], base[:75], [*base[:67], 499, 498, 497]]
+    new = {"extends": base[:72], "diverges": [*base[:67], 5, 5, 5, 5]}
+    alone = engine(model, block_size=32)
+    reference = one_by_one(alone, saved + list(new.values()))[0]
+    close(alone)
+
+    disk = tmp_path / "disk"
+    llm = engine(model, block_size=32, tiers=["host:64MiB", f"disk:{disk}:64MiB"])
+    cold, _ = one_by_one(llm, saved)
+    worker_connector()._worker.flush()
+    llm.reset_prefix_cache()
+    warm, warm_cached = one_by_one(llm, saved)
+    assert cold == warm == reference[: len(saved)]
+    assert warm_cached == [len(p) - 1 for p in saved]
+    llm.reset_prefix_cache()
+    got, got_cached = one_by_one(llm, list(new.values()))
+    assert got == reference[len(saved) :]
+    # base[64:70] (6 tokens) is saved and begins the first; base[64:65] the second
+    assert got_cached == [70, 65]
+    close(llm)
+
+    again = engine(model, block_size=32, tiers=[f"disk:{disk}:64MiB"])
+    restarted, restarted_cached = one_by_one(again, saved)
+    assert restarted == reference[: len(saved)]
+    assert restarted_cached == [len(p) - 1 for p in saved]
+    close(again)
+
+
 def test_a_load_stuck_in_a_tier_holds_up_its_request_alone(models, tmp_path):
     """A disk read that hangs (the disk tier's reads held by a test double of the
     medium) while one request loads from it: another request, already decoding,
@@ -316,42 +361,47 @@ def test_a_load_stuck_in_a_tier_holds_up_its_request_alone(models, tmp_path):
                         o.num_cached_tokens,
                     )
         assert done["busy"][0] == reference["busy"]
-        assert done["cached"] == (reference["cached"][:12], 4 * 32)  # resumed from the tiers
+        # resumed from the tiers, at its last token (its partial last block too)
+        assert done["cached"] == (reference["cached"][:12], len(cached_prompt) - 1)
     finally:
         stuck.set()  # never leave a thread hanging behind a failed assertion
         close(llm)
 
 
 def test_saves_past_the_backlog_are_skipped_and_cost_only_misses(models, caplog):
-    """A save backlog of one KV block (tiny Llama: 2 layers x K,V x 32 tokens x 2
-    heads x 64 x 2 bytes): a prompt whose prefill saves two blocks in one step is
-    skipped whole (nothing gathered, nothing found later); the next prompt's one
-    block fits and is saved. Warm after ``reset_prefix_cache``: the first prompt
-    computes everything, the second resumes at its block, tokens as cold."""
+    """A save backlog of two KV blocks (tiny Llama: 2 layers x K,V x 32 tokens x 2
+    heads x 64 x 2 bytes): a prompt whose prefill saves three blocks in one step
+    (two full, its partial last) is skipped whole (nothing gathered, nothing
+    found later); the next prompt's two (one full, one partial) fit and are
+    saved. Warm after ``reset_prefix_cache``: the first prompt computes
+    everything, the second resumes at its last token, tokens as cold."""
     from kvarena.integrations.transformers.tiny import SERVED, SERVED_COMMON
 
     block = 32
     one_block = 2 * 2 * block * SERVED_COMMON["num_key_value_heads"] * SERVED_COMMON["head_dim"]
     one_block *= SERVED["llama"]["num_hidden_layers"]
     llm = engine(
-        models["llama"], block_size=block, tiers=["host:16MiB"], extra={"save_backlog": one_block}
+        models["llama"],
+        block_size=block,
+        tiers=["host:16MiB"],
+        extra={"save_backlog": 2 * one_block},
     )
     try:
         rng = random.Random(11)
         prompts = [
-            [rng.randrange(3, 500) for _ in range(2 * block + 17)],  # two blocks: past it
-            [rng.randrange(3, 500) for _ in range(block + 10)],  # one block: fits
+            [rng.randrange(3, 500) for _ in range(2 * block + 17)],  # three blocks: past it
+            [rng.randrange(3, 500) for _ in range(block + 10)],  # two blocks: fit
         ]
         cold = []
         for p in prompts:
             cold += generate(llm, [p])[0]
             worker_connector()._worker.flush()  # the backlog empty before the next
         worker = worker_connector()._worker
-        assert worker.saves_skipped == 2 and worker.objects_saved == 1 and worker.backlog == 0
+        assert worker.saves_skipped == 3 and worker.objects_saved == 2 and worker.backlog == 0
         assert "saves skipped" in caplog.text and "save_backlog" in caplog.text
         llm.reset_prefix_cache()
         warm, warm_cached = one_by_one(llm, prompts)
-        assert warm == cold and warm_cached == [0, block]
+        assert warm == cold and warm_cached == [0, len(prompts[1]) - 1]
     finally:
         close(llm)
 

@@ -182,7 +182,10 @@ def test_a_router_reading_the_events_knows_each_tiers_share_of_every_prompt(tmp_
         for p, want in zip(prompts, predicted, strict=True):
             llm.reset_prefix_cache()
             out = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
-            assert out.num_cached_tokens == want  # what the next lookup answers
+            if want < (len(p) - 1) // BLOCK * BLOCK:
+                assert out.num_cached_tokens == want  # what the next lookup answers
+            else:  # and a partial last block past the announced ones (no block hash of vLLM's)
+                assert want <= out.num_cached_tokens <= len(p) - 1
     finally:
         live.close(linger=0)
         ensure_kv_transfer_shutdown()

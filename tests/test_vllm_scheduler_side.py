@@ -31,7 +31,7 @@ from kvarena.integrations.vllm.groups import classify
 from kvarena.integrations.vllm.records import WorkerReport
 from kvarena.integrations.vllm.scheduler_side import SchedulerSide
 from kvarena.integrations.vllm.settings import ConnectorSettings
-from kvarena.prefix.keys import block_keys, key_root
+from kvarena.prefix.keys import block_keys, key_root, tail_key
 from kvarena.tiers.image import ImageKind, object_name
 
 BS = 16
@@ -111,17 +111,21 @@ def _step(
 def test_each_filled_kv_block_is_saved_once_in_the_step_that_fills_it():
     side = _side("kv")
     r = _request("r1", 100)
+    tokens = torch.tensor(r.all_token_ids).numpy()
     side.allocated(r, _blocks("r1", 1), 0)
     saved = []
     done = 0
+    keys = block_keys(key_root(NS), torch.tensor(r.all_token_ids).numpy(), BS)
     for chunk in (40, 40, 20):
         plan = side.plan(_step([r], {"r1": chunk}, {"r1": done}, 1))
-        saved.append([c.index for c in plan.kv_saves])
-        keys = block_keys(key_root(NS), torch.tensor(r.all_token_ids).numpy(), BS)
+        saved.append([(c.index, c.tokens) for c in plan.kv_saves])
         for c in plan.kv_saves:
-            assert c.key == keys[c.index] and c.blocks == (_blocks("r1", 1)[0][c.index],)
+            want = keys[c.index] if c.tokens is None else tail_key(keys[5], tokens[96:100], BS)
+            assert c.key == want and c.blocks == (_blocks("r1", 1)[0][c.index],)
         done += chunk
-    assert saved == [[0, 1], [2, 3, 4], [5]]  # 100 tokens: six full blocks, each once
+    # 100 tokens: six full blocks, each once, and the prompt's partial last block
+    # (4 tokens) in the step that ends the prompt
+    assert saved == [[(0, None), (1, None)], [(2, None), (3, None), (4, None)], [(5, None), (6, 4)]]
     # a step that fills nothing new saves nothing again
     again = side.plan(_step([r], {"r1": 1}, {"r1": 100}, 1))
     assert again.kv_saves == []
@@ -202,9 +206,10 @@ def test_past_the_loads_in_flight_a_hit_is_asked_again_and_a_miss_is_not(monkeyp
     first, second = _request("r5", 80), _request("r6", 80)  # the same tokens: both would hit
     keys = block_keys(key_root(NS), torch.tensor(first.all_token_ids).numpy(), BS)
     side.catalogue.hosted([object_name(ImageKind.KV_BLOCK, k) for k in keys], [])
-    assert side.matched(first, 0) == (64, True)
-    side.allocated(first, _blocks("r5", 1), 64)
+    # every block held: a hit of every token but the last (block 4 used for 15 rows)
+    assert side.matched(first, 0) == (79, True)
+    side.allocated(first, _blocks("r5", 1), 79)
     assert side.matched(second, 0) == (None, False)  # one load in flight: ask again
     assert side.matched(_request("r7", 80, seed=3), 0) == (0, False)  # a miss needs no load
     side.loaded({"r5"})  # vLLM reports the first load done
-    assert side.matched(second, 0) == (64, True)
+    assert side.matched(second, 0) == (79, True)

@@ -225,3 +225,31 @@ def test_a_rank_reports_what_it_saved_and_failed_by_the_prefix_objects_name(tmp_
         assert report is not None and report.failed == [object_name(ImageKind.KV_BLOCK, K[3])]
     finally:
         w.close()
+
+
+def test_a_partial_block_is_saved_with_its_span_and_loads_only_as_itself(worker):
+    """A prompt's partial last block is stored as its page (every layer's, as the
+    kernel left it) under a header naming the tokens it holds; a load expecting
+    that partial block copies it in; one expecting another span of the same key
+    (a longer tail, the full block) refuses it and copies nothing."""
+    from kvarena.tiers.image import read_header
+
+    w, caches, groups, _ = worker
+    fill(caches, seed=8)
+    want = _pages(caches, groups, "kv", 3)
+    w.save(StepPlan(kv_saves=[BlockCopy(index=2, key=K[3], blocks=(3,), tokens=5)]))
+    w.flush()
+    w.report()
+    name = object_name(ImageKind.KV_BLOCK, K[3])
+    [stored] = w.tiers.tiers[1].get_many([name])
+    header = read_header(stored)
+    assert (header.start, header.end) == (2 * BLOCK_SIZE, 2 * BLOCK_SIZE + 5)
+    fill(caches, seed=9)
+    for request, tokens, ok in (("five", 5, True), ("six", 6, False), ("full", None, False)):
+        before = _pages(caches, groups, "kv", 6)
+        copy = BlockCopy(index=2, key=K[3], blocks=(6,), level=0, tokens=tokens)
+        w.load(StepPlan(loads=[Load(request=request, kv=(copy,), state=None)]))
+        done, failed = w.received()
+        assert done == {request} and (failed == set()) == ok
+        assert _pages(caches, groups, "kv", 6) == (want if ok else before)
+        assert w.load_errors() == (set() if ok else {6})

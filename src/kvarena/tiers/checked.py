@@ -5,7 +5,8 @@ vLLM connector's worker — keep the same objects (a KV block, a state image)
 under the same keys, and load them the same way, here:
 
 - :func:`object_span` is the one span rule: KV block ``i`` covers tokens
-  ``[i·bs, (i+1)·bs)``; the state at boundary ``b`` covers ``[0, b·bs)``.
+  ``[i·bs, (i+1)·bs)`` (a partial block of ``t`` tokens ``[i·bs, i·bs+t)``);
+  the state at boundary ``b`` covers ``[0, b·bs)``.
 - :class:`Expectations` says what an object must be to be used (kind, key,
   namespace, span, payload length) for one namespace and layout; the saver
   encodes from the same record.
@@ -30,11 +31,19 @@ from .image import Expected, ImageKind, ImageMismatch, TierObject, decode, encod
 from .stack import TierStack
 
 
-def object_span(kind: ImageKind, index: int, block_size: int) -> tuple[int, int]:
-    """The token span of an object: KV block ``index``, or the state at boundary
-    ``index`` (in blocks)."""
+def object_span(
+    kind: ImageKind, index: int, block_size: int, tokens: int | None = None
+) -> tuple[int, int]:
+    """The token span of an object: KV block ``index`` (a partial one holding its
+    first ``tokens`` tokens), or the state at boundary ``index`` (in blocks)."""
     if kind is ImageKind.KV_BLOCK:
-        return index * block_size, (index + 1) * block_size
+        if tokens is not None and not 0 < tokens < block_size:
+            raise InvalidValueError(
+                f"a partial KV block holds 1..{block_size - 1} tokens, got {tokens}"
+            )
+        return index * block_size, index * block_size + (tokens or block_size)
+    if tokens is not None:
+        raise InvalidValueError(f"a state image is taken at a block boundary, not {tokens} tokens in")
     return 0, index * block_size
 
 
@@ -49,10 +58,11 @@ class Expectations:
     state_bytes: int
     elided: bool = False
 
-    def of(self, kind: ImageKind, key: bytes, index: int) -> Expected:
-        """Object ``kind`` under ``key``: KV block ``index`` or the state at
+    def of(self, kind: ImageKind, key: bytes, index: int, tokens: int | None = None) -> Expected:
+        """Object ``kind`` under ``key``: KV block ``index`` (partial: its first
+        ``tokens`` tokens; its payload is still the whole page) or the state at
         boundary ``index``."""
-        start, end = object_span(kind, index, self.block_size)
+        start, end = object_span(kind, index, self.block_size, tokens)
         return Expected(
             kind=kind,
             key=key,
@@ -70,11 +80,16 @@ class Expectations:
         return self.of(ImageKind.STATE, key, boundary)
 
     def encode(
-        self, kind: ImageKind, key: bytes, index: int, payload: Sequence[memoryview] | None
+        self,
+        kind: ImageKind,
+        key: bytes,
+        index: int,
+        payload: Sequence[memoryview] | None,
+        tokens: int | None = None,
     ) -> TierObject:
         """The object a load of :meth:`of` would take (unsealed: a tier outside
         this process's memory seals it on put, :meth:`Tier.stored`)."""
-        e = self.of(kind, key, index)
+        e = self.of(kind, key, index, tokens)
         return encode(
             kind=kind,
             namespace=e.namespace,

@@ -28,6 +28,7 @@ class RequestKeys:
         self._root, self._request, self._bs, self._extra = root, request, block_size, extra
         self._keys: list[bytes] = []
         self._names: dict[ImageKind, list[str]] = {kind: [] for kind in ImageKind}
+        self._tails: dict[tuple[int, int], bytes] = {}
 
     def _tokens(self, start: int, stop: int) -> np.ndarray:
         return np.fromiter(
@@ -65,6 +66,10 @@ class RequestKeys:
 
     def tail(self, blocks: int, tokens: int) -> bytes:
         """The key of the partial block of ``tokens`` tokens after ``blocks`` full ones."""
-        start = blocks * self._bs
-        parent = self[blocks - 1] if blocks else self._root
-        return tail_key(parent, self._tokens(start, start + tokens), self._bs, self._extra)
+        key = self._tails.get((blocks, tokens))
+        if key is None:
+            start = blocks * self._bs
+            parent = self[blocks - 1] if blocks else self._root
+            key = tail_key(parent, self._tokens(start, start + tokens), self._bs, self._extra)
+            self._tails[(blocks, tokens)] = key
+        return key

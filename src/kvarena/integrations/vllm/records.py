@@ -22,12 +22,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 @dataclass(frozen=True, kw_only=True)
 class BlockCopy:
     """One object's blocks: a KV image (``index``: the block's position in the
-    prompt) or a state image (``index``: the boundary, in blocks)."""
+    prompt; a partial block's ``tokens``: how many tokens it holds, from its first)
+    or a state image (``index``: the boundary, in blocks)."""
 
     index: int
     key: bytes
     blocks: tuple[int, ...]  # one block id per group of the object's kind
     level: int | None = None  # the stack level the scheduler found it in (loads only)
+    tokens: int | None = None  # a partial KV block: how many tokens it holds
 
 
 @dataclass(frozen=True, kw_only=True)

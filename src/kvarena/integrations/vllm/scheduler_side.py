@@ -14,12 +14,13 @@ moment that block is known to hold exactly that boundary's state.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from ...prefix.keys import key_root
 from ...prefix.lookup import TierFinds, locate_in_tiers, resume_point
-from ...tiers.image import ImageKind
+from ...tiers.image import ImageKind, object_name
 from .catalogue import Catalogue
 from .chains import RequestKeys
 from .events import TierEvents
@@ -37,6 +38,8 @@ class Found:
     resume_point: int  # blocks the request resumes after
     finds: TierFinds
     keys: RequestKeys
+    tail: BlockCopy | None = None  # a partial block after them (its blocks not known yet)
+    rows: int = 0  # the tokens of ``tail`` the hit uses
 
 
 LOADS_IN_FLIGHT = 64
@@ -113,7 +116,8 @@ class SchedulerSide:
         bs = self.block_size
         local = num_computed // bs
         limit = (request.num_tokens - 1) // bs
-        if limit <= local:
+        tails = self._tails_served
+        if limit < local or (limit == local and not tails):
             return 0, False
         self.telemetry.looked_up()
         keys = self._chain(request)
@@ -130,18 +134,48 @@ class SchedulerSide:
             names=keys.names,
         )
         point = resume_point(finds.kv_end, bool(self.state_groups), lambda b: b in finds.state)
-        if point <= local:
+        tail, rows = self._tail(request, keys, limit) if tails and point == limit else (None, 0)
+        if point * bs + rows <= num_computed:
             return 0, False
         if len(self._inflight) >= LOADS_IN_FLIGHT:
             return None, False  # ask again: no load starts past the bound
         self._found[request.request_id] = Found(
-            local=local, resume_point=point, finds=finds, keys=keys
+            local=local, resume_point=point, finds=finds, keys=keys, tail=tail, rows=rows
         )
         # Loaded between steps, never inside the forward that resumes from it:
         # vLLM copies a resumed request's Mamba state to its running block
         # before the step's loads start, so a load must have landed a step
         # earlier (the request waits for it, then is scheduled).
-        return point * bs - num_computed, True
+        return point * bs + rows - num_computed, True
+
+    @property
+    def _tails_served(self) -> bool:
+        """Partial blocks are hit where every group is full attention: a state is
+        exact only at a block boundary, so a hybrid resumes at one."""
+        return bool(self.kv_groups) and not self.state_groups
+
+    def _tail(self, request: Any, keys: RequestKeys, full: int) -> tuple[BlockCopy | None, int]:
+        """The partial block after the request's first ``full`` blocks that the
+        tiers hold (its blocks not known yet), and the tokens of it a hit uses:
+        the longest saved one whose tokens begin the request's next ones (a
+        full block there counts too), used up to the prompt's last token, which
+        vLLM computes itself."""
+        bs = self.block_size
+        rows = request.num_tokens - 1 - full * bs
+        if rows <= 0:
+            return None, 0
+        sizes = range(min(bs, request.num_tokens - full * bs), 0, -1)
+        wanted = [keys[full] if t == bs else keys.tail(full, t) for t in sizes]
+        names = [object_name(ImageKind.KV_BLOCK, k) for k in wanted]
+        for t, key, name, where in zip(
+            sizes, wanted, names, self._objects.locate(names), strict=True
+        ):
+            if where is not None and name not in self._failed:
+                copy = BlockCopy(
+                    index=full, key=key, blocks=(), level=where, tokens=None if t == bs else t
+                )
+                return copy, min(t, rows)
+        return None, 0
 
     def allocated(self, request: Any, block_ids: tuple[list[int], ...], external: int) -> None:
         rid = request.request_id
@@ -159,6 +193,9 @@ class SchedulerSide:
             )
             for i in (range(local, b) if self.kv_groups else ())
         )
+        if found.tail is not None:
+            blocks = tuple(block_ids[g.index][b] for g in self.kv_groups)
+            kv += (dataclasses.replace(found.tail, blocks=blocks),)
         state = None
         if self.state_groups:
             state = BlockCopy(
@@ -175,8 +212,7 @@ class SchedulerSide:
             )
         self._loads.append(load)
         self._inflight.add(rid)
-        tokens = (b - local) * self.block_size
-        for kind, n in self.hit_sources(request, tokens).items():
+        for kind, n in self.hit_sources(request, external).items():
             self.telemetry.hit(kind, n)
         self._saved_upto[rid] = b
         self._floor[rid] = b
@@ -201,6 +237,7 @@ class SchedulerSide:
         cached = scheduler_output.scheduled_cached_reqs
         starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         ends: dict[str, int] = {}  # requests whose step ends on a block boundary: that boundary
+        tails: list[BlockCopy] = []  # partial blocks that prompts end in, this step
         for rid, count in scheduler_output.num_scheduled_tokens.items():
             request = self._requests.get(rid)
             if request is None or not self._cacheable(request) or rid not in starts:
@@ -209,6 +246,10 @@ class SchedulerSide:
             end = start + count
             if self.state_groups and end % bs == 0 and 0 < end <= len(request.all_token_ids):
                 ends[rid] = end // bs
+            if end % bs and end == getattr(request, "num_prompt_tokens", None):
+                tail = self._tail_save(request, end, block_state)
+                if tail is not None:
+                    tails.append(tail)
             first = self._saved_upto.setdefault(rid, start // bs)
             self._floor.setdefault(rid, start // bs)
             upto = min(start + count, len(request.all_token_ids)) // bs
@@ -228,6 +269,7 @@ class SchedulerSide:
                     plan.kv_saves.append(copy)
                     if self.events is not None:
                         self.events.planned(request, ImageKind.KV_BLOCK, copy)
+        plan.kv_saves += tails
         for rid, at in self._state_points(block_state, ends).items():
             request = self._requests[rid]
             for b in sorted(at):
@@ -243,6 +285,29 @@ class SchedulerSide:
                 if self.events is not None:
                     self.events.planned(request, ImageKind.STATE, copy)
         return plan
+
+    def _tail_save(self, request: Any, end: int, block_state: Any) -> BlockCopy | None:
+        """The partial block a prompt ends in, as this step leaves it: what the
+        same prompt asked again, or one that only adds to it, hits up to its
+        last token; not where the tiers hold it already. Its page is saved as
+        the kernel left it: past its ``end % bs`` tokens it holds what the block
+        held before, which no attention reads (vLLM computes those positions
+        after a load) and no kvarena check looks into (kvarena never interprets
+        a page's layout, which is the attention backend's)."""
+        if not self._tails_served or block_state is None:
+            return None
+        ids = block_state.get_block_ids(request.request_id)
+        full, tokens = divmod(end, self.block_size)
+        if ids is None or any(len(ids[g.index]) <= full for g in self.kv_groups):
+            return None
+        blocks = tuple(ids[g.index][full] for g in self.kv_groups)
+        key = self._chain(request).tail(full, tokens)
+        if (
+            0 in blocks
+            or self._objects.locate([object_name(ImageKind.KV_BLOCK, key)])[0] is not None
+        ):
+            return None
+        return BlockCopy(index=full, key=key, blocks=blocks, tokens=tokens)
 
     def _state_points(
         self, block_state: Any, ends: dict[str, int]

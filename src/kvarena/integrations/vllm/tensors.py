@@ -218,7 +218,6 @@ class CachePages:
         for storage, batch in self.batches(kind, ids, at):
             execute_batch(batch, source, storage)
 
-
     def place(
         self,
         kind: str,

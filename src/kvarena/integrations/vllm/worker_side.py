@@ -10,12 +10,8 @@ a load no tier can serve is reported by its block ids so vLLM recomputes them
 (``kv_load_failure_policy="recompute"``). Nothing unchecked is ever copied.
 
 Saves take the step's bytes after its forward (one batch per storage and object
-kind into one host buffer), then hand checksumming and the tier writes to one background thread: a save never
-waits for a disk or a network (a load does: it runs before the forward). Every save is written through to every
-tier, so a restarted engine finds it on disk and another engine in the store.
-What waits for that thread is bounded (``save_backlog`` bytes): a step's saves
-that would go past the bound are skipped before anything is gathered, so a
-writer slower than the forward costs misses later, never host memory.
+kind into one host buffer) and hand checksumming and the tier writes to the
+writer thread (:mod:`.saves`), bounded by ``save_backlog`` bytes.
 """
 
 from __future__ import annotations
@@ -23,8 +19,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import queue
-import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,14 +26,14 @@ import torch
 
 from ...errors import Error
 from ...tiers import ImageKind, TierStack
-from ...tiers.base import IndexedTier
 from ...tiers.checked import Expectations, Fetched, fetch_checked
 from ...tiers.host import HostTier
 from ...tiers.image import object_name
 from .groups import Group
 from .loads import LoadQueue
 from .ranks import rank_key
-from .records import BlockCopy, Held, Load, News, StepPlan, Timed, WorkerReport
+from .records import BlockCopy, Load, News, StepPlan, Timed, WorkerReport
+from .saves import Save, SaveQueue
 from .tensors import CachePages, cache_pages, payload_bytes
 
 # Under vLLM's logger: an operator sees the connector in the engine's own log.
@@ -50,10 +44,6 @@ FLUSH_TIMEOUT_S = 30.0
 vLLM's own grace: the engine waits for its workers
 (``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``) when the server stops with
 ``--shutdown-timeout`` above 0."""
-
-# a save: its kind, this rank's copy, the gathered parts, the prefix object's name
-_Save = tuple[ImageKind, BlockCopy, list[memoryview], str]
-_Batch = tuple[list[_Save], int]  # one step's saves and their payload bytes
 
 
 class WorkerSide:
@@ -91,20 +81,12 @@ class WorkerSide:
         self._errors: set[int] = set()
         self._received: set[str] = set()  # requests whose load ran (or failed) this step
         self._failed_requests: set[str] = set()
-        self._lock = threading.Lock()  # guards the backlog counts below
         self.news = News()  # what the next report tells the scheduler
         self.loads_done = 0
         self.load_failures = 0
-        self.objects_saved = 0
-        self.save_backlog = save_backlog
-        self.backlog = 0  # payload bytes gathered, not yet in the tiers (under _lock)
-        self._waiting = 0  # objects gathered, not yet in the tiers (under _lock)
-        self._drained = threading.Condition(self._lock)  # _waiting fell to 0
-        self.saves_skipped = 0  # objects not saved because the backlog was full
-        self._skipping = False  # in a run of skipped steps (one warning a run)
-        self._jobs: queue.Queue[_Batch | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._write_loop, name="kvarena-save", daemon=True)
-        self._thread.start()
+        self.saves = SaveQueue(
+            tiers=tiers, expect=self.expect, rank=rank, news=self.news, backlog=save_backlog
+        )
         self.queue = LoadQueue(lambda job: self._fetch_job(job, None), deadline_s=load_deadline_s)
 
     def register(self, kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> None:
@@ -127,7 +109,7 @@ class WorkerSide:
         got = fetch_checked(
             self.tiers,
             [
-                (n, self.expect.of(k, c.key, c.index))
+                (n, self.expect.of(k, c.key, c.index, c.tokens))
                 for n, (k, c) in zip(names, wanted, strict=True)
             ],
             held=held,
@@ -264,7 +246,7 @@ class WorkerSide:
         return errors
 
     # -- saves ----------------------------------------------------------------------
-    def _gather(self, kind: ImageKind, copies: list[BlockCopy]) -> list[_Save]:
+    def _gather(self, kind: ImageKind, copies: list[BlockCopy]) -> list[Save]:
         """The planned objects' bytes, one batch per storage into one host buffer,
         as this rank's objects (each with its prefix object's name, for the report)."""
         assert self.pages is not None
@@ -272,7 +254,12 @@ class WorkerSide:
         stage = memoryview(self.pages.gather(word, [c.blocks for c in copies]).numpy())  # type: ignore[arg-type]
         size = self.pages.payload[word]
         return [
-            (kind, self._own(c), [stage[j * size : (j + 1) * size]], object_name(kind, c.key))
+            Save(
+                kind=kind,
+                copy=self._own(c),
+                payload=stage[j * size : (j + 1) * size],
+                prefix=object_name(kind, c.key),
+            )
             for j, c in enumerate(copies)
         ]
 
@@ -281,114 +268,42 @@ class WorkerSide:
         if not (kv or state):
             return
         nbytes = len(kv) * self.expect.kv_bytes + len(state) * self.expect.state_bytes
-        with self._lock:
-            waiting = self.backlog
-            full = waiting + nbytes > self.save_backlog
-            if not full:
-                self.backlog += nbytes
-        if full:
-            # Skipped whole, before any copy: a lookup finds none of it (the
-            # scheduler learns of an object only once a tier holds it).
-            self.saves_skipped += len(kv) + len(state)
-            names = [object_name(ImageKind.KV_BLOCK, c.key) for c in kv]
-            names += [object_name(ImageKind.STATE, c.key) for c in state]
-            self.news.add(skipped=names)
-            if not self._skipping:
-                log.warning(
-                    "kvarena: saves skipped: %d bytes wait for the tiers and %d more would "
-                    "pass save_backlog (%d); the tiers are slower than the forward",
-                    waiting,
-                    nbytes,
-                    self.save_backlog,
-                )
-            self._skipping = True
+        names = [object_name(ImageKind.KV_BLOCK, c.key) for c in kv]
+        names += [object_name(ImageKind.STATE, c.key) for c in state]
+        if not self.saves.admit(nbytes, names):
             return
-        self._skipping = False
-        jobs: list[_Save] = []
+        jobs: list[Save] = []
         if kv:
             jobs += self._gather(ImageKind.KV_BLOCK, kv)
         if state:
             jobs += self._gather(ImageKind.STATE, state)
-        with self._lock:
-            self._waiting += len(jobs)
-        self._jobs.put((jobs, nbytes))
+        self.saves.submit(jobs, nbytes)
 
-    def _write_loop(self) -> None:
-        while True:
-            batch = self._jobs.get()
-            try:
-                if batch is None:
-                    return
-                self._write(batch[0])
-            except Exception:  # a failed save is a future miss, never a failed request
-                log.exception("kvarena: a save failed")
-            finally:
-                if batch is not None:
-                    with self._lock:
-                        self.backlog -= batch[1]
-                        self._waiting -= len(batch[0])
-                        self._drained.notify_all()
-                self._jobs.task_done()
+    @property
+    def objects_saved(self) -> int:
+        return self.saves.objects_saved
 
-    def _write(self, jobs: list[_Save]) -> None:
-        objects = [self.expect.encode(kind, c.key, c.index, parts) for kind, c, parts, _ in jobs]
-        written = self.tiers.write_through(objects)
-        names = [o.name for o in objects]
-        tiers = list(zip(self.tiers.labels, self.tiers.tiers, strict=True))
-        hosted = [label for label, t in tiers if t.kind == "host"]
-        timed = Timed(
-            key=jobs[0][3], rank=self.rank, seconds=written.seconds, nbytes=written.nbytes
-        )
-        held = [
-            Held(rank=self.rank, label=label, nbytes=t.used_bytes, objects=len(t))
-            for label, t in tiers
-            if isinstance(t, IndexedTier)  # known here; a shared store's is the server's
-        ]
-        for label in hosted:  # the host tier's evictions come back as names alone
-            self.news.add(host_added=names, host_dropped=written.evicted.get(label, []))
-        self.news.add(
-            saved=[prefix for *_, prefix in jobs],
-            writes=[timed],
-            held=held,
-            written=names,
-            dropped=[
-                (label, name)
-                for label, gone in written.evicted.items()
-                if label not in hosted
-                for name in gone
-            ],
-        )
-        self.objects_saved += len(objects)
+    @property
+    def saves_skipped(self) -> int:
+        return self.saves.saves_skipped
+
+    @property
+    def backlog(self) -> int:
+        return self.saves.backlog
 
     def flush(self, timeout: float | None = None) -> int:
         """Wait until every queued save is in the tiers, or ``timeout`` seconds;
         the objects still waiting (0: all written)."""
-        with self._drained:
-            self._drained.wait_for(lambda: self._waiting == 0, timeout)
-            return self._waiting
+        return self.saves.flush(timeout)
 
     def report(self) -> WorkerReport | None:
         return self.news.take()
 
     def close(self, timeout: float = FLUSH_TIMEOUT_S) -> int:
         """Write what is queued (at most ``timeout`` seconds), then stop the
-        writer and close the tiers; the objects that could not be written (each
-        a later miss), logged as an error, never dropped silently."""
+        writer and close the tiers; the objects that could not be written."""
         self.queue.close()
-        with self._lock:
-            waiting = self._waiting
-        left = self.flush(timeout)
-        if waiting:
-            log.info("kvarena: shutdown: %d queued saves written", waiting - left)
-        if left:
-            log.error(
-                "kvarena: shutdown: %d saves not written within %.0f s (the tiers are "
-                "slower than the engine stopping): they are lost, later misses",
-                left,
-                timeout,
-            )
-            return left  # the writer may still be inside a tier: leave it open
-        self._jobs.put(None)
-        self._thread.join()
-        self.tiers.close()
-        return 0
+        left = self.saves.close(timeout)
+        if not left:
+            self.tiers.close()
+        return left
