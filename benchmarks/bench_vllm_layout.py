@@ -113,7 +113,7 @@ def measure(
     pages = allocate(layout, blocks, padded, device)
     kv = [[b] for b in range(3, 3 + full)]  # the request's blocks (attention group)
     state = [[blocks - 2, blocks - 3, blocks - 4]]  # its state at the last boundary, per group
-    saved = {"kv": pages.gather("kv", kv).numpy(), "state": pages.gather("state", state).numpy()}
+    saved = {"kv": pages.gather("kv", kv)[0].numpy(), "state": pages.gather("state", state)[0].numpy()}
     size = pages.payload
     nbytes = size["kv"] * full + size["state"]
     # the objects where a host tier holds them, lent in place as a load reads them

@@ -76,7 +76,7 @@ def test_objects_gather_each_layers_page_in_group_order_and_scatter_exactly(layo
         assert ranges(pages, kind, objs[0]) == oracle_ranges(caches, groups, kind, objs[0], kc.num_blocks)
         if layout == "BLHNC":
             assert ranges(pages, "kv", objects(groups, "kv")[0]) == 1
-        stage = pages.gather(kind, objs)  # one batch per storage
+        stage = pages.gather(kind, objs)[0]  # one batch per storage
         size = pages.payload[kind]
         assert stage.numel() == len(objs) * size
         mine = [g for g in groups if g.kind == kind]
@@ -107,7 +107,7 @@ def test_a_payload_lent_by_the_host_tier_is_copied_straight_from_its_allocation(
     pages = cache_pages(caches, groups, num_blocks=kc.num_blocks)
     objs = objects(groups, "kv")
     size = pages.payload["kv"]
-    stage = pages.gather("kv", objs).numpy()
+    stage = pages.gather("kv", objs)[0].numpy()
     host = HostTier(8 * size, frame_bytes=size)
     host.put_many([TierObject("a", (stage[:size].tobytes(),), size)])
     _, target = allocation("LBHNC", padded=True)
@@ -134,7 +134,7 @@ def test_the_images_bytes_are_the_same_in_every_layout():
             size = pages.payload[g.kind]
             start = sum(x.block_bytes * len(x.layers) for x in mine[: mine.index(g)])
             part = g.block_bytes * len(g.layers)
-            stage = pages.gather(g.kind, [[b] * len(mine) for b in range(BLOCKS)]).numpy()
+            stage = pages.gather(g.kind, [[b] * len(mine) for b in range(BLOCKS)])[0].numpy()
             payloads[layout] += [
                 bytes(stage[j * size + start : j * size + start + part]) for j in range(BLOCKS)
             ]
@@ -146,9 +146,44 @@ def test_a_batched_gather_equals_block_by_block():
     fill(caches, seed=3)
     pages = cache_pages(caches, classify(kc), num_blocks=kc.num_blocks)
     ids = [[5], [0], [11], [6]]
-    rows = pages.gather("kv", ids)
+    rows = pages.gather("kv", ids)[0]
     assert rows.numel() == 4 * 4 * ATTN.page_size_bytes
-    assert bytes(rows.numpy()) == b"".join(bytes(pages.gather("kv", [b]).numpy()) for b in ids)
+    assert bytes(rows.numpy()) == b"".join(bytes(pages.gather("kv", [b])[0].numpy()) for b in ids)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_gather_lands_in_pinned_memory_off_the_compute_stream():
+    """On CUDA a step's saves are read on a side stream into pinned host memory:
+    the bytes equal the CPU gather's once the returned event has passed, and a
+    write the compute stream queues next (the next forward) lands after the
+    read, never in what is being saved."""
+    kc, caches = allocation("BLHNC", padded=False, attn_layers=4)
+    fill(caches, seed=4)
+    pages = cache_pages(caches, classify(kc), num_blocks=kc.num_blocks)
+    ids = [[5], [0], [11]]
+    want = bytes(pages.gather("kv", ids)[0].numpy())
+    # vLLM's allocations copied to the device, each layer viewed as on the host
+    copies = {}
+    for t in caches.values():
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in copies:
+            copies[ptr] = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).to("cuda")
+    on_cuda = {
+        name: torch.empty(0, dtype=t.dtype, device="cuda").set_(
+            copies[t.untyped_storage().data_ptr()].untyped_storage(),
+            t.storage_offset(),
+            t.shape,
+            t.stride(),
+        )
+        for name, t in caches.items()
+    }
+    pages = cache_pages(on_cuda, classify(kc), num_blocks=kc.num_blocks)
+    got, ready = pages.gather("kv", ids)
+    for d in copies.values():
+        d.fill_(0)  # the next forward, queued on the compute stream
+    assert ready is not None and got.is_pinned()
+    ready.synchronize()
+    assert bytes(got.numpy()) == want
 
 
 def _config(layout):

@@ -205,7 +205,7 @@ def test_block_bytes_round_trip_exactly(kv_first, blocks, inner, dtype, data):
     )
     layer = CachePages({"state": [[LayerPages.of("l", src, num_blocks=blocks, group=group)]]})
     ids = data.draw(st.lists(st.integers(0, blocks - 1), min_size=1, max_size=blocks, unique=True))
-    rows = layer.gather("state", [[b] for b in ids]).numpy().reshape(len(ids), per_block)
+    rows = layer.gather("state", [[b] for b in ids])[0].numpy().reshape(len(ids), per_block)
     raw = src.view(torch.uint8)
     for row, b in zip(rows, ids, strict=True):
         want = (raw[:, b] if kv_first else raw[b]).contiguous().reshape(-1).numpy()

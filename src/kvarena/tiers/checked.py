@@ -161,9 +161,11 @@ def fetch_checked(
     *,
     first: Sequence[int] | None = None,
     held: contextlib.ExitStack | None = None,
+    last: int | None = None,
 ) -> Fetched:
     """Each ``(name, expectation)`` from the first tier at or below level
-    ``first[i]`` (default: 0, the top) that holds a good one.
+    ``first[i]`` (default: 0, the top) and at or above ``last`` (default: the
+    bottom) that holds a good one.
 
     With ``held``, a host tier lends its objects in place (``HostTier.borrow``,
     kept open by ``held`` until the caller has copied them out): one copy,
@@ -180,6 +182,8 @@ def fetch_checked(
     seconds: dict[str, float] = {}
     read_bytes: dict[str, int] = {}
     for level, tier in enumerate(stack.tiers):
+        if last is not None and level > last:
+            break
         asking = [j for j in left if start[j] <= level]
         if not asking:
             continue

@@ -73,3 +73,17 @@ class RequestKeys:
             key = tail_key(parent, self._tokens(start, start + tokens), self._bs, self._extra)
             self._tails[(blocks, tokens)] = key
         return key
+
+
+def request_extra(request: Any) -> tuple[object, ...]:
+    """What besides its tokens a request's keys hash: its LoRA's name and its
+    cache salt, where it has them."""
+    lora = getattr(request, "lora_request", None)
+    salt = getattr(request, "cache_salt", None)
+    return tuple(x for x in (lora.lora_name if lora is not None else None, salt) if x is not None)
+
+
+def cacheable(request: Any) -> bool:
+    """Multimodal prompts are left to vLLM: the token ids standing for an image
+    do not name which image it is."""
+    return not getattr(request, "mm_features", None)

@@ -34,9 +34,16 @@ class BlockCopy:
 
 @dataclass(frozen=True, kw_only=True)
 class Load:
+    """A hit's objects, into the blocks vLLM allocated for them. ``in_step``: vLLM
+    schedules the request in the step that loads it (its synchronous path), so
+    the load lands before that step's forward, from the host tier alone, and a
+    failure is reported by its blocks; otherwise the request waits until the
+    load is reported done (or failed)."""
+
     request: str
     kv: tuple[BlockCopy, ...]
     state: BlockCopy | None
+    in_step: bool = False
 
     @property
     def block_ids(self) -> set[int]:

@@ -16,6 +16,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 from ...tiers import ImageKind, TierStack
 from ...tiers.base import IndexedTier
@@ -28,13 +29,14 @@ log = logging.getLogger("vllm.kvarena")
 @dataclass(frozen=True, kw_only=True)
 class Save:
     """One object to write: its kind, this rank's copy (key, index, a partial
-    block's tokens), its gathered payload, and its prefix object's name (what
-    the scheduler knows it by)."""
+    block's tokens), its gathered payload (ready once ``ready``, a CUDA event,
+    has passed), and its prefix object's name (what the scheduler knows it by)."""
 
     kind: ImageKind
     copy: BlockCopy
     payload: memoryview
     prefix: str
+    ready: Any = None  # on CUDA: the event after which ``payload`` holds the bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,6 +118,8 @@ class SaveQueue:
 
     def _write(self, batch: _Batch) -> None:
         saves = batch.saves
+        for event in {id(s.ready): s.ready for s in saves if s.ready is not None}.values():
+            event.synchronize()  # the side stream's copy into pinned memory has landed
         objects = [
             self.expect.encode(s.kind, s.copy.key, s.copy.index, [s.payload], s.copy.tokens)
             for s in saves

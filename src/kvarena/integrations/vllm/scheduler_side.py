@@ -15,19 +15,23 @@ moment that block is known to hold exactly that boundary's state.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from ...prefix.keys import key_root
 from ...prefix.lookup import TierFinds, locate_in_tiers, resume_point
 from ...tiers.image import ImageKind, object_name
+from ...tiers.stack import tier_labels
 from .catalogue import Catalogue
-from .chains import RequestKeys
+from .chains import RequestKeys, cacheable, request_extra
 from .events import TierEvents
 from .groups import Group
+from .pace import LoadPace
 from .ranks import AllRanks
 from .records import BlockCopy, Load, StepPlan, WorkerReport
 from .telemetry import Telemetry
+from .tensors import payload_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,6 +44,7 @@ class Found:
     keys: RequestKeys
     tail: BlockCopy | None = None  # a partial block after them (its blocks not known yet)
     rows: int = 0  # the tokens of ``tail`` the hit uses
+    in_step: bool = False  # loaded in the step vLLM schedules it in (its synchronous path)
 
 
 LOADS_IN_FLIGHT = 64
@@ -80,27 +85,17 @@ class SchedulerSide:
         self.telemetry = Telemetry(ranks)  # what the engine's metrics count
         self._inflight: set[str] = set()  # requests whose load is not reported done
         self.events = events
+        self.pace = LoadPace()  # step time and host load rate, as measured
+        kinds = catalogue.kinds
+        self._host = tier_labels(kinds)[0] if kinds and kinds[0] == "host" else None
+        self._kv_bytes = payload_bytes(self.kv_groups)  # one KV object's payload, one rank
 
     # -- keys ---------------------------------------------------------------------
-    @staticmethod
-    def _extra(request: Any) -> tuple[object, ...]:
-        lora = getattr(request, "lora_request", None)
-        salt = getattr(request, "cache_salt", None)
-        return tuple(
-            x for x in (lora.lora_name if lora is not None else None, salt) if x is not None
-        )
-
-    @staticmethod
-    def _cacheable(request: Any) -> bool:
-        """Multimodal prompts are left to vLLM: the token ids standing for an image
-        do not name which image it is."""
-        return not getattr(request, "mm_features", None)
-
     def _chain(self, request: Any) -> RequestKeys:
         """The request's keys (hashed as far as asked, never rehashed)."""
         chain = self._keys.get(request.request_id)
         if chain is None:
-            chain = RequestKeys(self.root, request, self.block_size, self._extra(request))
+            chain = RequestKeys(self.root, request, self.block_size, request_extra(request))
             self._keys[request.request_id] = chain
         return chain
 
@@ -111,7 +106,7 @@ class SchedulerSide:
     # -- lookups ------------------------------------------------------------------
     def matched(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
         self._found.pop(request.request_id, None)
-        if not self._cacheable(request):
+        if not cacheable(request):
             return 0, False
         bs = self.block_size
         local = num_computed // bs
@@ -139,14 +134,36 @@ class SchedulerSide:
             return 0, False
         if len(self._inflight) >= LOADS_IN_FLIGHT:
             return None, False  # ask again: no load starts past the bound
+        levels = [finds.kv.get(i) for i in range(local, point)] + ([tail.level] if tail else [])
+        in_step = self._in_step(levels)
         self._found[request.request_id] = Found(
-            local=local, resume_point=point, finds=finds, keys=keys, tail=tail, rows=rows
+            local=local,
+            resume_point=point,
+            finds=finds,
+            keys=keys,
+            tail=tail,
+            rows=rows,
+            in_step=in_step,
         )
         # Loaded between steps, never inside the forward that resumes from it:
         # vLLM copies a resumed request's Mamba state to its running block
         # before the step's loads start, so a load must have landed a step
         # earlier (the request waits for it, then is scheduled).
-        return point * bs + rows - num_computed, True
+        return point * bs + rows - num_computed, not in_step
+
+    def _in_step(self, levels: list[int | None]) -> bool:
+        """Whether a hit of KV objects found at ``levels`` is loaded in the step
+        vLLM schedules it in: only where a host tier on top holds every one, and
+        its copy takes at most a share of a step as measured (:mod:`.pace`). An
+        attention-only model of one group only: vLLM names a failed load of its
+        synchronous path by block ids, which it maps back to requests for one
+        group alone, and a state must land a step before the forward resuming
+        from it."""
+        if self._host is None or len(self.groups) != 1 or self.state_groups:
+            return False
+        if not levels or any(level != 0 for level in levels):
+            return False
+        return self.pace.in_step(len(levels) * self._kv_bytes)
 
     @property
     def _tails_served(self) -> bool:
@@ -162,7 +179,7 @@ class SchedulerSide:
         vLLM computes itself."""
         bs = self.block_size
         rows = request.num_tokens - 1 - full * bs
-        if rows <= 0:
+        if rows <= 0 or full < 1:  # see _tail_save: a prompt under a block saves none
             return None, 0
         sizes = range(min(bs, request.num_tokens - full * bs), 0, -1)
         wanted = [keys[full] if t == bs else keys.tail(full, t) for t in sizes]
@@ -193,9 +210,12 @@ class SchedulerSide:
             )
             for i in (range(local, b) if self.kv_groups else ())
         )
+        upto = b
         if found.tail is not None:
             blocks = tuple(block_ids[g.index][b] for g in self.kv_groups)
             kv += (dataclasses.replace(found.tail, blocks=blocks),)
+            if found.tail.tokens is None:  # a full block, used but for its last token
+                upto = b + 1
         state = None
         if self.state_groups:
             state = BlockCopy(
@@ -204,17 +224,18 @@ class SchedulerSide:
                 blocks=tuple(block_ids[g.index][b - 1] for g in self.state_groups),
                 level=found.finds.state.get(b),
             )
-        load = Load(request=rid, kv=kv, state=state)
+        load = Load(request=rid, kv=kv, state=state, in_step=found.in_step)
         if 0 in load.block_ids:
             raise RuntimeError(
                 f"kvarena connector: request {rid}: vLLM allocated the null block where a hit "
                 f"of {b} blocks loads (block ids {block_ids}); refusing to load"
             )
         self._loads.append(load)
-        self._inflight.add(rid)
+        if not load.in_step:  # vLLM waits for word of it
+            self._inflight.add(rid)
         for kind, n in self.hit_sources(request, external).items():
             self.telemetry.hit(kind, n)
-        self._saved_upto[rid] = b
+        self._saved_upto[rid] = upto  # what the tiers hold is not saved again
         self._floor[rid] = b
 
     def hit_sources(self, request: Any, tokens: int) -> dict[str, int]:
@@ -231,6 +252,7 @@ class SchedulerSide:
     def plan(self, scheduler_output: Any) -> StepPlan:
         plan = StepPlan(loads=self._loads)
         self._loads = []
+        self.pace.stepped(time.monotonic())
         bs = self.block_size
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         starts = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
@@ -240,7 +262,7 @@ class SchedulerSide:
         tails: list[BlockCopy] = []  # partial blocks that prompts end in, this step
         for rid, count in scheduler_output.num_scheduled_tokens.items():
             request = self._requests.get(rid)
-            if request is None or not self._cacheable(request) or rid not in starts:
+            if request is None or not cacheable(request) or rid not in starts:
                 continue
             start = starts[rid]
             end = start + count
@@ -298,8 +320,8 @@ class SchedulerSide:
             return None
         ids = block_state.get_block_ids(request.request_id)
         full, tokens = divmod(end, self.block_size)
-        if ids is None or any(len(ids[g.index]) <= full for g in self.kv_groups):
-            return None
+        if full < 1 or ids is None or any(len(ids[g.index]) <= full for g in self.kv_groups):
+            return None  # (a prompt under one block: its prefill costs less than a load)
         blocks = tuple(ids[g.index][full] for g in self.kv_groups)
         key = self._chain(request).tail(full, tokens)
         if (
@@ -325,7 +347,7 @@ class SchedulerSide:
         out: dict[str, dict[int, dict[int, int]]] = {}
         for rid, entries in block_state.boundary_state_offloads.items():
             request = self._requests.get(rid)
-            if request is None or not self._cacheable(request):
+            if request is None or not cacheable(request):
                 continue
             for group, block, tokens in entries:
                 if group in state_ids and block != 0 and tokens % bs == 0 and tokens > 0:
@@ -346,6 +368,9 @@ class SchedulerSide:
 
     def reported(self, report: Any) -> None:
         if isinstance(report, WorkerReport):
+            for part in report.loads:  # the host tier's loads: what paces loads in the step
+                if self._host is not None and set(part.nbytes) == {self._host}:
+                    self.pace.loaded(part.nbytes[self._host], part.seconds.get(self._host, 0.0))
             completed = self.telemetry.reported(report)
             if self.events is not None:
                 for name in completed:

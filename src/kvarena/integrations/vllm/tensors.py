@@ -135,6 +135,7 @@ class CachePages:
         self.payload = {
             k: sum(layer.block_bytes for g in gs for layer in g) for k, gs in kinds.items()
         }
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}  # saves' side stream
         self._spans: dict[str, list[_StorageSpans]] = {}
         for kind, groups in kinds.items():
             by_storage: dict[int, list[tuple[int, int, LayerPages]]] = {}
@@ -189,17 +190,48 @@ class CachePages:
             out.append((s.storage, CopyBatch(src.reshape(-1), dst.reshape(-1), length.reshape(-1))))
         return out
 
-    def gather(self, kind: str, blocks: Sequence[Sequence[int]]) -> torch.Tensor:
+    def gather(
+        self, kind: str, blocks: Sequence[Sequence[int]]
+    ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """The payloads of ``kind`` objects at ``blocks`` (one id per group each),
-        back to back in a host buffer: one batch per storage (on CUDA into the
-        device, then one copy to the host, which waits for the forward)."""
+        back to back in a host buffer: one batch per storage. On a CPU the
+        buffer is ready when this returns. On CUDA nothing waits: on a side
+        stream, after the work queued so far (the step's forward), one batch
+        per storage into device memory, then one copy into pinned host memory;
+        the compute stream waits (on the device, not the host) for the
+        device-side gather alone, so no later forward writes a block before its
+        bytes are read, and the host copy overlaps the next forward. The event
+        returned marks the host buffer ready (the writer waits on it)."""
         ids = np.asarray(blocks, dtype=np.int64).reshape(len(blocks), -1)
         size = self.payload[kind]
-        stage = torch.empty(len(blocks) * size, dtype=torch.uint8, device=self.device)
         at = np.arange(len(blocks), dtype=np.int64) * size
-        for storage, batch in self.batches(kind, ids, at):
-            execute_batch(_reversed(batch), storage, stage)
-        return stage.cpu()
+        if self.device.type != "cuda":
+            stage = torch.empty(len(blocks) * size, dtype=torch.uint8, device=self.device)
+            for storage, batch in self.batches(kind, ids, at):
+                execute_batch(_reversed(batch), storage, stage)
+            return stage.cpu(), None
+        compute = torch.cuda.current_stream(self.device)
+        side = self._side_stream()
+        side.wait_stream(compute)
+        with torch.cuda.stream(side):
+            stage = torch.empty(len(blocks) * size, dtype=torch.uint8, device=self.device)
+            for storage, batch in self.batches(kind, ids, at):
+                execute_batch(_reversed(batch), storage, stage)
+            gathered = torch.cuda.Event()
+            gathered.record(side)
+            host = torch.empty(stage.numel(), dtype=torch.uint8, pin_memory=True)
+            host.copy_(stage, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(side)
+        stage.record_stream(side)  # the allocator keeps it until the side stream is past it
+        compute.wait_event(gathered)
+        return host, ready
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        stream = self._streams.get(self.device)
+        if stream is None:
+            stream = self._streams[self.device] = torch.cuda.Stream(self.device)
+        return stream
 
     def scatter(
         self,

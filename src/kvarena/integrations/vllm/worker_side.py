@@ -19,8 +19,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 
@@ -98,6 +98,7 @@ class WorkerSide:
         wanted: list[tuple[ImageKind, BlockCopy]],
         prefixes: list[str],
         held: contextlib.ExitStack | None,
+        last: int | None = None,
     ) -> tuple[list[memoryview | None], Fetched, dict[str, str]]:
         """Each object's checked payload (``wanted``: this rank's copies of the
         prefix objects named ``prefixes``), from the first tier that holds a
@@ -113,6 +114,7 @@ class WorkerSide:
                 for n, (k, c) in zip(names, wanted, strict=True)
             ],
             held=held,
+            last=last,
         )
         for r in got.rejected:
             log.warning("kvarena: %s in %s: %s", r.name, r.label, r.detail)
@@ -134,16 +136,21 @@ class WorkerSide:
     def load(self, plan: StepPlan) -> None:
         """This step's loads: the fetches finished since the last step copied in
         and reported; new loads the host tier serves whole done now (in place,
-        well inside a step), the rest handed to the I/O threads."""
+        well inside a step; those vLLM runs in this very step before its
+        forward, :attr:`Load.in_step`), the rest handed to the I/O threads."""
         done, late = self.queue.collect()
         for job, fetched in done:
             self._finish(job, *fetched)
         for job in late:
             self._give_up(job)
         for job in plan.loads:
-            if self._hosted(job):
+            if job.in_step or self._hosted(job):
+                began = time.perf_counter()
                 with contextlib.ExitStack() as held:
-                    self._finish(job, *self._fetch_job(job, held))
+                    # in the step: the host tier alone (a miss there is a
+                    # recompute, never a read below it on the step)
+                    fetched = self._fetch_job(job, held, last=0 if job.in_step else None)
+                    self._finish(job, *fetched, began=began)
             else:
                 self.queue.submit(job)
 
@@ -161,9 +168,11 @@ class WorkerSide:
         wanted = [(kind, self._own(c)) for kind, c in named]  # this rank's shard of each
         return wanted, [object_name(kind, c.key) for kind, c in named]
 
-    def _fetch_job(self, job: Load, held: contextlib.ExitStack | None) -> tuple[Any, ...]:
+    def _fetch_job(
+        self, job: Load, held: contextlib.ExitStack | None, last: int | None = None
+    ) -> tuple[list[tuple[ImageKind, BlockCopy]], list[memoryview | None], Fetched, dict[str, str]]:
         wanted, prefixes = self._named(job)
-        payloads, got, failures = self._fetch(wanted, prefixes, held)
+        payloads, got, failures = self._fetch(wanted, prefixes, held, last)
         return wanted, payloads, got, failures
 
     def _finish(
@@ -173,13 +182,22 @@ class WorkerSide:
         payloads: list[memoryview | None],
         got: Fetched,
         failures: dict[str, str],
+        began: float | None = None,
     ) -> None:
-        self._received.add(job.request)
+        """Copy a fetched load in and report it (``began``: when a load done in the
+        step started: a load the host tier alone served is timed whole, fetch,
+        checks and copy, what the scheduler paces loads in the step by)."""
+        if not job.in_step:  # vLLM waits for word of it
+            self._received.add(job.request)
         self._apply(job, wanted, payloads)
+        seconds = got.seconds
+        host = self.tiers.labels[0] if self.tiers.tiers else None
+        if began is not None and host is not None and set(got.read_bytes) == {host}:
+            seconds = {host: time.perf_counter() - began}
         timed = Timed(
             key=job.request,
             rank=self.rank,
-            seconds=got.seconds,
+            seconds=seconds,
             nbytes=got.read_bytes,
             failures=failures,
         )
@@ -227,7 +245,8 @@ class WorkerSide:
         recomputes every block it named, from the first."""
         self.load_failures += 1
         self._errors |= job.block_ids
-        self._failed_requests.add(job.request)
+        if not job.in_step:  # one vLLM runs in this step is named by its blocks alone
+            self._failed_requests.add(job.request)
         log.warning(
             "kvarena: request %s: %s; vLLM recomputes its %d blocks",
             job.request,
@@ -251,7 +270,8 @@ class WorkerSide:
         as this rank's objects (each with its prefix object's name, for the report)."""
         assert self.pages is not None
         word = "kv" if kind is ImageKind.KV_BLOCK else "state"
-        stage = memoryview(self.pages.gather(word, [c.blocks for c in copies]).numpy())  # type: ignore[arg-type]
+        host, ready = self.pages.gather(word, [c.blocks for c in copies])
+        stage = memoryview(host.numpy())  # type: ignore[arg-type]
         size = self.pages.payload[word]
         return [
             Save(
@@ -259,6 +279,7 @@ class WorkerSide:
                 copy=self._own(c),
                 payload=stage[j * size : (j + 1) * size],
                 prefix=object_name(kind, c.key),
+                ready=ready,
             )
             for j, c in enumerate(copies)
         ]

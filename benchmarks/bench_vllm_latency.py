@@ -1,0 +1,378 @@
+"""Inter-token latency of decoding requests while others load their prefixes.
+
+.venv-vllm/bin/python benchmarks/bench_vllm_latency.py [--model llama|qwen3_next|both]
+    [--decoding 4] [--arrivals 6] [--prompt 2048] [--delay-ms 2] [--json]
+
+vLLM runs every request of a batch in one step: whatever a step waits for,
+every decoding request waits for. Here ``--decoding`` requests decode (greedy,
+``ignore_eos``) while ``--arrivals`` others arrive, one every few steps, whose
+``--prompt``-token prefixes were saved by an earlier engine. Rows, each a fresh
+engine (in this process, so the connector's scheduler half is timed where it
+runs):
+
+- ``no arrivals``: the decoding requests alone (the floor);
+- ``arrivals computed``: the arrivals' prefixes held nowhere (vLLM computes them);
+- ``loads from disk``: the prefixes only in a disk tier;
+- ``loads from Redis +Nms``: the prefixes only in a Redis whose replies a
+  loopback proxy delays by ``--delay-ms`` (a network's round trip);
+- ``loads from a stuck Redis``: the same store with every reply held back
+  until the last arrival is in: the worst a load can be.
+
+Per row: the decoding requests' inter-token latency (p50, p99, max; each
+token's time is when the step that made it returns) and its p99 against the
+``no arrivals`` row; the arrivals' TTFT (p50) and tokens they hit; the
+connector's scheduler time per step (lookups, step plans, reports: p50, max);
+and for loads, the bytes per second of the tier reads against a plain read of
+the same objects (the raw tier: files read whole, Redis GETs on the same
+proxy). Every run's tokens are checked equal to the ``arrivals computed`` run
+(vLLM alone's answer, the connector loading nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the scheduler timed here
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+BLOCK = {"llama": 32, "qwen3_next": None}  # qwen3_next: vLLM's unified block (256)
+EVERY = 3  # steps between arrivals
+
+
+class DelayProxy:
+    """A loopback TCP proxy whose replies (server to client) wait ``delay_s``
+    each, and between :meth:`hold` and :meth:`release` wait for the release: a
+    network's round trip, or a store that stops answering, before a real server."""
+
+    def __init__(self, port: int, delay_s: float) -> None:
+        self.target, self.delay_s = port, delay_s
+        self.open = threading.Event()
+        self.open.set()
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def hold(self) -> None:
+        self.open.clear()
+
+    def release(self) -> None:
+        self.open.set()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.target))
+            threading.Thread(target=self._pump, args=(client, server, 0.0), daemon=True).start()
+            threading.Thread(
+                target=self._pump, args=(server, client, self.delay_s), daemon=True
+            ).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, delay: float) -> None:
+        try:
+            while data := src.recv(1 << 20):
+                if delay:
+                    time.sleep(delay)
+                    self.open.wait()
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.open.set()
+        self.sock.close()
+
+
+def _engine(model: Path, block: int | None, tiers: list[str] | None):
+    from vllm import LLM
+
+    from kvarena.integrations.vllm import kv_transfer_config
+    from kvarena.testing.vllm_engine import engine_args
+
+    kw = {"kv_transfer_config": kv_transfer_config(tiers)} if tiers else {}
+    return LLM(
+        **engine_args(model, distributed_executor_backend="uni", block_size=block, **kw)
+    )
+
+
+def _close(llm) -> None:
+    import gc
+
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+    ensure_kv_transfer_shutdown()
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def _timed_scheduler(llm) -> list[float]:
+    """Wrap the connector's scheduler half: seconds it spends per step."""
+    core = llm.llm_engine.engine_core.engine_core
+    connector = core.scheduler.connector
+    spent: list[float] = []
+    if connector is None:
+        return spent
+    side = connector._scheduler
+    step = [0.0]
+    for name in ("matched", "allocated", "reported", "loaded", "finished"):
+        real = getattr(side, name)
+
+        def timed(*a, _real=real, **k):
+            t0 = time.perf_counter()
+            try:
+                return _real(*a, **k)
+            finally:
+                step[0] += time.perf_counter() - t0
+
+        setattr(side, name, timed)
+    real_plan = side.plan
+
+    def plan(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return real_plan(*a, **k)
+        finally:
+            spent.append(step[0] + time.perf_counter() - t0)
+            step[0] = 0.0
+
+    side.plan = plan
+    return spent
+
+
+def _reads(llm) -> list[tuple[int, float]]:
+    """Wrap the worker's tier reads (each tier's ``get_many``): bytes and seconds."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    got: list[tuple[int, float]] = []
+    for tier in get_kv_transfer_group()._worker.tiers.tiers:
+        real = tier.get_many
+
+        def timed(names, _real=real):
+            t0 = time.perf_counter()
+            out = _real(names)
+            got.append((sum(len(x) for x in out if x is not None), time.perf_counter() - t0))
+            return out
+
+        tier.get_many = timed
+    return got
+
+
+def _run(llm, decoding: list[list[int]], arrivals: list[list[int]], proxy=None) -> dict:
+    """Decode, and send the arrivals once every decoding request has its first
+    token (``proxy``: a stuck store's, held from the first arrival to the last)."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    spent = _timed_scheduler(llm)
+    long = SamplingParams(max_tokens=160, temperature=0, ignore_eos=True)
+    short = SamplingParams(max_tokens=8, temperature=0)
+    for i, p in enumerate(decoding):
+        engine.add_request(f"d{i}", {"prompt_token_ids": p}, long)
+    seen: dict[str, int] = {}
+    times: dict[str, list[float]] = {}
+    added: dict[str, float] = {}
+    first: dict[str, float] = {}
+    tokens: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
+    steps = 0
+    started = False
+    while engine.has_unfinished_requests():
+        if started and steps % EVERY == 0 and len(added) < len(arrivals):
+            if not added and proxy is not None:
+                proxy.hold()
+            rid = f"a{len(added)}"
+            engine.add_request(rid, {"prompt_token_ids": arrivals[len(added)]}, short)
+            added[rid] = time.perf_counter()
+            if len(added) == len(arrivals) and proxy is not None:
+                proxy.release()
+        outs = engine.step()
+        now = time.perf_counter()
+        steps += 1
+        for o in outs:
+            rid = o.request_id.split("-")[0]
+            n = len(o.outputs[0].token_ids)
+            if n > seen.get(rid, 0):
+                seen[rid] = n
+                times.setdefault(rid, []).append(now)
+                if rid.startswith("a") and rid not in first:
+                    first[rid] = now - added[rid]
+            if o.finished:
+                tokens[rid] = list(o.outputs[0].token_ids)
+                cached[rid] = o.num_cached_tokens
+        if not started and all(seen.get(f"d{i}", 0) >= 1 for i in range(len(decoding))):
+            started = True
+    # the decoding requests' gaps while arrivals came and were served
+    window_end = max((added[r] + first[r] for r in first), default=float("inf"))
+    gaps = []
+    for i in range(len(decoding)):
+        ts = times[f"d{i}"]
+        gaps += [b - a for a, b in itertools.pairwise(ts) if b <= window_end + 0.05]
+    return {
+        "gaps": gaps,
+        "ttft": [first[r] for r in sorted(first)],
+        "hit": sum(cached.get(f"a{i}", 0) for i in range(len(arrivals))),
+        "tokens": tokens,
+        "sched": spent,
+    }
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def _raw_disk(directory: Path) -> float:
+    files = sorted(directory.glob("*.kvi"))
+    t0 = time.perf_counter()
+    n = sum(len(f.read_bytes()) for f in files)
+    return n / (time.perf_counter() - t0)
+
+
+def _raw_redis(port: int, names: int) -> float:
+    import redis
+
+    client = redis.Redis(port=port)
+    keys = client.keys("*")[:names]
+    t0 = time.perf_counter()
+    n = sum(len(client.get(k) or b"") for k in keys)
+    client.close()
+    return n / (time.perf_counter() - t0)
+
+
+def bench(kind: str, args) -> list[dict]:
+    from conftest import redis_binary
+
+    from kvarena.integrations.transformers.tiny import save_tiny
+    from kvarena.testing.redis_server import RedisServer
+
+    rng = random.Random(5)
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp, RedisServer(
+        tmp + "/redis", binary=redis_binary()
+    ) as server:
+        model = save_tiny(kind, Path(tmp))
+        block = BLOCK[kind]
+        decoding = [[rng.randrange(3, 500) for _ in range(64)] for _ in range(args.decoding)]
+        arrivals = [[rng.randrange(3, 500) for _ in range(args.prompt)] for _ in range(args.arrivals)]
+        fresh = [[rng.randrange(3, 500) for _ in range(args.prompt)] for _ in range(args.arrivals)]
+        disk = Path(tmp) / "disk"
+        filler = _engine(model, block, [f"disk:{disk}:1GiB", server.url])
+        from vllm import SamplingParams
+
+        filler.generate(
+            [{"prompt_token_ids": p} for p in arrivals],
+            SamplingParams(max_tokens=1),
+            use_tqdm=False,
+        )
+        _close(filler)  # its writer flushed at close: every object on disk and in Redis
+        runs = [
+            ("no arrivals", None, []),
+            ("arrivals computed", None, fresh),
+            ("loads from disk", [f"disk:{disk}:1GiB"], arrivals),
+            (f"loads from Redis +{args.delay_ms:g}ms", "redis", arrivals),
+            ("loads from a stuck Redis", "stuck", arrivals),
+        ]
+        reference: dict[str, list[int]] | None = None
+        for label, tiers, arriving in runs:
+            proxy = stuck = None
+            if tiers in ("redis", "stuck"):
+                proxy = DelayProxy(server.port, args.delay_ms / 1e3)
+                stuck = proxy if tiers == "stuck" else None
+                tiers = [f"redis://127.0.0.1:{proxy.port}"]
+            llm = _engine(model, block, tiers or [f"disk:{Path(tmp) / 'empty'}:1GiB"])
+            reads = _reads(llm)
+            got = _run(llm, decoding, arriving, proxy=stuck)
+            _close(llm)
+            if proxy is not None:
+                proxy.close()
+            ds = {k: v for k, v in got["tokens"].items() if k.startswith("d")}
+            if reference is None:
+                reference = ds
+            assert ds == reference, f"{kind} {label}: the decoding requests' tokens changed"
+            read_bytes = sum(b for b, _ in reads)
+            read_s = sum(s for _, s in reads)
+            rows.append(
+                {
+                    "model": kind,
+                    "row": label,
+                    "itl_p50_ms": statistics.median(got["gaps"]) * 1e3,
+                    "itl_p99_ms": _pct(got["gaps"], 0.99) * 1e3,
+                    "itl_max_ms": max(got["gaps"]) * 1e3,
+                    "ttft_p50_ms": statistics.median(got["ttft"]) * 1e3 if got["ttft"] else None,
+                    "hit_tokens": got["hit"],
+                    "sched_p50_us": statistics.median(got["sched"]) * 1e6,
+                    "sched_max_us": max(got["sched"]) * 1e6,
+                    "read_mb_s": read_bytes / read_s / 1e6 if read_s and read_bytes else None,
+                }
+            )
+        proxy = DelayProxy(server.port, args.delay_ms / 1e3)
+        rows_raw = {"disk": _raw_disk(disk), "redis": _raw_redis(proxy.port, 4 * args.arrivals)}
+        proxy.close()
+        floor = rows[0]["itl_p99_ms"]
+        for r in rows:
+            r["itl_p99_vs_alone"] = r["itl_p99_ms"] / floor
+            raw = "disk" if "disk" in r["row"] else "redis" if "Redis" in r["row"] else None
+            r["raw_mb_s"] = rows_raw[raw] / 1e6 if raw else None
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=["llama", "qwen3_next", "both"], default="both")
+    ap.add_argument("--decoding", type=int, default=4)
+    ap.add_argument("--arrivals", type=int, default=6)
+    ap.add_argument("--prompt", type=int, default=2048)
+    ap.add_argument("--delay-ms", type=float, default=2.0)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    kinds = ["llama", "qwen3_next"] if args.model == "both" else [args.model]
+    rows = [r for kind in kinds for r in bench(kind, args)]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    print(
+        f"{args.decoding} decoding, {args.arrivals} arrivals of {args.prompt:,} tokens, "
+        f"one every {EVERY} steps"
+    )
+    head = (
+        f"{'model':<11}{'row':<26}{'ITL p50':>8}{'p99':>7}{'max':>7}{'p99/alone':>10}"
+        f"{'TTFT p50':>9}{'hit':>7}{'sched p50':>10}{'max':>8}{'read MB/s':>10}{'raw':>8}"
+    )
+    print(head + "\n" + "-" * len(head))
+
+    def f(x, spec):
+        return format(x, spec) if x is not None else "-"
+
+    for r in rows:
+        print(
+            f"{r['model']:<11}{r['row']:<26}{r['itl_p50_ms']:>8.1f}{r['itl_p99_ms']:>7.1f}"
+            f"{r['itl_max_ms']:>7.1f}{r['itl_p99_vs_alone']:>9.2f}x{f(r['ttft_p50_ms'], '>9.1f')}"
+            f"{r['hit_tokens']:>7,}{r['sched_p50_us']:>9.0f}µ{r['sched_max_us']:>7.0f}µ"
+            f"{f(r['read_mb_s'], '>10.0f')}{f(r['raw_mb_s'], '>8.0f')}"
+        )
+    print("(ms; scheduler: the connector's time per step; raw: the same objects read plainly)")
+
+
+if __name__ == "__main__":
+    main()
