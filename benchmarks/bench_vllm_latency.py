@@ -1,17 +1,21 @@
 """Inter-token latency of decoding requests while others load their prefixes.
 
 .venv-vllm/bin/python benchmarks/bench_vllm_latency.py [--model llama|qwen3_next|both]
-    [--decoding 4] [--arrivals 6] [--prompt 2048] [--delay-ms 2] [--json]
+    [--decoding 4] [--arrivals 12] [--prompt 2048] [--delay-ms 2] [--json]
 
 vLLM runs every request of a batch in one step: whatever a step waits for,
 every decoding request waits for. Here ``--decoding`` requests decode (greedy,
 ``ignore_eos``) while ``--arrivals`` others arrive, one every few steps, whose
-``--prompt``-token prefixes were saved by an earlier engine. Rows, each a fresh
+``--prompt``-token prefixes were saved by an earlier engine. vLLM's token
+budget per step is 512 (:data:`BATCHED`). Rows, each a fresh
 engine (in this process, so the connector's scheduler half is timed where it
 runs):
 
-- ``no arrivals``: the decoding requests alone (the floor);
+- ``no arrivals``: the decoding requests alone (the floor, ``/alone``);
 - ``arrivals computed``: the arrivals' prefixes held nowhere (vLLM computes them);
+- ``arrivals held on device``: the same arrivals computed once before, so
+  vLLM's own prefix cache serves them: the run with nothing loaded, the loads'
+  rows' baseline (``/held``);
 - ``loads from disk``: the prefixes only in a disk tier;
 - ``loads from Redis +Nms``: the prefixes only in a Redis whose replies a
   loopback proxy delays by ``--delay-ms`` (a network's round trip);
@@ -34,6 +38,7 @@ import argparse
 import itertools
 import json
 import os
+import queue
 import random
 import socket
 import statistics
@@ -49,6 +54,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 BLOCK = {"llama": 32, "qwen3_next": None}  # qwen3_next: vLLM's unified block (256)
 EVERY = 3  # steps between arrivals
+KV_CACHE_BYTES = 64 << 20
+BATCHED = 512
+"""vLLM's token budget per step (``max_num_batched_tokens``), as a deployment that
+bounds its inter-token latency sets it: prefills that become ready together
+(loads that land in the same step, a stuck store released) are spread over
+steps instead of run in one long one."""
 
 
 class DelayProxy:
@@ -83,15 +94,30 @@ class DelayProxy:
             ).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket, delay: float) -> None:
+        """Forward ``src`` to ``dst``, each chunk ``delay`` seconds after it came:
+        a delay line (latency, not a bandwidth limit), read and sent apart."""
+        line: queue.Queue[tuple[float, bytes] | None] = queue.Queue()
+
+        def send() -> None:
+            try:
+                while (item := line.get()) is not None:
+                    due, data = item
+                    time.sleep(max(0.0, due - time.monotonic()))
+                    self.open.wait()
+                    dst.sendall(data)
+            except OSError:
+                pass
+
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
         try:
             while data := src.recv(1 << 20):
-                if delay:
-                    time.sleep(delay)
-                    self.open.wait()
-                dst.sendall(data)
+                line.put((time.monotonic() + delay, data))
         except OSError:
             pass
         finally:
+            line.put(None)
+            sender.join()
             for s in (src, dst):
                 try:
                     s.shutdown(socket.SHUT_RDWR)
@@ -103,6 +129,51 @@ class DelayProxy:
         self.sock.close()
 
 
+class ProxyProcess:
+    """:class:`DelayProxy` in a process of its own (its threads never contend
+    with the engine's for this process's interpreter), told to hold and release
+    over its stdin."""
+
+    def __init__(self, port: int, delay_s: float) -> None:
+        import subprocess
+
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--proxy", str(port), str(delay_s)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        self.port = int(self.proc.stdout.readline())
+
+    def _say(self, word: str) -> None:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(word + "\n")
+        self.proc.stdin.flush()
+        assert self.proc.stdout.readline().strip() == word  # done before the caller goes on
+
+    def hold(self) -> None:
+        self._say("hold")
+
+    def release(self) -> None:
+        self._say("release")
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+def _serve_proxy(port: int, delay_s: float) -> None:
+    proxy = DelayProxy(port, delay_s)
+    print(proxy.port, flush=True)
+    for line in sys.stdin:
+        word = line.strip()
+        getattr(proxy, word)()
+        print(word, flush=True)
+    proxy.close()
+
+
 def _engine(model: Path, block: int | None, tiers: list[str] | None):
     from vllm import LLM
 
@@ -111,7 +182,14 @@ def _engine(model: Path, block: int | None, tiers: list[str] | None):
 
     kw = {"kv_transfer_config": kv_transfer_config(tiers)} if tiers else {}
     return LLM(
-        **engine_args(model, distributed_executor_backend="uni", block_size=block, **kw)
+        **engine_args(
+            model,
+            distributed_executor_backend="uni",
+            block_size=block,
+            kv_cache_memory_bytes=KV_CACHE_BYTES,
+            max_num_batched_tokens=BATCHED,
+            **kw,
+        )
     )
 
 
@@ -268,9 +346,7 @@ def bench(kind: str, args) -> list[dict]:
 
     rng = random.Random(5)
     rows: list[dict] = []
-    with tempfile.TemporaryDirectory() as tmp, RedisServer(
-        tmp + "/redis", binary=redis_binary()
-    ) as server:
+    with tempfile.TemporaryDirectory() as tmp, RedisServer(tmp, binary=redis_binary()) as server:
         model = save_tiny(kind, Path(tmp))
         block = BLOCK[kind]
         decoding = [[rng.randrange(3, 500) for _ in range(64)] for _ in range(args.decoding)]
@@ -289,6 +365,7 @@ def bench(kind: str, args) -> list[dict]:
         runs = [
             ("no arrivals", None, []),
             ("arrivals computed", None, fresh),
+            ("arrivals held on device", "device", arrivals),
             ("loads from disk", [f"disk:{disk}:1GiB"], arrivals),
             (f"loads from Redis +{args.delay_ms:g}ms", "redis", arrivals),
             ("loads from a stuck Redis", "stuck", arrivals),
@@ -297,10 +374,19 @@ def bench(kind: str, args) -> list[dict]:
         for label, tiers, arriving in runs:
             proxy = stuck = None
             if tiers in ("redis", "stuck"):
-                proxy = DelayProxy(server.port, args.delay_ms / 1e3)
+                proxy = ProxyProcess(server.port, args.delay_ms / 1e3)
                 stuck = proxy if tiers == "stuck" else None
                 tiers = [f"redis://127.0.0.1:{proxy.port}"]
-            llm = _engine(model, block, tiers or [f"disk:{Path(tmp) / 'empty'}:1GiB"])
+            on_device = tiers == "device"
+            if tiers in (None, "device"):
+                tiers = [f"disk:{Path(tmp) / label.replace(' ', '-')}:1GiB"]  # holds nothing
+            llm = _engine(model, block, tiers)
+            if on_device:  # computed once before: vLLM's own prefix cache holds them
+                llm.generate(
+                    [{"prompt_token_ids": p} for p in arriving],
+                    SamplingParams(max_tokens=1),
+                    use_tqdm=False,
+                )
             reads = _reads(llm)
             got = _run(llm, decoding, arriving, proxy=stuck)
             _close(llm)
@@ -323,25 +409,32 @@ def bench(kind: str, args) -> list[dict]:
                     "hit_tokens": got["hit"],
                     "sched_p50_us": statistics.median(got["sched"]) * 1e6,
                     "sched_max_us": max(got["sched"]) * 1e6,
-                    "read_mb_s": read_bytes / read_s / 1e6 if read_s and read_bytes else None,
+                    "read_mb_s": read_bytes / read_s / 1e6
+                    if label.startswith("loads") and read_s
+                    else None,
                 }
             )
-        proxy = DelayProxy(server.port, args.delay_ms / 1e3)
+        proxy = ProxyProcess(server.port, args.delay_ms / 1e3)
         rows_raw = {"disk": _raw_disk(disk), "redis": _raw_redis(proxy.port, 4 * args.arrivals)}
         proxy.close()
         floor = rows[0]["itl_p99_ms"]
+        held = rows[2]["itl_p99_ms"]  # the same arrivals, nothing loaded
         for r in rows:
             r["itl_p99_vs_alone"] = r["itl_p99_ms"] / floor
+            r["itl_p99_vs_held"] = r["itl_p99_ms"] / held
             raw = "disk" if "disk" in r["row"] else "redis" if "Redis" in r["row"] else None
             r["raw_mb_s"] = rows_raw[raw] / 1e6 if raw else None
     return rows
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--proxy"]:
+        _serve_proxy(int(sys.argv[2]), float(sys.argv[3]))
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=["llama", "qwen3_next", "both"], default="both")
     ap.add_argument("--decoding", type=int, default=4)
-    ap.add_argument("--arrivals", type=int, default=6)
+    ap.add_argument("--arrivals", type=int, default=12)
     ap.add_argument("--prompt", type=int, default=2048)
     ap.add_argument("--delay-ms", type=float, default=2.0)
     ap.add_argument("--json", action="store_true")
@@ -356,7 +449,7 @@ def main() -> None:
         f"one every {EVERY} steps"
     )
     head = (
-        f"{'model':<11}{'row':<26}{'ITL p50':>8}{'p99':>7}{'max':>7}{'p99/alone':>10}"
+        f"{'model':<11}{'row':<26}{'ITL p50':>8}{'p99':>7}{'max':>7}{'p99/alone':>10}{'/held':>7}"
         f"{'TTFT p50':>9}{'hit':>7}{'sched p50':>10}{'max':>8}{'read MB/s':>10}{'raw':>8}"
     )
     print(head + "\n" + "-" * len(head))
@@ -367,7 +460,8 @@ def main() -> None:
     for r in rows:
         print(
             f"{r['model']:<11}{r['row']:<26}{r['itl_p50_ms']:>8.1f}{r['itl_p99_ms']:>7.1f}"
-            f"{r['itl_max_ms']:>7.1f}{r['itl_p99_vs_alone']:>9.2f}x{f(r['ttft_p50_ms'], '>9.1f')}"
+            f"{r['itl_max_ms']:>7.1f}{r['itl_p99_vs_alone']:>9.2f}x{r['itl_p99_vs_held']:>6.2f}x"
+            f"{f(r['ttft_p50_ms'], '>9.1f')}"
             f"{r['hit_tokens']:>7,}{r['sched_p50_us']:>9.0f}µ{r['sched_max_us']:>7.0f}µ"
             f"{f(r['read_mb_s'], '>10.0f')}{f(r['raw_mb_s'], '>8.0f')}"
         )

@@ -11,6 +11,7 @@ takes the same options.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -89,7 +90,10 @@ class VllmServer:
         full_env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a server runs as shipped
         full_env.update(env or {})
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
+        # a session of its own: stop() ends the server's engine processes with it
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+        )
         try:
             self._wait_healthy()
         except BaseException:
@@ -119,15 +123,23 @@ class VllmServer:
         raise ServerError(f"vLLM server not healthy after {STARTUP_S:.0f} s:\n{self.log[-3000:]}")
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 120.0) -> int:
-        """Send ``sig`` and wait for the process to end; its exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                raise ServerError(f"vLLM server did not stop {timeout_s:.0f} s after {sig!r}") from None
+        """Send ``sig`` and wait for the process to end; its exit code. Whatever
+        of its engine is still running then (an engine core a SIGKILL orphaned)
+        is killed with it: no test leaves a process behind."""
+        try:
+            if self.proc.poll() is None:
+                self.proc.send_signal(sig)
+                try:
+                    self.proc.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+                    raise ServerError(
+                        f"vLLM server did not stop {timeout_s:.0f} s after {sig!r}"
+                    ) from None
+        finally:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
         self._log.close()
         return int(self.proc.returncode)
 
