@@ -68,13 +68,16 @@ class VllmServer:
         kv_transfer_config: dict[str, Any] | None = None,
         options: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
+        python: str = sys.executable,
         **overrides: Any,
     ) -> None:
+        """``python``: the interpreter of the environment the server runs from (a
+        peer's own, beside this one's)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path)
         cmd = [
-            sys.executable,
+            python,
             "-m",
             "vllm.entrypoints.openai.api_server",
             *server_options(engine_args(model, **overrides)),
