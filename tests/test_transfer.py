@@ -759,3 +759,68 @@ def test_expect_checks_its_peer_before_allocating():
         assert cache.blocks.num_free == free and receiver.pending == []
     finally:
         receiver.close()
+
+
+def _client(spec, endpoint: str, timeout_s: float):
+    """A prefill client in this process, over a cache of its own, that drives its
+    NIXL worker only inside its own calls (as an engine's idle sender does)."""
+    from kvarena.pools import UnifiedCache
+    from kvarena.transfer.sender import PrefillSender
+    from kvarena.transfer.service import PrefillClient
+
+    cache = UnifiedCache.from_plan(spec, "cpu")
+    client = PrefillClient(PrefillSender("prefill-here", cache), endpoint, timeout_s=timeout_s)
+    client.connect()
+    return client
+
+
+def test_an_abort_on_a_connection_that_carried_nothing_frees_the_receiver_at_once():
+    """The first message on a fresh connection leaves only while the sender
+    drives its worker: an abort is pushed out before it returns, so the
+    receiver frees the allocation although the sender goes idle."""
+    spec = random_spec(21)
+    decode = SideProcess("decode-service", spec)
+    try:
+        client = _client(spec, decode.endpoint, 30.0)
+        dst = client.expect("g", 2)
+        assert decode.call("stats")["live_blocks"] == 2
+        client.sender.abort(client.peer, "g", int(dst["transfer"]))
+        status = _until(
+            lambda: client.status("g"), lambda s: s["status"] != "pending", "g aborted"
+        )
+        assert status == {"status": "failed", "reason": "aborted by the sender"}
+        assert decode.call("stats")["live_blocks"] == 0
+        client.close()
+    finally:
+        assert decode.stop() == 0
+
+
+def test_an_expect_left_unanswered_is_cancelled_and_frees_the_receiver():
+    """The decode service stalls (SIGSTOP) past the client's timeout three times:
+    each expect raises, its attempt is cancelled, and once the service runs on
+    it frees what it allocated for them — whichever it reads first, the expect
+    or the cancel — while the client stays connected."""
+    from kvarena.transfer import TransferTimeout
+
+    spec = random_spec(21)
+    decode = SideProcess("decode-service", spec)
+    try:
+        client = _client(spec, decode.endpoint, 1.0)
+        for i in range(3):
+            os.kill(decode.process.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(TransferTimeout):
+                    client.expect(f"s{i}", 8)
+            finally:
+                os.kill(decode.process.pid, signal.SIGCONT)
+        stats = _until(
+            lambda: decode.call("stats"),
+            lambda s: s["live_blocks"] == 0 and s["live_slots"] == 0,
+            "the unanswered expects freed",
+        )
+        assert stats["pending"] == [] and stats["quarantined"] == []
+        dst = client.expect("after", 2)  # the client still serves
+        assert len(dst["blocks"]) == 2
+        client.close()
+    finally:
+        assert decode.stop() == 0

@@ -32,6 +32,10 @@ from .geometry import CacheGeometry
 WAIT_BACKOFF_MAX_S = 0.003
 """Waiting for a transfer polls at 20 us, doubling to this: a short transfer is
 seen within microseconds, a long wait costs a few percent of a core at most."""
+NOTIF_FLUSH_S = 0.02
+"""How long a side drives its worker after sending a notification (an abort):
+on loopback a connection's wire-up and the message take well under this."""
+NOTIF_POLL_S = 0.0005
 EVENT_HISTORY = 1024
 """How many past failures and refused notifications a receiver remembers."""
 
@@ -132,6 +136,7 @@ class NixlEndpoint:
         self._reg = self.agent.register_memory([cache.buf])
         self._peers: dict[str, _Peer] = {}
         self._in_flight: list[_InFlight] = []
+        self._inbox: dict[str, list[bytes]] = {}  # notifications taken while pushing one out
 
     def geometry(self) -> CacheGeometry:
         return CacheGeometry.of(self.cache)
@@ -177,7 +182,28 @@ class NixlEndpoint:
     def progress(self) -> dict[str, list[bytes]]:
         """Drive this agent's worker and collect notifications (the passive side must poll)."""
         self._settle()
-        return self.agent.get_new_notifs()
+        got = self._take_notifs()
+        inbox, self._inbox = self._inbox, {}
+        for peer, msgs in got.items():
+            inbox.setdefault(peer, []).extend(msgs)
+        return inbox
+
+    def _take_notifs(self) -> dict[str, list[bytes]]:
+        got = self.agent.get_new_notifs()
+        return {(p.decode() if isinstance(p, bytes) else p): list(m) for p, m in got.items()}
+
+    def _push_out(self, budget_s: float = NOTIF_FLUSH_S) -> None:
+        """Drive the worker for ``budget_s`` after a notification was sent, keeping
+        what arrives for :meth:`progress`: UCX sends on a connection not yet
+        wired up (one that carried no transfer) only while its worker is
+        driven, and a side that then goes idle would hold the message back."""
+        deadline = time.monotonic() + budget_s
+        while True:
+            for peer, msgs in self._take_notifs().items():
+                self._inbox.setdefault(peer, []).extend(msgs)
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(NOTIF_POLL_S)
 
     def _settle(self) -> None:
         """Retry releasing the handles NIXL could not cancel; once one is released

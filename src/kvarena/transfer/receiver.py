@@ -204,6 +204,21 @@ class DecodeReceiver(NixlEndpoint):
         self._free(held[1])
         return held[0]
 
+    def cancel(self, transfer: int) -> Hashable | None:
+        """Free ``transfer``'s allocation now, pending or quarantined: its sender
+        never received the destination (its expect went unanswered), so no byte
+        of it can ever be written. The request freed, None if none is held."""
+        released = self._release(transfer)
+        if released is not None:
+            return released
+        for request, p in self._pending.items():
+            if p.transfer == transfer:
+                del self._pending[request]
+                self._free(p)
+                self.failed.append((request, "cancelled: its sender never got the destination"))
+                return request
+        return None
+
     def _release_quietly(self, transfer: int) -> None:
         self._release(transfer)
 

@@ -174,7 +174,8 @@ class PrefillSender(NixlEndpoint):
         try:
             self.agent.send_notif(peer, msg)
         except Exception:
-            pass
+            return
+        self._push_out()  # delivered now, even on a connection that carried nothing yet
 
     def offer(
         self,

@@ -19,11 +19,13 @@ write. A dead host is found by TCP keepalive within ``KEEPALIVE_S`` seconds.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
+import secrets
 import select
 import socket
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -57,6 +59,16 @@ def _keepalive(sock: socket.socket) -> None:
     ):
         if hasattr(socket, opt):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
+
+
+ATTEMPTS_KEPT = 4096
+"""Expect attempts a service remembers (answered, or cancelled before read)."""
+
+
+def _remember(book: OrderedDict, key: str, value: object) -> None:
+    book[key] = value
+    while len(book) > ATTEMPTS_KEPT:
+        book.popitem(last=False)
 
 
 def _endpoint_host(endpoint: str) -> str:
@@ -103,6 +115,10 @@ class DecodeService:
         self.liveness_port: int = self._listen.getsockname()[1]
         self._links: dict[socket.socket, _Link] = {}
         self.dropped: deque[tuple[str, list[Hashable]]] = deque(maxlen=1024)
+        # each expect's attempt token -> its transfer, and the attempts cancelled
+        # before their expect was read (the two come on different sockets)
+        self._attempts: OrderedDict[str, int] = OrderedDict()
+        self._cancelled: OrderedDict[str, None] = OrderedDict()
 
     def _handle(self, msg: dict) -> dict:
         op = msg.get("op")
@@ -118,12 +134,28 @@ class DecodeService:
             if request is None:
                 raise InvalidValueError(f"control message {op!r} carries no request id it can read")
         if op == "expect":
-            return self.receiver.expect(
+            attempt = msg.get("attempt")
+            if attempt is not None and attempt in self._cancelled:
+                raise InvalidValueError(
+                    f"expect of {request!r}: its sender cancelled this attempt; nothing allocated"
+                )
+            reply = self.receiver.expect(
                 request,
                 int(msg["blocks"]),
                 timeout_s=float(msg["timeout_s"]),
                 peer=msg.get("peer"),
             )
+            if attempt is not None:
+                _remember(self._attempts, str(attempt), int(reply["transfer"]))
+            return reply
+        if op == "cancel":
+            attempt = str(msg.get("attempt"))
+            transfer = self._attempts.pop(attempt, None)
+            if transfer is None:  # its expect not read yet: refused when it is
+                _remember(self._cancelled, attempt, None)
+                return {"cancelled": None}
+            freed = self.receiver.cancel(transfer)
+            return {"cancelled": encode_request(freed) if freed is not None else None}
         if op == "status":
             if request in self.receiver.ready:
                 return {"status": "ready"}
@@ -131,7 +163,9 @@ class DecodeService:
                 return {"status": "pending"}
             reasons = [r for q, r in self.receiver.failed if q == request]
             return {"status": "failed", "reason": reasons[-1]} if reasons else {"status": "unknown"}
-        raise InvalidValueError(f"unknown control message {op!r}; known: hello, expect, status")
+        raise InvalidValueError(
+            f"unknown control message {op!r}; known: hello, expect, cancel, status"
+        )
 
     def check_links(self) -> LinkEvents:
         """Accept new links, read their peer names, and drop the peer of every
@@ -199,6 +233,10 @@ class PrefillClient:
         self.endpoint = endpoint
         self._ctx = zmq.Context()
         self._sock = self._open()
+        # cancels of unanswered expects: delivered whenever the service runs again
+        self._cancels = self._ctx.socket(zmq.DEALER)
+        self._cancels.setsockopt(zmq.LINGER, 0)
+        self._cancels.connect(endpoint)
         self.peer: str | None = None
         self._link: socket.socket | None = None
 
@@ -215,9 +253,10 @@ class PrefillClient:
         self._sock = self._open()
 
     def _call(self, msg: dict) -> dict:
+        wait_s = self.timeout_s
         try:
             self._sock.send(json.dumps(msg).encode())
-            answered = self._sock.poll(int(self.timeout_s * 1000))
+            answered = self._sock.poll(int(wait_s * 1000))
             raw = self._sock.recv() if answered else None
         except zmq.ZMQError as exc:
             self._reset()
@@ -229,7 +268,7 @@ class PrefillClient:
             self._reset()
             raise TransferTimeout(
                 f"decode service at {self.endpoint} did not answer {msg['op']!r} within "
-                f"{self.timeout_s}s; the socket was reset, the next call starts afresh"
+                f"{wait_s}s; the socket was reset, the next call starts afresh"
             )
         try:
             reply = json.loads(raw)
@@ -266,21 +305,41 @@ class PrefillClient:
     def expect(self, request: str, num_blocks: int) -> dict:
         """Ask the decode side to allocate for ``request``; its answer (ids, geometry,
         transfer id). The decode side holds it for :func:`receiver_deadline` of this
-        client's timeout, or until this sender aborts it or its process is gone."""
+        client's timeout, or until this sender aborts it or its process is gone.
+        Unanswered within the timeout, the attempt is cancelled (the service frees
+        what it allocated for it, whenever it reads the expect): this sender never
+        learned where to write, so nothing else would ever free it."""
         if self.peer is None:
             raise TransferError("connect() first")
-        return self._call(
-            {
-                "op": "expect",
-                "request": encode_request(request),
-                "blocks": num_blocks,
-                # The receiver waits past the WRITE's own deadline, so a write that
-                # finishes in time is never declared late; a sender that gives up
-                # sends an abort, which frees the receiver's allocation at once.
-                "timeout_s": receiver_deadline(self.timeout_s),
-                "peer": self.sender.agent_name,
-            }
-        )
+        attempt = secrets.token_hex(16)
+        try:
+            return self._call(
+                {
+                    "op": "expect",
+                    "request": encode_request(request),
+                    "blocks": num_blocks,
+                    # The receiver waits past the WRITE's own deadline, so a write that
+                    # finishes in time is never declared late; a sender that gives up
+                    # sends an abort, which frees the receiver's allocation at once.
+                    "timeout_s": receiver_deadline(self.timeout_s),
+                    "peer": self.sender.agent_name,
+                    "attempt": attempt,
+                }
+            )
+        except TransferTimeout:
+            self._cancel(attempt)
+            raise
+
+    def _cancel(self, attempt: str) -> None:
+        """Queue a cancel of an expect ``attempt`` on a socket of its own that is
+        never reset: the service reads it whenever it runs again (a stalled one
+        included), with no answer awaited (the answers are drained here)."""
+        while self._cancels.poll(0):
+            self._cancels.recv_multipart()
+        with contextlib.suppress(zmq.ZMQError):
+            self._cancels.send_multipart(
+                [b"", json.dumps({"op": "cancel", "attempt": attempt}).encode()], zmq.NOBLOCK
+            )
 
     def ship(self, request: str, blocks: Sequence[int], slots: Sequence[int]) -> ShipResult:
         """Ask the decode side to expect ``request``, then write it there."""
@@ -326,4 +385,5 @@ class PrefillClient:
             self._link.close()
             self._link = None
         self._sock.close()
+        self._cancels.close()
         self._ctx.term()
