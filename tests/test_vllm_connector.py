@@ -70,6 +70,15 @@ def generate(llm, prompts):
     return [list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens for o in outs]
 
 
+def saved(llm) -> None:
+    """Every save written, and the scheduler told of it: a write's report rides on
+    the step after it, so a one-token request (under a block: nothing looked up
+    or saved) takes a few steps. A lookup right after a flush alone could miss
+    what the writer finished last — a stale catalogue is a miss, by design."""
+    worker_connector()._worker.flush()
+    generate(llm, [[5]])
+
+
 def prompts_for(block: int, seed: int = 0) -> list[list[int]]:
     """Prompts sharing prefixes of 2, 4 and 5 blocks, each ending off a boundary,
     run one at a time so each can hit what the ones before it saved."""
@@ -128,9 +137,9 @@ def test_outputs_equal_vllm_alone_cold_warm_restarted_shared_and_corrupted(
     cold, cold_cached = one_by_one(first, prompts)
     assert cold == reference
     assert cold_cached[0] == 0
-    # Saves are written on a background thread: wait for them, so the warm run's
-    # lookups do not race it (every object is then on disk, where lookups look).
-    worker_connector()._worker.flush()
+    # Saves are written on a background thread: wait for them and for the
+    # scheduler to hear of them, so the warm run's lookups do not race it.
+    saved(first)
     first.reset_prefix_cache()
     warm, warm_cached = one_by_one(first, prompts)
     assert warm == reference
@@ -142,8 +151,8 @@ def test_outputs_equal_vllm_alone_cold_warm_restarted_shared_and_corrupted(
         for p, n in zip(prompts, PROMPT_BLOCKS, strict=True)
     ]
     assert warm_cached == hits
-    saved = worker_connector()._worker
-    assert saved.loads_done >= len(prompts) and saved.load_failures == 0
+    worker = worker_connector()._worker
+    assert worker.loads_done >= len(prompts) and worker.load_failures == 0
     close(first)
     files = sorted(disk.glob("*.kvi"))
     assert files, "nothing reached the disk tier"
@@ -195,7 +204,7 @@ def test_vanished_and_evicted_objects_cost_a_recompute_never_a_token(models, kin
     llm = engine(model, block_size=block_size, tiers=["host:64MiB"])
     assert one_by_one(llm, prompts)[0] == reference
     worker = worker_connector()._worker
-    worker.flush()
+    saved(llm)
     host = worker.tiers.tiers[0]
     assert len(host) > 0
     host.delete_many(host.names())  # vanished: the scheduler still lists them
@@ -208,7 +217,7 @@ def test_vanished_and_evicted_objects_cost_a_recompute_never_a_token(models, kin
     small = engine(model, block_size=block_size, tiers=[f"host:{4 * one_object}"])
     assert one_by_one(small, prompts)[0] == reference
     worker = worker_connector()._worker
-    worker.flush()
+    saved(small)
     assert worker.tiers.tiers[0].metrics.evictions > 0
     small.reset_prefix_cache()
     evicted, _ = one_by_one(small, prompts)
@@ -274,32 +283,32 @@ def test_an_attention_only_model_hits_a_partial_block_only_where_its_tokens_matc
     model = models["llama"]
     rng = random.Random(21)
     base = [rng.randrange(3, 500) for _ in range(96)]
-    saved = [base[:20], base[:65], base[:64], base[:70], base[:75], [*base[:67], 499, 498, 497]]
+    prompts = [base[:20], base[:65], base[:64], base[:70], base[:75], [*base[:67], 499, 498, 497]]
     new = {"extends": base[:72], "diverges": [*base[:67], 5, 5, 5, 5]}
     alone = engine(model, block_size=32)
-    reference = one_by_one(alone, saved + list(new.values()))[0]
+    reference = one_by_one(alone, prompts + list(new.values()))[0]
     close(alone)
 
     disk = tmp_path / "disk"
     llm = engine(model, block_size=32, tiers=["host:64MiB", f"disk:{disk}:64MiB"])
-    cold, _ = one_by_one(llm, saved)
-    worker_connector()._worker.flush()
+    cold, _ = one_by_one(llm, prompts)
+    saved(llm)
     llm.reset_prefix_cache()
-    warm, warm_cached = one_by_one(llm, saved)
-    assert cold == warm == reference[: len(saved)]
+    warm, warm_cached = one_by_one(llm, prompts)
+    assert cold == warm == reference[: len(prompts)]
     # a prompt under one block saves no partial block: its prefill is cheaper
-    hits = [len(p) - 1 if len(p) >= 32 else 0 for p in saved]
+    hits = [len(p) - 1 if len(p) >= 32 else 0 for p in prompts]
     assert warm_cached == hits
     llm.reset_prefix_cache()
     got, got_cached = one_by_one(llm, list(new.values()))
-    assert got == reference[len(saved) :]
+    assert got == reference[len(prompts) :]
     # base[64:70] (6 tokens) is saved and begins the first; base[64:65] the second
     assert got_cached == [70, 65]
     close(llm)
 
     again = engine(model, block_size=32, tiers=[f"disk:{disk}:64MiB"])
-    restarted, restarted_cached = one_by_one(again, saved)
-    assert restarted == reference[: len(saved)]
+    restarted, restarted_cached = one_by_one(again, prompts)
+    assert restarted == reference[: len(prompts)]
     assert restarted_cached == hits
     close(again)
 
@@ -341,7 +350,7 @@ def test_a_small_host_load_is_done_in_the_step_that_asks_for_it(models, tmp_path
     try:
         generate(llm, [prompt])
         worker = worker_connector()._worker
-        worker.flush()
+        saved(llm)
         sched = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
         firsts = {}
         for word, answer in (("async", False), ("in-step", True)):
@@ -461,6 +470,7 @@ def test_saves_past_the_backlog_are_skipped_and_cost_only_misses(models, caplog)
             cold += generate(llm, [p])[0]
             worker_connector()._worker.flush()  # the backlog empty before the next
         worker = worker_connector()._worker
+        saved(llm)
         assert worker.saves_skipped == 3 and worker.objects_saved == 2 and worker.backlog == 0
         assert "saves skipped" in caplog.text and "save_backlog" in caplog.text
         llm.reset_prefix_cache()

@@ -96,6 +96,7 @@ def test_two_ranks_save_their_shards_and_load_them_back(tmp_path, kind):
     ranks = [sorted(f.name for f in (disk / f"tp{r}").glob("*.kvi")) for r in (0, 1)]
     assert ranks[0] and len(ranks[0]) == len(ranks[1]) and not set(ranks[0]) & set(ranks[1])
     assert {n[:3] for n in ranks[0]} == {"kv-", "st-"}  # KV blocks and states alike
+    run(llm, [[5]])  # a few steps: the scheduler hears of the last writes (reports ride on them)
     llm.reset_prefix_cache()  # hits can only come from the tier now
     warm, warm_cached = run(llm, prompts)
     after = sorted(llm.collective_rpc(_saves_flushed))
