@@ -213,3 +213,31 @@ def test_past_the_loads_in_flight_a_hit_is_asked_again_and_a_miss_is_not(monkeyp
     assert side.matched(_request("r7", 80, seed=3), 0) == (0, False)  # a miss needs no load
     side.loaded({"r5"})  # vLLM reports the first load done
     assert side.matched(second, 0) == (79, True)
+
+
+def test_a_request_asked_again_is_looked_up_from_where_its_run_ended():
+    """vLLM asks a waiting request step after step: the second ask starts where
+    the first run ended (the books only gained names since), finding what was
+    saved meanwhile; a block of the run leaving a tier, or a failed load, makes
+    the next ask walk the run again and answer what holds now."""
+    side = _side("kv")
+    r = _request("r7", 16 * 40 + 1)
+    keys = block_keys(key_root(NS), torch.tensor(r.all_token_ids).numpy(), BS)
+    names = [object_name(ImageKind.KV_BLOCK, k) for k in keys]
+    side.catalogue.hosted(names[:20], [])
+    asked: list[str] = []
+    real = side.catalogue.locate
+    side.catalogue.locate = lambda n: (asked.extend(n), real(n))[1]
+    assert side.matched(r, 0) == (20 * BS, True)
+    first = len(asked)
+    side.catalogue.hosted(names[20:30], [])  # saved meanwhile
+    asked.clear()
+    assert side.matched(r, 0) == (30 * BS, True)
+    assert names[0] not in asked and len(asked) < first  # from block 20 on
+    side.catalogue.hosted([], [names[5]])  # block 5 evicted: the run is walked again
+    asked.clear()
+    assert side.matched(r, 0) == (5 * BS, True) and names[0] in asked
+    side.catalogue.hosted([names[5]], [])
+    assert side.matched(r, 0) == (30 * BS, True)
+    side.reported(WorkerReport(failed=[names[3]]))  # a load of block 3 failed
+    assert side.matched(r, 0) == (3 * BS, True)

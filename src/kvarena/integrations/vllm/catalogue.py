@@ -124,6 +124,11 @@ class Catalogue:
         self._gone.append(name)
         self._gone_total += 1
 
+    def removals(self) -> int:
+        """How many names have been removed from the books so far."""
+        with self._lock:
+            return self._gone_total
+
     def gone(self, since: int) -> tuple[list[str] | None, int]:
         """The names removed from any book after the first ``since`` removals (None:
         more than :data:`GONE_KEPT` ago, no longer known), and the count to ask

@@ -106,6 +106,11 @@ class AllRanks:
             self._names.move_to_end(name)
         return got
 
+    def prefix_of(self, name: str) -> str:
+        """The prefix object a rank's name belongs to, as far as a lookup has seen
+        it (a name not seen: itself, as rank 0's names are)."""
+        return self._prefix_of.get(name, name)
+
     def _forget_removed(self) -> None:
         gone, self._since = self.catalogue.gone(self._since)
         if gone is None:

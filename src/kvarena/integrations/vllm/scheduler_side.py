@@ -23,6 +23,7 @@ from ...prefix.keys import key_root
 from ...prefix.lookup import TierFinds, locate_in_tiers, resume_point
 from ...tiers.image import ImageKind, object_name
 from ...tiers.stack import tier_labels
+from .asked import AskedBefore
 from .catalogue import Catalogue
 from .chains import RequestKeys, cacheable, request_extra
 from .events import TierEvents
@@ -75,6 +76,7 @@ class SchedulerSide:
         # prefix objects a load could not use (on any rank), until saved again
         self._failed: set[str] = set()
         self._objects = AllRanks(catalogue, ranks)  # what a lookup asks
+        self.asked = AskedBefore(catalogue, self._objects)  # waiting requests' last lookups
         self._requests: dict[str, Any] = {}
         self._keys: dict[str, RequestKeys] = {}
         self._found: dict[str, Found] = {}
@@ -99,10 +101,6 @@ class SchedulerSide:
             self._keys[request.request_id] = chain
         return chain
 
-    def _keys_of(self, request: Any, blocks: int) -> list[bytes]:
-        """The chained keys of the request's first ``blocks`` blocks."""
-        return self._chain(request).upto(blocks)
-
     # -- lookups ------------------------------------------------------------------
     def matched(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
         self._found.pop(request.request_id, None)
@@ -116,10 +114,11 @@ class SchedulerSide:
             return 0, False
         self.telemetry.looked_up()
         keys = self._chain(request)
+        start, known, since = self.asked.start(request.request_id, keys, local, limit)
         finds = locate_in_tiers(
             self._objects,
             keys,
-            kv_end=local,
+            kv_end=start,
             limit=limit,
             has_kv=bool(self.kv_groups),
             has_state=bool(self.state_groups),
@@ -128,6 +127,9 @@ class SchedulerSide:
             skip=self._failed,
             names=keys.names,
         )
+        if known:
+            finds = dataclasses.replace(finds, kv={**known, **finds.kv})
+        self.asked.found(request.request_id, local, finds, since)
         point = resume_point(finds.kv_end, bool(self.state_groups), lambda b: b in finds.state)
         tail, rows = self._tail(request, keys, limit) if tails and point == limit else (None, 0)
         if point * bs + rows <= num_computed:
@@ -159,11 +161,11 @@ class SchedulerSide:
         synchronous path by block ids, which it maps back to requests for one
         group alone, and a state must land a step before the forward resuming
         from it."""
-        if self._host is None or len(self.groups) != 1 or self.state_groups:
+        if self._host is None or len(self.groups) != 1 or self.state_groups or not levels:
             return False
-        if not levels or any(level != 0 for level in levels):
+        if not self.pace.in_step(len(levels) * self._kv_bytes):
             return False
-        return self.pace.in_step(len(levels) * self._kv_bytes)
+        return levels.count(0) == len(levels)
 
     @property
     def _tails_served(self) -> bool:
@@ -283,7 +285,7 @@ class SchedulerSide:
             ids = block_state.get_block_ids(rid)
             if ids is None:
                 continue
-            keys = self._keys_of(request, upto)
+            keys = self._chain(request).upto(upto)
             for i in range(first, upto):
                 blocks = tuple(ids[g.index][i] for g in self.kv_groups)
                 if 0 not in blocks:
@@ -297,7 +299,7 @@ class SchedulerSide:
             for b in sorted(at):
                 if b * bs > len(request.all_token_ids) or b <= self._floor.get(rid, 0):
                     continue
-                keys = self._keys_of(request, b)
+                keys = self._chain(request).upto(b)
                 copy = BlockCopy(
                     index=b,
                     key=keys[b - 1],
@@ -383,6 +385,7 @@ class SchedulerSide:
             for label, name in report.dropped:  # the connector names each kind once
                 self.catalogue.reported(label, (), [name])
             self._failed.update(report.failed)
+            self.asked.failed(len(report.failed))
             self._failed.difference_update(report.saved)
 
     def loaded(self, requests: set[str]) -> None:
@@ -392,5 +395,6 @@ class SchedulerSide:
     def finished(self, request: Any) -> None:
         rid = request.request_id
         self._inflight.discard(rid)
+        self.asked.forget(rid)
         for book in (self._requests, self._keys, self._found, self._saved_upto, self._floor):
             book.pop(rid, None)
