@@ -482,6 +482,40 @@ def test_a_strided_relocation_is_one_copy():
     assert torch.equal(buf, expect)
 
 
+@pytest.mark.parametrize("blocks", ["consecutive", "every_third", "scattered"])
+def test_objects_into_a_layer_major_cache_are_one_grid(blocks):
+    """Objects of every layer's page back to back, loaded into a layer-major
+    cache (each layer a region, a block a page in it): each object's layers are
+    one family, and where the objects' blocks advance evenly the families are
+    one grid, one call (a scattered request's pages, a page apart on the
+    destination in any order, are one gather). Every byte lands, nothing else
+    is written; the grid's shape checked by hand."""
+    from kvarena.spans import grids
+
+    page, layers, count, region_blocks = 4096, 6, 9, 40
+    ids = {
+        "consecutive": np.arange(3, 3 + count),
+        "every_third": 1 + 3 * np.arange(count),
+        "scattered": np.random.default_rng(3).permutation(region_blocks)[:count],
+    }[blocks]
+    region = region_blocks * page
+    src = (np.arange(count)[:, None] * layers * page + np.arange(layers)[None, :] * page).ravel()
+    dst = (ids[:, None] * page + np.arange(layers)[None, :] * region).ravel()
+    length = np.full(src.size, page, dtype=np.int64)
+    rng = np.random.default_rng(7)
+    data = torch.from_numpy(rng.integers(0, 256, count * layers * page, dtype=np.uint8))
+    cache = torch.full((layers * region,), 0xA5, dtype=torch.uint8)
+    expect = _spans_written(cache, data, src, dst, length)
+    stats = execute_batch(CopyBatch(src, dst, length), data, cache)
+    assert torch.equal(cache, expect)
+    assert stats.ops == 1
+    families, _ = progressions(src, dst, length, 0, min_spans=4)
+    step = int(ids[1] - ids[0]) * page
+    if blocks != "scattered":
+        grid = (0, int(ids[0]) * page, layers, page, page, region, count, layers * page, step)
+        assert grids(families) == [grid]
+
+
 @pytest.mark.parametrize("rows", ["short", "middle", "long"])
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_a_downward_family_is_one_copy(interleaved, rows):

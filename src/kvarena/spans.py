@@ -268,3 +268,46 @@ def gathers(
             found.append((int(d[p]), q - p + 1, value, int(dd[p]), src[rows]))
             covered[rows] = True
     return found, covered
+
+
+Grid = tuple[int, int, int, int, int, int, int, int, int]
+"""``(src0, dst0, count, length, src_step, dst_step, outer, outer_src, outer_dst)``:
+``outer`` families of ``count`` spans, family ``k`` starting ``k * outer_src``
+and ``k * outer_dst`` bytes after the first."""
+
+
+def grids(families: list[tuple[int, int, int, int, int, int]]) -> list[Grid]:
+    """Families of one shape (count, length, steps) whose starts themselves
+    advance by one constant step on each side, merged into one grid each: ONE
+    three-dimensional view per side. A request's blocks in a layer-major cache
+    are such a grid: each object's layers one family (sources back to back,
+    destinations a layer's region apart), the objects' families a block
+    apart. A family that joins no other is a grid of one. Outer steps are never
+    negative (no torch view has a negative stride); the spans' destinations
+    were disjoint and stay so."""
+    out: list[Grid] = []
+    by_shape: dict[tuple[int, int, int, int], list[tuple[int, int]]] = {}
+    for s0, d0, count, length, ss, ds in families:
+        by_shape.setdefault((count, length, ss, ds), []).append((s0, d0))
+    for (count, length, ss, ds), starts in by_shape.items():
+        starts.sort()
+        k = 0
+        while k < len(starts):
+            end = k + 1
+            if end < len(starts):
+                step_s = starts[end][0] - starts[k][0]
+                step_d = starts[end][1] - starts[k][1]
+                while (
+                    step_d >= 0
+                    and end < len(starts)
+                    and starts[end][0] - starts[end - 1][0] == step_s
+                    and starts[end][1] - starts[end - 1][1] == step_d
+                ):
+                    end += 1
+            if end - k < 2:
+                out.append((*starts[k], count, length, ss, ds, 1, 0, 0))
+                k += 1
+                continue
+            out.append((*starts[k], count, length, ss, ds, end - k, step_s, step_d))
+            k = end
+    return out

@@ -44,7 +44,7 @@ import torch
 
 from ..checks import check_bytes
 from ..errors import InvalidValueError
-from ..spans import distinct, gathers, progressions
+from ..spans import distinct, gathers, grids, progressions
 from .plan import CopyBatch
 from .short_spans import _short_spans_cpu, _short_spans_torch
 from .thresholds import (
@@ -106,15 +106,23 @@ def _copy_progression(
     length: int,
     src_step: int,
     dst_step: int,
+    outer: int = 1,
+    outer_src: int = 0,
+    outer_dst: int = 0,
 ) -> None:
-    """One family of spans as one call between two ``[count, length]`` row
-    views of words. Destination rows are disjoint and, the batch being
-    validated, no row read is written; torch sees strided (not dense) views
-    here and moves them without an overlap copy of its own."""
+    """One grid of spans (:func:`~kvarena.spans.grids`: ``outer`` families of
+    ``count`` rows) as one call between two ``[outer, count, length]`` views of
+    words. Destination rows are disjoint and, the batch being validated, no
+    row read is written; torch sees strided (not dense) views here and moves
+    them without an overlap copy of its own."""
     w, sw, dw = words.size, words.src, words.dst
-    rows = (count, length // w)
-    view_src = sw.as_strided(rows, (src_step // w, 1), sw.storage_offset() + src // w)
-    view_dst = dw.as_strided(rows, (dst_step // w, 1), dw.storage_offset() + dst // w)
+    shape = (outer, count, length // w)
+    view_src = sw.as_strided(
+        shape, (outer_src // w, src_step // w, 1), sw.storage_offset() + src // w
+    )
+    view_dst = dw.as_strided(
+        shape, (outer_dst // w, dst_step // w, 1), dw.storage_offset() + dst // w
+    )
     view_dst.copy_(view_src)
 
 
@@ -338,8 +346,8 @@ def execute_batch(
             ops += _copy_spans(src_buf, dst_buf, r_src, r_dst, r_len, large_span_bytes, path)
     if families or gathered or alone.any():
         words = _Words.of(src_buf, dst_buf, src, dst, length, widest=16 if path == "cpu" else 8)
-        for family in families:
-            _copy_progression(words, *family)
+        for grid in grids(families):  # families of families: one call each
+            _copy_progression(words, *grid)
             ops += 1
         for gather in gathered:
             _copy_gather(words, *gather)
