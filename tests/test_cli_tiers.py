@@ -154,10 +154,10 @@ def test_bad_input_is_one_line_and_exit_2(filled, args, words):
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 
-def test_a_redis_store_stat_verify_prune(redis_server):
+def _stat_verify_prune(url: str, store) -> None:
+    """``kvarena tiers`` over a Redis store ``url`` (``store``: a client of it)."""
     from kvarena.tiers.spec import TierSpec
 
-    url = f"redis://127.0.0.1:{redis_server.port}"
     tier = TierSpec.parse(url).open()
     objs = objects(VLLM_NS, 4, 1, 3) + objects(PREFIX_NS, 2, 0, 4)
     TierStack([tier]).write_through(objs)
@@ -165,13 +165,12 @@ def test_a_redis_store_stat_verify_prune(redis_server):
     assert doc["objects"] == 7
     rows = {r["namespace"]: r for r in doc["namespaces"]}
     assert (rows[namespace_id(VLLM_NS)]["kv_blocks"], rows[namespace_id(VLLM_NS)]["states"]) == (4, 1)
-    import redis
-
-    store = redis.Redis(host="127.0.0.1", port=redis_server.port)
     key = tier.prefix + objs[0].name
     value = bytearray(store.get(key))
     value[-1] ^= 1
     store.set(key, bytes(value))
+    r = kvarena("verify", url, "--json")
+    assert r.returncode == 1 and json.loads(r.stdout)["failed"][0]["reason"] == "checksum"
     r = kvarena("verify", url, "--fix", "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["failed"][0]["reason"] == "checksum"
     assert store.exists(key) == 0
@@ -179,3 +178,26 @@ def test_a_redis_store_stat_verify_prune(redis_server):
     assert json.loads(r.stdout)["removed"] == 2
     assert json.loads(kvarena("stat", url, "--json").stdout)["objects"] == 4
     tier.close()
+
+
+def test_a_redis_store_stat_verify_prune(redis_server):
+    import redis
+
+    _stat_verify_prune(
+        f"redis://127.0.0.1:{redis_server.port}",
+        redis.Redis(host="127.0.0.1", port=redis_server.port),
+    )
+
+
+def test_a_redis_cluster_stat_verify_prune(tmp_path):
+    """The same over a Redis Cluster of three primaries: every object read and
+    every removal goes to the node holding its key (a multi-key command over
+    slots would be refused by the cluster)."""
+    import redis
+    from conftest import redis_binary
+
+    from kvarena.testing.redis_server import RedisCluster
+
+    with RedisCluster(str(tmp_path), binary=redis_binary()) as cluster:
+        port = cluster.servers[0].port
+        _stat_verify_prune(cluster.url, redis.RedisCluster(host="127.0.0.1", port=port))

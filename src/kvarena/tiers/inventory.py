@@ -267,18 +267,27 @@ class RedisInventory:
         data: bytes | None = self._client.get(entry.where)
         return data
 
+    # Reads and deletes go key by key in a pipeline, never one multi-key command:
+    # a Redis Cluster refuses MGET or DEL over keys of different slots, and its
+    # client's pipeline sends each node its own keys in one round trip.
     def contents(self) -> Iterator[tuple[str, str, bytes]]:
         keys = self._keys()
         for i in range(0, len(keys), 64):
             chunk = keys[i : i + 64]
-            for key, data in zip(chunk, self._client.mget(chunk), strict=True):
+            pipe = self._client.pipeline(transaction=False)
+            for k in chunk:
+                pipe.get(k)
+            for key, data in zip(chunk, pipe.execute(), strict=True):
                 if data is not None:
                     yield key[len(self.prefix) :], key, data
 
     def delete(self, keys: Sequence[str]) -> int:
         n = 0
         for i in range(0, len(keys), 512):
-            n += int(self._client.delete(*keys[i : i + 512]))
+            pipe = self._client.pipeline(transaction=False)
+            for k in keys[i : i + 512]:
+                pipe.unlink(k)
+            n += sum(int(v) for v in pipe.execute())
         return n
 
     @contextlib.contextmanager
