@@ -122,6 +122,8 @@ def test_the_same_code_runs_on_a_redis_cluster(tmp_path):
 
         counts = [redis.Redis(port=s.port).dbsize() for s in cluster.servers]
         assert sum(counts) == 19 and sum(1 for c in counts if c) >= 2
+        # listed whole, every node's keys (what an engine's catalogue lists)
+        assert sorted(tier.names() or []) == sorted(names[5:])
         # Two caches over the cluster: what one drained, the other hits.
         ps = prompts(6)
         first = make(TierStack([parse_tier(cluster.url)]))
