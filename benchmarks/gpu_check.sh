@@ -35,6 +35,9 @@ status=0
 # Where vLLM is installed (vllm==0.32.*): the connector's copies of a request in
 # vLLM's layer-major and block-major layouts, on the device (vLLM's own allocation).
 if "$py" -c "import vllm" 2>/dev/null; then
+    # the saves' gather on a side stream into pinned memory, checked by bytes
+    "$py" -m pytest -q -p no:cacheprovider tests/test_vllm_layouts.py -k cuda 2>&1 |
+        tee "$out/test_vllm_layouts_cuda.txt" || status=1
     "$py" benchmarks/bench_vllm_layout.py --device cuda 2>&1 |
         tee "$out/bench_vllm_layout_cuda.txt" || status=1
 fi
