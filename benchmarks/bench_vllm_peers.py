@@ -138,7 +138,24 @@ class LMCacheServer:
 
 
 def _servers(kind: str, model: Path, tmp: Path, lmcache_python: str | None) -> tuple[dict, list]:
-    """Every engine's server (name -> VllmServer), and what else must be stopped."""
+    """Every engine's server (name -> VllmServer), and what else must be stopped;
+    where one fails to start, those started before it are stopped too."""
+    servers: dict = {}
+    extra: list = []
+    try:
+        _start(servers, extra, kind, model, tmp, lmcache_python)
+    except BaseException:
+        for s in servers.values():
+            s.stop(signal.SIGKILL)
+        for e in extra:
+            e.stop()
+        raise
+    return servers, extra
+
+
+def _start(
+    servers: dict, extra: list, kind: str, model: Path, tmp: Path, lmcache_python: str | None
+) -> None:
     from kvarena.testing.vllm_server import VllmServer
 
     block = 32 if kind == "llama" else None
@@ -146,8 +163,6 @@ def _servers(kind: str, model: Path, tmp: Path, lmcache_python: str | None) -> t
     bound = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
     common = {"block_size": block, "kv_cache_memory_bytes": DEVICE_KV}
     details = ("--enable-prompt-tokens-details",)
-    servers: dict = {}
-    extra: list = []
     servers["vLLM alone"] = VllmServer(
         model, tmp / "alone.log", options=details, env=dev, **common
     )
@@ -183,7 +198,6 @@ def _servers(kind: str, model: Path, tmp: Path, lmcache_python: str | None) -> t
             python=lmcache_python,
             **common,
         )
-    return servers, extra
 
 
 def bench(kind: str, args) -> tuple[list[dict], list[str]]:
