@@ -180,3 +180,6 @@ def test_a_hint_that_names_no_tier_is_refused(stack):
     for bad in ([2], [-1], [0, 0]):
         with pytest.raises(InvalidValueError, match="first"):
             fetch_checked(stack, wanted, first=bad)
+    for bad_last in (2, -1, 0.5):  # the stack has levels 0 and 1
+        with pytest.raises(InvalidValueError, match=r"last must name a level \(0\.\.1\)"):
+            fetch_checked(stack, wanted, last=bad_last)

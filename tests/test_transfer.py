@@ -821,6 +821,11 @@ def test_an_expect_left_unanswered_is_cancelled_and_frees_the_receiver():
         assert stats["pending"] == [] and stats["quarantined"] == []
         dst = client.expect("after", 2)  # the client still serves
         assert len(dst["blocks"]) == 2
+        from kvarena.transfer import TransferError
+
+        for bad in ({"op": "cancel"}, {"op": "cancel", "attempt": 7}):  # refused, named
+            with pytest.raises(TransferError, match="attempt must be the non-empty string"):
+                client._call(bad)
         client.close()
     finally:
         assert decode.stop() == 0

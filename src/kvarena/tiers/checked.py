@@ -170,6 +170,10 @@ def fetch_checked(
     With ``held``, a host tier lends its objects in place (``HostTier.borrow``,
     kept open by ``held`` until the caller has copied them out): one copy,
     host to device; without it every payload is a tier's own copy."""
+    if last is not None and not (isinstance(last, int) and 0 <= last < len(stack)):
+        raise InvalidValueError(
+            f"fetch_checked: last must name a level (0..{len(stack) - 1}) or be None, got {last!r}"
+        )
     start = list(first) if first is not None else [0] * len(wanted)
     if len(start) != len(wanted) or not all(0 <= x < len(stack) for x in start):
         raise InvalidValueError(

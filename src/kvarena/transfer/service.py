@@ -65,6 +65,18 @@ ATTEMPTS_KEPT = 4096
 """Expect attempts a service remembers (answered, or cancelled before read)."""
 
 
+def _attempt(msg: dict, *, required: bool) -> str | None:
+    """A message's expect-attempt token (optional on ``expect``: older clients)."""
+    if (attempt := msg.get("attempt")) is None and not required:
+        return None
+    if not isinstance(attempt, str) or not attempt:
+        raise InvalidValueError(
+            f"control message {msg.get('op')!r}: attempt must be the non-empty string token "
+            f"its expect carried, got {attempt!r:.80}"
+        )
+    return attempt
+
+
 def _remember(book: OrderedDict, key: str, value: object) -> None:
     book[key] = value
     while len(book) > ATTEMPTS_KEPT:
@@ -134,7 +146,7 @@ class DecodeService:
             if request is None:
                 raise InvalidValueError(f"control message {op!r} carries no request id it can read")
         if op == "expect":
-            attempt = msg.get("attempt")
+            attempt = _attempt(msg, required=False)
             if attempt is not None and attempt in self._cancelled:
                 raise InvalidValueError(
                     f"expect of {request!r}: its sender cancelled this attempt; nothing allocated"
@@ -146,10 +158,10 @@ class DecodeService:
                 peer=msg.get("peer"),
             )
             if attempt is not None:
-                _remember(self._attempts, str(attempt), int(reply["transfer"]))
+                _remember(self._attempts, attempt, int(reply["transfer"]))
             return reply
         if op == "cancel":
-            attempt = str(msg.get("attempt"))
+            attempt = str(_attempt(msg, required=True))
             transfer = self._attempts.pop(attempt, None)
             if transfer is None:  # its expect not read yet: refused when it is
                 _remember(self._cancelled, attempt, None)
@@ -253,10 +265,9 @@ class PrefillClient:
         self._sock = self._open()
 
     def _call(self, msg: dict) -> dict:
-        wait_s = self.timeout_s
         try:
             self._sock.send(json.dumps(msg).encode())
-            answered = self._sock.poll(int(wait_s * 1000))
+            answered = self._sock.poll(int(self.timeout_s * 1000))
             raw = self._sock.recv() if answered else None
         except zmq.ZMQError as exc:
             self._reset()
@@ -268,7 +279,7 @@ class PrefillClient:
             self._reset()
             raise TransferTimeout(
                 f"decode service at {self.endpoint} did not answer {msg['op']!r} within "
-                f"{wait_s}s; the socket was reset, the next call starts afresh"
+                f"{self.timeout_s}s; the socket was reset, the next call starts afresh"
             )
         try:
             reply = json.loads(raw)

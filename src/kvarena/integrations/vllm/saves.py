@@ -16,7 +16,8 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any
+
+import torch
 
 from ...tiers import ImageKind, TierStack
 from ...tiers.base import IndexedTier
@@ -36,7 +37,7 @@ class Save:
     copy: BlockCopy
     payload: memoryview
     prefix: str
-    ready: Any = None  # on CUDA: the event after which ``payload`` holds the bytes
+    ready: torch.cuda.Event | None = None  # on CUDA: when ``payload`` holds the bytes
 
 
 @dataclass(frozen=True, kw_only=True)

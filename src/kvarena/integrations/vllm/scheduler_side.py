@@ -136,8 +136,7 @@ class SchedulerSide:
             return 0, False
         if len(self._inflight) >= LOADS_IN_FLIGHT:
             return None, False  # ask again: no load starts past the bound
-        levels = [finds.kv.get(i) for i in range(local, point)] + ([tail.level] if tail else [])
-        in_step = self._in_step(levels)
+        in_step = self._in_step(finds, local, point, tail)
         self._found[request.request_id] = Found(
             local=local,
             resume_point=point,
@@ -153,19 +152,20 @@ class SchedulerSide:
         # earlier (the request waits for it, then is scheduled).
         return point * bs + rows - num_computed, not in_step
 
-    def _in_step(self, levels: list[int | None]) -> bool:
-        """Whether a hit of KV objects found at ``levels`` is loaded in the step
-        vLLM schedules it in: only where a host tier on top holds every one, and
-        its copy takes at most a share of a step as measured (:mod:`.pace`). An
-        attention-only model of one group only: vLLM names a failed load of its
-        synchronous path by block ids, which it maps back to requests for one
-        group alone, and a state must land a step before the forward resuming
-        from it."""
-        if self._host is None or len(self.groups) != 1 or self.state_groups or not levels:
+    def _in_step(self, finds: TierFinds, local: int, point: int, tail: BlockCopy | None) -> bool:
+        """Whether a hit (blocks ``local`` to ``point``, and ``tail``) loads in the step
+        vLLM schedules it in: where a host tier on top holds every object and the
+        copy takes at most a share of a step as measured (:mod:`.pace`); for an
+        attention-only model of one group (vLLM maps a failed synchronous load's
+        block ids back to requests for one group alone, and a state must land a
+        step before the forward resuming from it)."""
+        n = point - local + (tail is not None)
+        if self._host is None or len(self.groups) != 1 or self.state_groups or not n:
             return False
-        if not self.pace.in_step(len(levels) * self._kv_bytes):
+        if not self.pace.in_step(n * self._kv_bytes):  # before the levels: mostly no
             return False
-        return levels.count(0) == len(levels)
+        levels = [finds.kv.get(i) for i in range(local, point)] + ([tail.level] if tail else [])
+        return levels.count(0) == n
 
     @property
     def _tails_served(self) -> bool:

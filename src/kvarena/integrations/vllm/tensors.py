@@ -23,6 +23,7 @@ own strategies, instead of a copy per layer per block.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -135,7 +136,7 @@ class CachePages:
         self.payload = {
             k: sum(layer.block_bytes for g in gs for layer in g) for k, gs in kinds.items()
         }
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}  # saves' side stream
+        self._stream: torch.cuda.Stream | None = None  # the saves' side stream (CUDA)
         self._spans: dict[str, list[_StorageSpans]] = {}
         for kind, groups in kinds.items():
             by_storage: dict[int, list[tuple[int, int, LayerPages]]] = {}
@@ -205,33 +206,28 @@ class CachePages:
         ids = np.asarray(blocks, dtype=np.int64).reshape(len(blocks), -1)
         size = self.payload[kind]
         at = np.arange(len(blocks), dtype=np.int64) * size
-        if self.device.type != "cuda":
+        cuda = self.device.type == "cuda"
+        if cuda:
+            compute = torch.cuda.current_stream(self.device)
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(self.device)
+            self._stream.wait_stream(compute)
+        # Allocated on the side stream, the device buffer is reused only by later
+        # work of that stream, after the host copy below.
+        with torch.cuda.stream(self._stream) if cuda else contextlib.nullcontext():
             stage = torch.empty(len(blocks) * size, dtype=torch.uint8, device=self.device)
             for storage, batch in self.batches(kind, ids, at):
                 execute_batch(_reversed(batch), storage, stage)
-            return stage.cpu(), None
-        compute = torch.cuda.current_stream(self.device)
-        side = self._side_stream()
-        side.wait_stream(compute)
-        with torch.cuda.stream(side):
-            stage = torch.empty(len(blocks) * size, dtype=torch.uint8, device=self.device)
-            for storage, batch in self.batches(kind, ids, at):
-                execute_batch(_reversed(batch), storage, stage)
+            if not cuda:
+                return stage, None
             gathered = torch.cuda.Event()
-            gathered.record(side)
+            gathered.record()
             host = torch.empty(stage.numel(), dtype=torch.uint8, pin_memory=True)
             host.copy_(stage, non_blocking=True)
             ready = torch.cuda.Event()
-            ready.record(side)
-        stage.record_stream(side)  # the allocator keeps it until the side stream is past it
+            ready.record()
         compute.wait_event(gathered)
         return host, ready
-
-    def _side_stream(self) -> torch.cuda.Stream:
-        stream = self._streams.get(self.device)
-        if stream is None:
-            stream = self._streams[self.device] = torch.cuda.Stream(self.device)
-        return stream
 
     def scatter(
         self,
