@@ -64,6 +64,12 @@ pytestmark = pytest.mark.usefixtures("vllm_in_process")
         ({"tiers": ["host:1GiB"], "save_backlog": True}, "'save_backlog'"),
         ({"tiers": ["host:1GiB"], "save_backlog": 1.5}, "'save_backlog'"),
         ([("tiers", "x")], "mapping"),
+        ({"tiers": ["host:1GiB"], "pd_port": 70000}, "'pd_port'"),
+        ({"tiers": ["host:1GiB"], "pd_port": "5600"}, "'pd_port'"),
+        ({"tiers": ["host:1GiB"], "pd_host": "0.0.0.0"}, "'pd_host'"),
+        ({"tiers": ["host:1GiB"], "pd_host": ""}, "'pd_host'"),
+        ({"tiers": ["host:1GiB"], "pd_expiry": 0}, "'pd_expiry'"),
+        ({"tiers": ["host:1GiB"], "pd_expiry": True}, "'pd_expiry'"),
     ],
 )
 def test_bad_settings_are_refused_naming_the_key(extra, names):
@@ -71,6 +77,21 @@ def test_bad_settings_are_refused_naming_the_key(extra, names):
         ConnectorSettings.parse(extra)
     assert names in str(err.value) and "\n" not in str(err.value)
     assert isinstance(err.value, Error)
+
+
+def test_roles_take_disaggregation_and_tiers_as_they_need():
+    for role in ("kv_producer", "kv_consumer"):
+        s = ConnectorSettings.parse({}, role=role)  # nothing but the role is required
+        assert s.disaggregated and s.tiers == () and (s.pd_host, s.pd_port) == ("127.0.0.1", 0)
+        s = ConnectorSettings.parse({"tiers": ["host:1GiB"], "pd_port": 5600}, role=role)
+        assert s.tiers and s.pd_port == 5600
+    assert not ConnectorSettings.parse({"tiers": ["host:1GiB"]}).disaggregated
+    both = ConnectorSettings.parse({"tiers": ["host:1GiB"], "pd_host": "10.0.0.2"})
+    assert both.disaggregated and both.pd_host == "10.0.0.2"
+    with pytest.raises(ConnectorConfigError, match=r"\['tiers'\].*kv_producer and kv_consumer"):
+        ConnectorSettings.parse({"tiers": []}, role="kv_both")
+    with pytest.raises(ConnectorConfigError, match=r"kv_role='kv_middle': .*kv_producer"):
+        ConnectorSettings.parse({}, role="kv_middle")
 
 
 def test_good_settings_parse():

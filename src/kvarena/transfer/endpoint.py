@@ -56,7 +56,7 @@ def nixl_available() -> bool:
     return True
 
 
-def _nixl():
+def nixl_api():
     try:
         from nixl_cu12._api import nixl_agent, nixl_agent_config
     except ImportError as exc:  # pragma: no cover - depends on the install
@@ -117,7 +117,7 @@ class NixlEndpoint:
         # exit; loopback and TCP never need it. UCX reads this when the agent
         # starts, so a caller's own setting wins.
         os.environ.setdefault("UCX_MODULES", "^ib")
-        nixl_agent, nixl_agent_config = _nixl()
+        nixl_agent, nixl_agent_config = nixl_api()
         if not isinstance(name, str) or not name or "#" in name:
             raise InvalidValueError(
                 f"an endpoint name is a non-empty str without '#', got {name!r}"

@@ -35,8 +35,11 @@ from .catalogue import Catalogue
 from .events import TierEvents
 from .groups import Group, classify, namespace_json
 from .metrics import KvarenaPromMetrics, KvarenaStats
+from .pd_channel import Hello
+from .pd_scheduler import PdScheduler
+from .pd_worker import PdWorker
 from .ranks import rank_tier_specs
-from .records import StepPlan
+from .records import HelloMeta, StepPlan
 from .scheduler_side import SchedulerSide
 from .settings import ConnectorConfigError, ConnectorSettings, check_failure_policy
 from .tensors import payload_bytes
@@ -135,7 +138,10 @@ class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
-        settings = ConnectorSettings.parse(extra)
+        kv_role = str(self._kv_transfer_config.kv_role or "kv_both")
+        settings = ConnectorSettings.parse(extra, role=kv_role)
+        self._settings = settings
+        self._hands_off = settings.disaggregated and kv_role != "kv_consumer"
         check_failure_policy(getattr(self._kv_transfer_config, "kv_load_failure_policy", None))
         worker = role != KVConnectorRole.SCHEDULER
         rank = _tp_rank() if worker else None
@@ -144,6 +150,10 @@ class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
         )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._pd: PdScheduler | None = None
+        self._pd_worker: PdWorker | None = None
+        self._namespace = namespace
+        self._ranks = ranks
         self._num_blocks = int(kv_cache_config.num_blocks)
         self._block_errors: set[int] = set()
         if role == KVConnectorRole.SCHEDULER:
@@ -162,6 +172,18 @@ class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
                 ranks=ranks,
                 events=_events(vllm_config, kv_cache_config, settings, groups, block_size, ranks),
             )
+            if settings.disaggregated:
+                self._pd = PdScheduler(
+                    role=kv_role,
+                    groups=groups,
+                    block_size=block_size,
+                    ranks=ranks,
+                    engine_id=str(self._kv_transfer_config.engine_id),
+                    host=settings.pd_host,
+                    port=settings.pd_port,
+                    expiry_s=settings.pd_expiry,
+                    timeout_s=settings.load_timeout,
+                )
         else:
             try:
                 specs = rank_tier_specs(settings.tiers, rank or 0, ranks)
@@ -188,22 +210,53 @@ class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
         backend lists it."""
         from vllm.platforms import current_platform
 
-        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
-        return ConnectorSettings.parse(extra).preferred_layout(cpu=current_platform.is_cpu())
+        config = vllm_config.kv_transfer_config
+        settings = ConnectorSettings.parse(
+            config.kv_connector_extra_config,
+            role=str(getattr(config, "kv_role", None) or "kv_both"),
+        )
+        return settings.preferred_layout(cpu=current_platform.is_cpu())
 
     @property
     def requires_kv_delivery(self) -> bool:
-        return False  # a cache: a dropped save is a later miss
+        # a cache: a dropped save is a later miss; a prefill engine's handoff
+        # is not (a request preempted before it is read is recomputed)
+        return self._hands_off
 
     # -- worker ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         self._worker.register(kv_caches, self._num_blocks)
+        if self._settings.disaggregated:
+            assert self._worker.pages is not None
+            self._pd_worker = PdWorker(
+                self._worker.pages,
+                namespace=self._namespace,
+                rank=self._worker.rank,
+                ranks=self._ranks,
+                timeout_s=self._settings.load_timeout,
+            )
+
+    def get_handshake_metadata(self) -> HelloMeta | None:
+        """This worker's NIXL hello, served to decode engines by the scheduler's
+        side channel (vLLM gathers every worker's at start)."""
+        if self._pd_worker is None:
+            return None
+        return HelloMeta(hello=self._pd_worker.hello().to_dict())
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        if self._pd is not None:
+            self._pd.hellos({r: Hello.from_dict(m.hello) for r, m in metadata.items()})
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if self._worker is not None and isinstance(meta, StepPlan):
             self._worker.load(meta)
+            if self._pd_worker is not None:
+                self._pd_worker.offered(meta.offers)
+                self._pd_worker.expired(meta.expired)
+                self._pd_worker.submit(meta.pulls)
+                self._pd_worker.progress()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # a load is copied in a step's start_load_kv, before its forward
@@ -225,9 +278,16 @@ class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
             return KVConnectorTransferResults()
         done, failed = self._worker.received()
         errors = self._worker.load_errors()
+        sent: set[str] = set()
+        if self._pd_worker is not None:
+            self._pd_worker.progress()
+            sent, pulled, pull_failed, pull_errors = self._pd_worker.take()
+            done, failed, errors = done | pulled, failed | pull_failed, errors | pull_errors
         self._block_errors = errors if len(self._kv_cache_config.kv_cache_groups) == 1 else set()
         return KVConnectorTransferResults(
-            finished_recving=done, failed_recving=failed if not self._block_errors else set()
+            finished_sending=sent,
+            finished_recving=done,
+            failed_recving=failed if not self._block_errors else set(),
         )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -267,19 +327,37 @@ class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
         return KvarenaPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
+        if self._pd_worker is not None:
+            self._pd_worker.close()
         if self._worker is not None:
             self._worker.close()
+        if self._pd is not None:
+            self._pd.close()
         if self._scheduler is not None:
             self._scheduler.catalogue.close()
 
     # -- scheduler ------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
         assert self._scheduler is not None
+        if self._pd is not None:
+            answer = self._pd.matched(request, num_computed_tokens)
+            if answer is not None:  # a decode request: read from its prefill engine
+                return answer
+        if not self._settings.tiers:  # a prefill or decode engine alone
+            return 0, False
         return self._scheduler.matched(request, num_computed_tokens)
+
+    def on_new_request(self, request: Any) -> None:
+        if self._pd is not None:
+            self._pd.on_new_request(request)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
         assert self._scheduler is not None
-        self._scheduler.allocated(request, blocks.get_block_ids(), num_external_tokens)
+        ids = blocks.get_block_ids()
+        if self._pd is not None and self._pd.allocated(request, ids, num_external_tokens):
+            self._scheduler.allocated(request, ids, 0)  # its later blocks saved as any
+            return
+        self._scheduler.allocated(request, ids, num_external_tokens)
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int):
         assert self._scheduler is not None
@@ -288,17 +366,22 @@ class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: Any) -> StepPlan:
         assert self._scheduler is not None
-        return self._scheduler.plan(scheduler_output)
+        plan = self._scheduler.plan(scheduler_output) if self._settings.tiers else StepPlan()
+        return self._pd.fill(plan) if self._pd is not None else plan
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is not None:
             self._scheduler.reported(connector_output.kv_connector_worker_meta)
             self._scheduler.loaded(set(connector_output.finished_recving or ()))
+        if self._pd is not None:
+            self._pd.sent(set(connector_output.finished_sending or ()))
 
     def request_finished(self, request: Any, block_ids: list[int]):
-        if self._scheduler is not None:
-            self._scheduler.finished(request)
-        return False, None
+        return self.request_finished_all_groups(request, (block_ids,))
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]):
-        return self.request_finished(request, [])
+        if self._scheduler is not None:
+            self._scheduler.finished(request)
+        if self._pd is not None:
+            return self._pd.finished(request, tuple(block_ids))
+        return False, None

@@ -15,20 +15,26 @@ from .settings import ConnectorSettings, check_failure_policy
 
 
 def kv_transfer_config(
-    tiers: Sequence[str], *, load_failure_policy: str = "recompute", **extra: Any
+    tiers: Sequence[str],
+    *,
+    role: str = "kv_both",
+    load_failure_policy: str = "recompute",
+    **extra: Any,
 ) -> KVTransferConfig:
     """``KVTransferConfig`` for :class:`~kvarena.integrations.vllm.KvarenaConnector`
-    over ``tiers`` (``host:SIZE``, ``disk:DIR:SIZE``, ``redis://HOST:PORT``...);
-    ``extra`` holds the other ``kv_connector_extra_config`` keys (``namespace``,
-    ``host_frame_bytes``). A failed load is recomputed (the only policy the
-    connector takes: :func:`~.settings.check_failure_policy`)."""
+    over ``tiers`` (``host:SIZE``, ``disk:DIR:SIZE``, ``redis://HOST:PORT``...;
+    none for a prefill or decode engine alone) in ``role`` (vLLM's ``kv_role``:
+    ``kv_both``, ``kv_producer``, ``kv_consumer``); ``extra`` holds the other
+    ``kv_connector_extra_config`` keys (``namespace``, ``pd_port``...). A failed
+    load is recomputed (the only policy the connector takes:
+    :func:`~.settings.check_failure_policy`)."""
     config = {"tiers": list(tiers), **extra}
-    ConnectorSettings.parse(config)
+    ConnectorSettings.parse(config, role=role)
     check_failure_policy(load_failure_policy)
     return KVTransferConfig(
         kv_connector="KvarenaConnector",
         kv_connector_module_path="kvarena.integrations.vllm",
-        kv_role="kv_both",
+        kv_role=role,
         kv_load_failure_policy=load_failure_policy,
         kv_connector_extra_config=config,
     )

@@ -128,3 +128,25 @@ def namespace_json(
         sort_keys=True,
         separators=(",", ":"),
     ).encode()
+
+
+def namespace_diff(there: bytes, here: bytes) -> str:
+    """Where two namespaces differ, field by field, both sides named (a group by
+    its index and the spec fields that differ)."""
+    a, b = json.loads(there), json.loads(here)
+    out = []
+    for key in sorted(set(a) | set(b)):
+        x, y = a.get(key), b.get(key)
+        if x == y:
+            continue
+        if key == "groups" and isinstance(x, list) and isinstance(y, list) and len(x) == len(y):
+            for i, (g, h) in enumerate(zip(x, y, strict=True)):
+                for field in sorted(set(g.get("spec", {})) | set(h.get("spec", {}))):
+                    u, v = g.get("spec", {}).get(field), h.get("spec", {}).get(field)
+                    if u != v:
+                        out.append(f"group {i} {field}: {u!r:.60} there, {v!r:.60} here")
+                if g.get("layers") != h.get("layers"):
+                    out.append(f"group {i} layers differ")
+        else:
+            out.append(f"{key}: {x!r:.80} there, {y!r:.80} here")
+    return "; ".join(out) or "(the same fields, in another encoding)"

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
@@ -54,11 +55,46 @@ class Load:
         return ids
 
 
+@dataclass(frozen=True, kw_only=True)
+class Pull:
+    """A decode engine's read of a prefill engine's blocks (disaggregation):
+    KV objects (one block id per KV group, here and there, by position) and
+    the state at the prefill's end (one per state group), from the engine at
+    ``host``:``port`` that holds ``remote_request``. ``refused``: why it cannot
+    be read (set: the worker fails it at once, vLLM recomputes it)."""
+
+    request: str
+    engine_id: str
+    remote_request: str
+    host: str
+    port: int
+    kv_local: tuple[tuple[int, ...], ...] = ()
+    kv_remote: tuple[tuple[int, ...], ...] = ()
+    state_local: tuple[int, ...] = ()
+    state_remote: tuple[int, ...] = ()
+    refused: str = ""
+
+    @property
+    def block_ids(self) -> set[int]:
+        """Every block this pull writes (what vLLM recomputes if it fails)."""
+        return {b for ids in self.kv_local for b in ids} | set(self.state_local)
+
+
 @dataclass(kw_only=True)
 class StepPlan(KVConnectorMetadata):
     loads: list[Load] = field(default_factory=list)
     kv_saves: list[BlockCopy] = field(default_factory=list)
     state_saves: list[BlockCopy] = field(default_factory=list)
+    pulls: list[Pull] = field(default_factory=list)  # reads from prefill engines
+    offers: list[str] = field(default_factory=list)  # requests held for a decode engine
+    expired: list[str] = field(default_factory=list)  # offers no longer held: free them
+
+
+@dataclass(frozen=True, kw_only=True)
+class HelloMeta(KVConnectorHandshakeMetadata):
+    """A worker's :class:`~.pd_channel.Hello`, as data, on its way to the scheduler."""
+
+    hello: dict[str, Any]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,7 +18,17 @@ from ...errors import Error
 from ...tiers import SPEC_FORMS, TierSpec, TierSpecError
 from ...tiers.host import MIN_FRAME_BYTES
 
-KEYS = ("tiers", "namespace", "host_frame_bytes", "layout", "save_backlog", "load_timeout")
+KEYS = (
+    "tiers",
+    "namespace",
+    "host_frame_bytes",
+    "layout",
+    "save_backlog",
+    "load_timeout",
+    "pd_host",
+    "pd_port",
+    "pd_expiry",
+)
 """Every key the connector reads; any other key is refused (a typo must not
 silently turn a tier off)."""
 
@@ -26,6 +36,9 @@ RENAMED = {"host_unit_bytes": "host_frame_bytes"}
 """Keys an earlier release read, refused with the name that replaced them (a
 renamed key silently ignored would change what the engine does)."""
 
+
+ROLES = ("kv_both", "kv_producer", "kv_consumer")
+"""vLLM's ``kv_role`` values the connector serves."""
 
 LAYOUTS = ("auto", "block-major", "engine")
 BLOCK_MAJOR = "BLHNC"
@@ -67,6 +80,17 @@ class ConnectorSettings:
     take off the engine's step (30 by default); one that takes longer is given
     up and vLLM recomputes its tokens.
 
+    Disaggregation (``kv_role`` ``kv_producer`` or ``kv_consumer``; ``kv_both``
+    where ``pd_host`` or ``pd_port`` is given): ``pd_host`` is the address a
+    prefill engine's side channel listens on and its answers name
+    (``127.0.0.1`` by default: set the machine's address for decode engines
+    elsewhere), ``pd_port`` its port (0, the default: a free one, named in each
+    answer), ``pd_expiry`` how many seconds a prefill engine holds a finished
+    request's blocks for a decode engine that has not read them (120 by
+    default; a lease a reader takes extends it while its read may run). A
+    decode engine's read is given up past ``load_timeout``. Tiers are optional
+    for ``kv_producer`` and ``kv_consumer`` (an empty list: none).
+
     ``save_backlog``: the most bytes of saves a worker holds gathered and not yet
     written to its tiers (a size, ``"1GiB"`` by default). A step's saves that
     would go past it are skipped, before anything is copied: the forward outruns
@@ -80,10 +104,18 @@ class ConnectorSettings:
     layout: str = "auto"
     save_backlog: int = 1 << 30
     load_timeout: float = 30.0
+    pd_host: str = "127.0.0.1"
+    pd_port: int = 0
+    pd_expiry: float = 120.0
+    disaggregated: bool = False  # the role, or pd_host / pd_port, asks for it
 
     @classmethod
-    def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
+    def parse(cls, extra: Mapping[str, Any] | None, role: str = "kv_both") -> ConnectorSettings:
         where = "kv_connector_extra_config"
+        if role not in ROLES:
+            raise ConnectorConfigError(
+                f"kv_role={role!r}: the kvarena connector serves {', '.join(ROLES)}"
+            )
         if extra is None:
             extra = {}
         if not isinstance(extra, Mapping):
@@ -99,11 +131,16 @@ class ConnectorSettings:
                 f"{where}[{unknown[0]!r}]: unknown key; the kvarena connector reads "
                 + ", ".join(KEYS)
             )
-        tiers = extra.get("tiers")
-        if isinstance(tiers, str) or not isinstance(tiers, (list, tuple)) or not tiers:
+        tiers = extra.get("tiers", [] if role != "kv_both" else None)
+        if (
+            isinstance(tiers, str)
+            or not isinstance(tiers, (list, tuple))
+            or (not tiers and role == "kv_both")
+        ):
             raise ConnectorConfigError(
                 f"{where}['tiers'] must be a non-empty list of tier specs ({SPEC_FORMS}), "
                 f"got {tiers!r}"
+                + (" (kv_producer and kv_consumer may have none)" if role == "kv_both" else "")
             )
         for i, spec in enumerate(tiers):
             if not isinstance(spec, str) or not spec.strip():
@@ -165,7 +202,31 @@ class ConnectorSettings:
                 f"{where}['load_timeout'] must be a number of seconds in (0, 3600], "
                 f"got {timeout!r:.80}"
             )
+        host = extra.get("pd_host", cls.pd_host)
+        if not isinstance(host, str) or not host or host in ("0.0.0.0", "::") or " " in host:
+            raise ConnectorConfigError(
+                f"{where}['pd_host'] must be an address decode engines reach (a host name "
+                f"or IP, not a wildcard), got {host!r:.80}"
+            )
+        port = extra.get("pd_port", 0)
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ConnectorConfigError(
+                f"{where}['pd_port'] must be a port in 0..65535 (0: a free one), got {port!r:.80}"
+            )
+        expiry = extra.get("pd_expiry", cls.pd_expiry)
+        if (
+            isinstance(expiry, bool)
+            or not isinstance(expiry, (int, float))
+            or not 0 < expiry <= 86400
+        ):
+            raise ConnectorConfigError(
+                f"{where}['pd_expiry'] must be a number of seconds in (0, 86400], got {expiry!r:.80}"
+            )
         return cls(
+            pd_host=host,
+            pd_port=port,
+            pd_expiry=float(expiry),
+            disaggregated=role != "kv_both" or "pd_host" in extra or "pd_port" in extra,
             tiers=tuple(specs),
             namespace=namespace,
             host_frame_bytes=frame,

@@ -114,7 +114,7 @@ class LayerPages:
 
 
 @dataclass(frozen=True, kw_only=True)
-class _StorageSpans:
+class StorageSpans:
     """Every span one group's objects have in one storage: for each, the layer's
     offset in the payload plus the span's (``payload``), where it lies in block
     0 (``at``) and its block step (``step``), and its ``length``."""
@@ -137,7 +137,7 @@ class CachePages:
             k: sum(layer.block_bytes for g in gs for layer in g) for k, gs in kinds.items()
         }
         self._stream: torch.cuda.Stream | None = None  # the saves' side stream (CUDA)
-        self._spans: dict[str, list[_StorageSpans]] = {}
+        self._spans: dict[str, list[StorageSpans]] = {}
         for kind, groups in kinds.items():
             by_storage: dict[int, list[tuple[int, int, LayerPages]]] = {}
             pos = 0
@@ -159,7 +159,7 @@ class CachePages:
                 ]
                 cols = np.array(rows, dtype=np.int64).reshape(-1, 5)
                 out.append(
-                    _StorageSpans(
+                    StorageSpans(
                         storage=entries[0][2].storage,
                         group=cols[:, 0],
                         payload=cols[:, 1],
@@ -169,6 +169,11 @@ class CachePages:
                     )
                 )
             self._spans[kind] = out
+
+    def spans(self, kind: str) -> list[StorageSpans]:
+        """Every span of ``kind``'s objects, one record per storage (what a
+        NIXL handoff describes its blocks by: :mod:`.pd_table`)."""
+        return self._spans.get(kind, [])
 
     @property
     def device(self) -> torch.device:

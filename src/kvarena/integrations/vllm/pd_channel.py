@@ -1,0 +1,207 @@
+"""The prefill engine's side channel: its workers' NIXL hellos, and leases on its offers.
+
+A decode worker asks the prefill engine two things before it READs: the
+hello of the prefill worker of its own tensor-parallel rank (NIXL agent
+metadata, span table, namespace: :class:`Hello`), once per engine; and a
+lease on the request's blocks (:class:`OfferBook`), once per request. The
+lease is what makes a late READ impossible: the prefill engine keeps a
+request's blocks at least until its lease ends, and the decode worker gives
+up (cancels) its READ before that, so no byte is read from blocks already
+given to another request, whatever the two clocks say.
+
+The channel is one ZeroMQ ROUTER socket on a thread of the prefill
+engine's scheduler process, msgpack both ways; the address it listens on is
+the ``remote_host``/``remote_port`` a prefill answer carries.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+
+from ...errors import Error
+
+POLL_MS = 100  # how often the listener looks up from its socket to see if it must stop
+
+
+class ChannelError(Error, RuntimeError):
+    """A peer's side channel did not answer, or answered a refusal."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hello:
+    """What one prefill worker tells a decode worker of the same rank."""
+
+    rank: int
+    agent: bytes  # NIXL agent metadata
+    table: dict[str, Any]  # its :class:`~.pd_table.SpanTable`, as data
+    namespace: bytes  # its rank's namespace: what its bytes mean
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "agent": self.agent,
+            "table": self.table,
+            "namespace": self.namespace,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Hello:
+        return cls(
+            rank=int(data["rank"]),
+            agent=bytes(data["agent"]),
+            table=dict(data["table"]),
+            namespace=bytes(data["namespace"]),
+        )
+
+
+class OfferBook:
+    """The prefill engine's held requests: each held until its expiry and any
+    lease on it have passed (a monotonic clock of this process). Shared by the
+    scheduler's thread and the channel's (a lock)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._until: dict[str, float] = {}
+
+    def hold(self, request: str, seconds: float) -> None:
+        with self._lock:
+            self._until[request] = time.monotonic() + seconds
+
+    def lease(self, request: str, seconds: float) -> bool:
+        """Extend a held request's hold to ``seconds`` from now at least; False
+        where it is no longer held (read, expired, or never offered)."""
+        with self._lock:
+            until = self._until.get(request)
+            if until is None:
+                return False
+            self._until[request] = max(until, time.monotonic() + seconds)
+            return True
+
+    def expired(self) -> list[str]:
+        """The requests whose hold has passed, no longer held."""
+        now = time.monotonic()
+        with self._lock:
+            gone = [r for r, t in self._until.items() if t <= now]
+            for r in gone:
+                del self._until[r]
+        return gone
+
+    def drop(self, request: str) -> None:
+        """A reader's word that it will not read ``request``: its hold ends now."""
+        with self._lock:
+            if request in self._until:
+                self._until[request] = 0.0
+
+    def release(self, requests: set[str]) -> None:
+        with self._lock:
+            for r in requests:
+                self._until.pop(r, None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._until)
+
+
+class Channel:
+    """The listener: answers ``hello`` (a rank's :class:`Hello`), ``lease`` and
+    ``release`` (a reader that will not read)."""
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        engine_id: str,
+        hellos: Mapping[int, Hello],
+        offers: OfferBook,
+    ) -> None:
+        self._engine_id = engine_id
+        self._hellos = dict(hellos)
+        self._offers = offers
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        try:
+            if port:
+                self._sock.bind(f"tcp://{host}:{port}")
+                self.port = port
+            else:
+                self.port = self._sock.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError as exc:
+            self._sock.close()
+            self._ctx.term()
+            raise ChannelError(f"cannot listen on {host}:{port}: {exc}") from None
+        self.host = host
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="kvarena-pd-channel", daemon=True)
+        self._thread.start()
+
+    def _answer(self, ask: Mapping[str, Any]) -> dict[str, Any]:
+        op = ask.get("op")
+        if ask.get("engine_id") != self._engine_id:
+            return {"ok": False, "why": f"this is engine {self._engine_id}"}
+        if op == "hello":
+            hello = self._hellos.get(ask.get("rank"))  # type: ignore[arg-type]
+            if hello is None:
+                return {
+                    "ok": False,
+                    "why": f"no rank {ask.get('rank')!r}: ranks {sorted(self._hellos)}",
+                }
+            return {"ok": True, "hello": hello.to_dict(), "tp_size": len(self._hellos)}
+        if op == "lease":
+            held = self._offers.lease(str(ask.get("request")), float(ask.get("seconds", 0)))
+            return {"ok": held, "why": "" if held else "not held (read, expired or unknown)"}
+        if op == "release":
+            self._offers.drop(str(ask.get("request")))
+            return {"ok": True}
+        return {"ok": False, "why": f"unknown op {op!r}"}
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(POLL_MS):
+                continue
+            ident, _, body = self._sock.recv_multipart()
+            try:
+                answer = self._answer(msgspec.msgpack.decode(body))
+            except Exception as exc:  # a malformed ask costs its asker an answer, not the engine
+                answer = {"ok": False, "why": f"malformed ask: {type(exc).__name__}"}
+            self._sock.send_multipart([ident, b"", msgspec.msgpack.encode(answer)])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sock.close()
+        self._ctx.term()
+
+
+def ask(host: str, port: int, message: Mapping[str, Any], *, timeout_s: float) -> dict[str, Any]:
+    """One ask of a prefill engine's channel and its answer; :class:`ChannelError`
+    where none comes within ``timeout_s`` or the answer is a refusal."""
+    ctx: zmq.Context = zmq.Context.instance()
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, max(1, int(timeout_s * 1000)))
+    sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
+    try:
+        sock.connect(f"tcp://{host}:{port}")
+        sock.send(msgspec.msgpack.encode(dict(message)))
+        answer = msgspec.msgpack.decode(sock.recv())
+    except zmq.ZMQError as exc:
+        raise ChannelError(
+            f"prefill engine at {host}:{port} did not answer {message.get('op')!r}: {exc}"
+        ) from None
+    finally:
+        sock.close()
+    if not isinstance(answer, dict) or not answer.get("ok"):
+        why = answer.get("why") if isinstance(answer, dict) else answer
+        raise ChannelError(f"prefill engine at {host}:{port} refused {message.get('op')!r}: {why}")
+    return answer

@@ -1,0 +1,264 @@
+"""The scheduler's half of disaggregation: what a prefill engine holds, what a decode engine reads.
+
+A prefill engine (``kv_role`` ``kv_producer``, or ``kv_both``) holds a
+``do_remote_decode`` request's blocks when it finishes (vLLM frees them once
+every worker reports them sent) and answers where they are
+(:class:`~.pd_params.Offer`); its side channel (:mod:`.pd_channel`) hands its
+workers' NIXL hellos and leases on the held requests to decode workers. A
+hold ends when the blocks are read, when a decode engine says it will not
+read them, or at its expiry once no lease is left on it.
+
+A decode engine (``kv_consumer``, or ``kv_both``) answers a request carrying
+an offer with the tokens it will read, asynchronously, and plans the read
+into the blocks vLLM allocates (:class:`~.records.Pull`). What travels is
+exact, never a token applied twice: every KV block of every attention group
+up to the tokens read, and each state group's state after exactly those
+tokens. The decode engine always computes a prompt's last token itself; for
+a hybrid model the prefill engine therefore stops one token short (its
+state is then the state the decode engine resumes from), as vLLM's own
+disaggregation does.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from .groups import Group
+from .pd_channel import Channel, ChannelError, Hello, OfferBook, ask
+from .pd_params import Offer, prefix_digest, wants_remote_decode
+from .records import Pull, StepPlan
+
+log = logging.getLogger("vllm.kvarena")
+
+
+class PdScheduler:
+    def __init__(
+        self,
+        *,
+        role: str,
+        groups: list[Group],
+        block_size: int,
+        ranks: int,
+        engine_id: str,
+        host: str,
+        port: int,
+        expiry_s: float,
+        timeout_s: float,
+    ) -> None:
+        self.producer = role in ("kv_producer", "kv_both")
+        self.consumer = role in ("kv_consumer", "kv_both")
+        self.groups = groups
+        self.kv_groups = [g for g in groups if g.kind == "kv"]
+        self.state_groups = [g for g in groups if g.kind == "state"]
+        self.block_size = block_size
+        self.ranks = ranks
+        self.engine_id = engine_id
+        self.host, self.port = host, port
+        self.expiry_s, self.timeout_s = expiry_s, timeout_s
+        self.offers = OfferBook()
+        self.channel: Channel | None = None
+        self._pending: dict[str, tuple[Offer, int, int]] = {}  # rid -> offer, tokens, local
+        self._pulls: list[Pull] = []
+        self._new_offers: list[str] = []
+        self._asks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvarena-pd-release")
+
+    # -- prefill side ---------------------------------------------------------------
+    def hellos(self, hellos: dict[int, Hello]) -> None:
+        """The workers' hellos (after they registered their caches): the side
+        channel starts serving them."""
+        if not self.producer or self.channel is not None:
+            return
+        if sorted(hellos) != list(range(self.ranks)):
+            raise ChannelError(f"hellos from ranks {sorted(hellos)}, expected 0..{self.ranks - 1}")
+        self.channel = Channel(
+            host=self.host,
+            port=self.port,
+            engine_id=self.engine_id,
+            hellos=hellos,
+            offers=self.offers,
+        )
+
+    def on_new_request(self, request: Any) -> None:
+        """A hybrid model's prefill stops one prompt token short: the decode engine
+        computes the last token from the state before it."""
+        params = request.kv_transfer_params
+        if not (self.producer and self.state_groups and wants_remote_decode(params)):
+            return
+        if params.get("_kvarena_short") or request.num_prompt_tokens < 2:
+            return
+        if request.prompt_token_ids is None:
+            return  # prompt embeddings: nothing to cut, the offer will carry no state
+        del request.prompt_token_ids[-1:]
+        del request._all_token_ids[-1:]
+        request.num_prompt_tokens -= 1
+        request.max_tokens = 1
+        params["_kvarena_short"] = True
+
+    def finished(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        """Hold a finished ``do_remote_decode`` request's blocks and say where they are."""
+        from vllm.v1.request import RequestStatus
+
+        rid = request.request_id
+        pending = self._pending.pop(rid, None)
+        if pending is not None:  # a decode request ended before it was read into
+            self._release(pending[0])
+        params = request.kv_transfer_params
+        if not (self.producer and wants_remote_decode(params)):
+            return False, None
+        if request.status not in (
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_STOPPED,
+        ):
+            return False, None
+        tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
+        if self.state_groups and tokens != request.num_prompt_tokens:
+            log.warning("kvarena: request %s: its state is past the prompt; not offered", rid)
+            return False, None
+        if self.channel is None or tokens < 1 or not any(block_ids):
+            return False, None
+        self.offers.hold(rid, self.expiry_s)
+        self._new_offers.append(rid)
+        offer = Offer(
+            engine_id=self.engine_id,
+            request_id=rid,
+            block_ids=tuple(tuple(g) for g in block_ids),
+            num_tokens=tokens,
+            host=self.host,
+            port=self.channel.port,
+            tp_size=self.ranks,
+            block_size=self.block_size,
+            prefix=prefix_digest(request.all_token_ids[:tokens]),
+        )
+        return True, offer.params()
+
+    def sent(self, requests: set[str]) -> None:
+        """vLLM's word that every worker freed these held requests."""
+        self.offers.release(requests)
+
+    # -- decode side ----------------------------------------------------------------
+    def matched(self, request: Any, num_computed: int) -> tuple[int, bool] | None:
+        """The tokens a request carrying an offer reads (None: it carries none)."""
+        params = request.kv_transfer_params
+        if not self.consumer or not params or not params.get("do_remote_prefill"):
+            return None
+        offer = Offer.parse(params, groups=len(self.groups))
+        if offer is None:
+            return None
+        why, tokens = self._usable(request, offer)
+        if why:
+            log.warning(
+                "kvarena: request %s: its prefill is not read (%s); computed here",
+                request.request_id,
+                why,
+            )
+        if why or tokens <= num_computed:
+            params["do_remote_prefill"] = False
+            if not isinstance(offer, str):
+                self._release(offer)
+            return 0, False
+        assert isinstance(offer, Offer)
+        self._pending[request.request_id] = (offer, tokens, num_computed)
+        return tokens - num_computed, True
+
+    def _usable(self, request: Any, offer: Offer | str) -> tuple[str, int]:
+        """Why an offer cannot be read (empty: it can), and the tokens read."""
+        if isinstance(offer, str):
+            return offer, 0
+        prompt = request.prompt_token_ids or []
+        if offer.tp_size != self.ranks:
+            return f"prefill tensor-parallel size {offer.tp_size}, here {self.ranks}", 0
+        if offer.block_size != self.block_size:
+            return f"prefill blocks of {offer.block_size} tokens, here {self.block_size}", 0
+        if (
+            len(prompt) < offer.num_tokens
+            or prefix_digest(prompt[: offer.num_tokens]) != offer.prefix
+        ):
+            return f"the prompt does not begin with the prefill's {offer.num_tokens} tokens", 0
+        if self.state_groups:
+            if offer.num_tokens > len(prompt) - 1:
+                return "the prefill computed the whole prompt: its state holds the last token", 0
+            return "", offer.num_tokens
+        return "", min(offer.num_tokens, len(prompt) - 1)
+
+    def allocated(self, request: Any, block_ids: tuple[list[int], ...], external: int) -> bool:
+        """Plan the read into the blocks vLLM allocated; False where the request
+        is not one this half answered."""
+        rid = request.request_id
+        pending = self._pending.pop(rid, None)
+        if pending is None:
+            return False
+        offer, tokens, local = pending
+        if request.kv_transfer_params:
+            request.kv_transfer_params["do_remote_prefill"] = False  # read once
+        if external == 0:
+            self._release(offer)
+            return True
+        bs = self.block_size
+        where = dict(
+            request=rid,
+            engine_id=offer.engine_id,
+            remote_request=offer.request_id,
+            host=offer.host,
+            port=offer.port,
+        )
+        try:
+            positions = range(local // bs, -(-tokens // bs))
+            kv_local = tuple(
+                tuple(block_ids[g.index][i] for g in self.kv_groups) for i in positions
+            )
+            kv_remote = tuple(
+                tuple(offer.block_ids[g.index][i] for g in self.kv_groups) for i in positions
+            )
+            at = (tokens - 1) // bs
+            state_local = tuple(block_ids[g.index][at] for g in self.state_groups)
+            state_remote = tuple(offer.block_ids[g.index][at] for g in self.state_groups)
+        except IndexError:
+            self._pulls.append(
+                Pull(**where, refused="the offer's block ids do not cover its tokens")
+            )
+            return True
+        ids = [b for x in (*kv_local, *kv_remote, state_local, state_remote) for b in x]
+        refused = "a null block on one side" if 0 in ids else ""
+        self._pulls.append(
+            Pull(
+                **where,
+                kv_local=kv_local if self.kv_groups else (),
+                kv_remote=kv_remote if self.kv_groups else (),
+                state_local=state_local,
+                state_remote=state_remote,
+                refused=refused,
+            )
+        )
+        return True
+
+    def _release(self, offer: Offer) -> None:
+        """Tell a prefill engine its offer will not be read (off the scheduler's
+        thread; a prefill engine that does not hear it frees at expiry)."""
+
+        def tell() -> None:
+            try:
+                ask(
+                    offer.host,
+                    offer.port,
+                    {"op": "release", "engine_id": offer.engine_id, "request": offer.request_id},
+                    timeout_s=self.timeout_s,
+                )
+            except ChannelError as exc:
+                log.info("kvarena: %s", exc)
+
+        self._asks.submit(tell)
+
+    # -- each step ------------------------------------------------------------------
+    def fill(self, plan: StepPlan) -> StepPlan:
+        plan.pulls += self._pulls
+        plan.offers += self._new_offers
+        plan.expired += self.offers.expired() if self.producer else []
+        self._pulls, self._new_offers = [], []
+        return plan
+
+    def close(self) -> None:
+        self._asks.shutdown(wait=False)
+        if self.channel is not None:
+            self.channel.close()

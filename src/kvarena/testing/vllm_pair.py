@@ -1,0 +1,183 @@
+"""A vLLM engine in a process of its own, driven over a pipe: two of them are a
+prefill and a decode engine on one machine.
+
+vLLM keeps one KV connector per process (a global), so two engines that talk
+to each other need two processes. Each runs the offline ``LLM`` in its own
+process (``uni`` executor, no engine-core subprocess), built from
+:func:`~kvarena.testing.vllm_engine.engine_args`; :meth:`EngineProcess.generate`
+sends prompts with their ``kv_transfer_params`` and returns, per prompt, the
+greedy tokens, ``num_cached_tokens`` and the ``kv_transfer_params`` vLLM
+answered with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+import signal
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import Error
+
+START_TIMEOUT_S = 300.0
+
+
+class EngineProcessError(Error, RuntimeError):
+    """The engine's process failed, or did not answer in time; carries its message."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Answer:
+    tokens: list[int]
+    cached: int
+    params: dict[str, Any] | None
+
+
+def pd_books(llm: Any) -> dict[str, Any]:
+    """What an engine's disaggregation halves hold (pass to :meth:`EngineProcess.call`):
+    requests held for decode engines, the pulls finished so far and those that
+    failed (recomputed), free blocks."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    pd = scheduler.get_kv_connector()._pd
+    worker = get_kv_transfer_group()._pd_worker
+    return {
+        "held": len(pd.offers),
+        "pulls": [dataclasses.asdict(x) for x in worker.finished],
+        "failed": worker.failures,
+        "free_blocks": scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
+    }
+
+
+def _serve(conn: Any, engine: dict[str, Any], env: dict[str, str], setup: Any) -> None:
+    os.environ.update(env)
+    try:
+        if setup is not None:
+            setup()
+        from vllm import LLM, SamplingParams
+
+        llm = LLM(**engine)
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ready", None))
+    while True:
+        op, arg = conn.recv()
+        if op == "stop":
+            break
+        try:
+            if op == "generate":
+                prompts, params, max_tokens = arg
+                sampling = [
+                    SamplingParams(
+                        max_tokens=max_tokens,
+                        temperature=0,
+                        detokenize=False,
+                        extra_args={"kv_transfer_params": p} if p is not None else None,
+                    )
+                    for p in params
+                ]
+                outs = llm.generate(
+                    [{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False
+                )
+                conn.send(
+                    (
+                        "ok",
+                        [
+                            Answer(
+                                tokens=list(o.outputs[0].token_ids),
+                                cached=int(o.num_cached_tokens or 0),
+                                params=o.kv_transfer_params,
+                            )
+                            for o in outs
+                        ],
+                    )
+                )
+            elif op == "call":  # a callable's result on the engine, in this process
+                conn.send(("ok", arg(llm)))
+            else:
+                conn.send(("error", f"unknown op {op!r}"))
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+    ensure_kv_transfer_shutdown()
+    llm.llm_engine.engine_core.shutdown()
+    conn.send(("stopped", None))
+
+
+class EngineProcess:
+    """One offline engine in a spawned process (``engine``: ``LLM`` keyword arguments)."""
+
+    def __init__(
+        self, engine: dict[str, Any], *, env: dict[str, str] | None = None, setup: Any = None
+    ) -> None:
+        """``env``: added to the process's environment; ``setup``: a picklable
+        callable run in the process before vLLM is imported."""
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        settings = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
+        self.process = ctx.Process(
+            target=_serve, args=(child, engine, settings, setup), daemon=True
+        )
+        self.process.start()
+        child.close()
+        self._wait("ready", START_TIMEOUT_S)
+
+    def _wait(self, want: str, timeout_s: float) -> Any:
+        if not self._conn.poll(timeout_s):
+            raise EngineProcessError(f"engine process gave no answer in {timeout_s:g} s")
+        try:
+            kind, value = self._conn.recv()
+        except EOFError:
+            raise EngineProcessError(
+                f"engine process died (exit code {self.process.exitcode})"
+            ) from None
+        if kind != want:
+            raise EngineProcessError(f"engine process failed:\n{value}")
+        return value
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: list[dict[str, Any] | None] | None = None,
+        *,
+        max_tokens: int = 12,
+        timeout_s: float = 300.0,
+    ) -> list[Answer]:
+        self._conn.send(("generate", (prompts, params or [None] * len(prompts), max_tokens)))
+        return self._wait("ok", timeout_s)
+
+    def call(self, fn: Any, *, timeout_s: float = 60.0) -> Any:
+        """``fn(llm)`` (a picklable callable) run in the engine's process."""
+        self._conn.send(("call", fn))
+        return self._wait("ok", timeout_s)
+
+    def freeze(self) -> None:
+        """SIGSTOP: an engine that stops answering, every thread of it."""
+        assert self.process.pid is not None
+        os.kill(self.process.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        assert self.process.pid is not None
+        os.kill(self.process.pid, signal.SIGCONT)
+
+    def kill(self) -> None:
+        """SIGKILL: an engine that dies without a word."""
+        self.process.kill()
+        self.process.join()
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        if self.process.is_alive():
+            try:
+                self._conn.send(("stop", None))
+                self._wait("stopped", timeout_s)
+            except (EngineProcessError, OSError, BrokenPipeError):
+                pass
+            self.process.join(timeout_s)
+        if self.process.is_alive():
+            self.kill()

@@ -1,0 +1,90 @@
+"""The prefill engine's side channel over real ZeroMQ sockets on loopback, and
+its book of held requests. Runs in the ``.venv-vllm`` environment."""
+
+from __future__ import annotations
+
+import socket
+
+import msgspec
+import pytest
+import zmq
+
+pytest.importorskip("vllm")
+
+from kvarena.integrations.vllm.pd_channel import (
+    Channel,
+    ChannelError,
+    Hello,
+    OfferBook,
+    ask,
+)
+
+HELLOS = {
+    r: Hello(rank=r, agent=bytes([r]) * 8, table={"bases": [], "kinds": {}}, namespace=b"ns")
+    for r in range(2)
+}
+
+
+@pytest.fixture()
+def channel():
+    book = OfferBook()
+    ch = Channel(host="127.0.0.1", port=0, engine_id="e1", hellos=HELLOS, offers=book)
+    try:
+        yield ch, book
+    finally:
+        ch.close()
+
+
+def test_hellos_by_rank_and_refusals_naming_why(channel):
+    ch, _ = channel
+    for r in range(2):
+        got = ask("127.0.0.1", ch.port, {"op": "hello", "engine_id": "e1", "rank": r}, timeout_s=5)
+        assert Hello.from_dict(got["hello"]) == HELLOS[r] and got["tp_size"] == 2
+    with pytest.raises(ChannelError, match="no rank 2"):
+        ask("127.0.0.1", ch.port, {"op": "hello", "engine_id": "e1", "rank": 2}, timeout_s=5)
+    with pytest.raises(ChannelError, match="this is engine e1"):
+        ask("127.0.0.1", ch.port, {"op": "hello", "engine_id": "e2", "rank": 0}, timeout_s=5)
+    with pytest.raises(ChannelError, match="unknown op"):
+        ask("127.0.0.1", ch.port, {"op": "write", "engine_id": "e1"}, timeout_s=5)
+
+
+def test_a_malformed_ask_costs_its_asker_an_answer_not_the_channel(channel):
+    ch, _ = channel
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{ch.port}")
+    sock.send(b"\xc1 not msgpack")
+    answer = msgspec.msgpack.decode(sock.recv())
+    sock.close()
+    assert answer["ok"] is False and "malformed" in answer["why"]
+    assert ask("127.0.0.1", ch.port, {"op": "hello", "engine_id": "e1", "rank": 0}, timeout_s=5)
+
+
+def test_a_lease_outlasts_the_hold_and_a_release_ends_it(channel):
+    ch, book = channel
+    book.hold("r1", 0.0)  # expired at once, unless leased first
+    lease = {"op": "lease", "engine_id": "e1", "request": "r1", "seconds": 60}
+    assert ask("127.0.0.1", ch.port, lease, timeout_s=5)["ok"]
+    assert book.expired() == [] and len(book) == 1  # a reader may still be reading
+    ask("127.0.0.1", ch.port, {"op": "release", "engine_id": "e1", "request": "r1"}, timeout_s=5)
+    assert book.expired() == ["r1"] and len(book) == 0
+    with pytest.raises(ChannelError, match="not held"):  # too late: the read is refused
+        ask("127.0.0.1", ch.port, lease, timeout_s=5)
+    book.hold("r2", 60.0)
+    book.release({"r2"})  # read: vLLM freed it
+    assert len(book) == 0 and book.expired() == []
+
+
+def test_nobody_listening_is_a_channel_error_within_the_timeout():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # a port nobody listens on once closed
+    with pytest.raises(ChannelError, match="did not answer"):
+        ask("127.0.0.1", port, {"op": "hello", "engine_id": "e1", "rank": 0}, timeout_s=0.3)
+
+
+def test_a_taken_port_is_refused_at_start(channel):
+    ch, book = channel
+    with pytest.raises(ChannelError, match=f"cannot listen on 127.0.0.1:{ch.port}"):
+        Channel(host="127.0.0.1", port=ch.port, engine_id="e2", hellos=HELLOS, offers=book)
