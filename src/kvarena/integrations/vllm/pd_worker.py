@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from ...transfer.endpoint import nixl_api
+from ...transfer.endpoint import nixl_api, nixl_sync
 from .groups import namespace_diff
 from .pd_channel import ChannelError, Hello, ask
 from .pd_table import SpanTable, pair
@@ -45,6 +45,14 @@ LEASE_MARGIN_S = 5.0
 """How much longer than a pull's deadline its lease holds the prefill's blocks:
 the reader has cancelled its READ well before the blocks can be reused."""
 EARLY_KEPT = 4096  # READ notifications kept for offers not yet known to this worker
+PUMP_S = 0.001
+PUMP_IDLE_S = 0.01
+"""How often the pump drives the agent while this worker holds offers, and
+otherwise: a READ moves only while its target's UCX worker is driven (here:
+it stalled without), and an engine holding offers may have nothing to step —
+an offline engine does not even step to tell its workers what it holds.
+NIXL's own progress thread polls without pause (a whole core per worker,
+measured); the pump costs about what an idle engine does."""
 
 
 @dataclass(kw_only=True, eq=False)
@@ -83,9 +91,12 @@ class PdWorker:
         self.timeout_s = timeout_s
         self.table = SpanTable.of(pages)
         self.mem_type = "VRAM" if pages.device.type == "cuda" else "DRAM"
-        # The progress thread drives transfers others post against this agent
-        # (a READ over TCP needs its target driven) while the engine is idle.
-        config = nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False)
+        # STRICT: the pump and the step call the agent from two threads.
+        config = nixl_agent_config(
+            enable_prog_thread=False,
+            enable_listen_thread=False,
+            sync_mode=nixl_sync().NIXL_THREAD_SYNC_STRICT,
+        )
         self.agent = nixl_agent(f"kvarena-{rank}-{uuid.uuid4().hex[:12]}", config)
         rows = np.array(
             [[addr, size, self.table.device] for addr, size in self.table.bases], dtype=np.int64
@@ -102,6 +113,11 @@ class PdWorker:
         self._done: set[str] = set()
         self._failed: set[str] = set()
         self._errors: set[int] = set()
+        self._inbox: list[bytes] = []  # notifications the pump took
+        self._holding = threading.Event()  # offers are held: the pump runs
+        self._stop = threading.Event()
+        self._pump = threading.Thread(target=self._drive, name="kvarena-pd-pump", daemon=True)
+        self._pump.start()
         self.finished: list[PullDone] = []  # for the report
         self.failures = 0  # pulls failed (recomputed)
 
@@ -114,12 +130,26 @@ class PdWorker:
         )
 
     # -- prefill side ---------------------------------------------------------------
+    def _drive(self) -> None:
+        """The pump: drive the agent and keep its notifications while offers are held."""
+        while not self._stop.is_set():
+            got = self._take()
+            if got:
+                with self._lock:
+                    self._inbox += got
+            self._stop.wait(PUMP_S if self._holding.is_set() or got else PUMP_IDLE_S)
+
+    def _take(self) -> list[bytes]:
+        return [m for msgs in self.agent.get_new_notifs().values() for m in msgs]
+
     def offered(self, requests: list[str]) -> None:
         for rid in requests:
             if self._early.pop(rid, "absent") is None:
                 self._sent.add(rid)  # read before this worker heard of the offer
             else:
                 self._offered.add(rid)
+        if self._offered:
+            self._holding.set()
 
     def expired(self, requests: list[str]) -> None:
         for rid in requests:
@@ -307,18 +337,21 @@ class PdWorker:
     # -- both -----------------------------------------------------------------------
     def progress(self) -> None:
         """Take the READ notifications (prefill side) and move every pull on."""
-        for msgs in self.agent.get_new_notifs().values():
-            for msg in msgs:
-                if not msg.startswith(NOTIF):
-                    continue
-                rid = msg[len(NOTIF) :].decode(errors="replace")
-                if rid in self._offered:
-                    self._offered.discard(rid)
-                    self._sent.add(rid)
-                else:
-                    self._early[rid] = None
-                    while len(self._early) > EARLY_KEPT:
-                        self._early.popitem(last=False)
+        with self._lock:
+            got, self._inbox = self._inbox + self._take(), []
+        for msg in got:
+            if not msg.startswith(NOTIF):
+                continue
+            rid = msg[len(NOTIF) :].decode(errors="replace")
+            if rid in self._offered:
+                self._offered.discard(rid)
+                self._sent.add(rid)
+            else:
+                self._early[rid] = None
+                while len(self._early) > EARLY_KEPT:
+                    self._early.popitem(last=False)
+        if not self._offered:
+            self._holding.clear()
         now = time.monotonic()
         self._pulling = [p for p in self._pulling if not self._advance(p, now)]
 
@@ -330,6 +363,8 @@ class PdWorker:
         return out
 
     def close(self) -> None:
+        self._stop.set()
+        self._pump.join()
         self._pool.shutdown(wait=False, cancel_futures=True)
         for name in self._agents.values():
             try:
