@@ -122,7 +122,7 @@ class EngineProcess:
         self._conn, child = ctx.Pipe()
         settings = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
         self.process = ctx.Process(
-            target=_serve, args=(child, engine, settings, setup), daemon=True
+            target=_serve, args=(child, engine, settings, setup), daemon=False
         )
         self.process.start()
         child.close()

@@ -56,15 +56,6 @@ def nixl_available() -> bool:
     return True
 
 
-def nixl_sync():
-    """NIXL's thread-sync modes (``nixl_thread_sync_t``)."""
-    try:
-        from nixl_cu12._api import nixl_thread_sync_t
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        raise TransferError("NIXL is not installed") from exc
-    return nixl_thread_sync_t
-
-
 def nixl_api():
     try:
         from nixl_cu12._api import nixl_agent, nixl_agent_config

@@ -253,6 +253,7 @@ class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None and isinstance(meta, StepPlan):
             self._worker.load(meta)
             if self._pd_worker is not None:
+                self._pd_worker.learn(meta.peers)
                 self._pd_worker.offered(meta.offers)
                 self._pd_worker.expired(meta.expired)
                 self._pd_worker.submit(meta.pulls)

@@ -171,7 +171,10 @@ class Channel:
                 continue
             ident, _, body = self._sock.recv_multipart()
             try:
-                answer = self._answer(msgspec.msgpack.decode(body))
+                asked = msgspec.msgpack.decode(body)
+                answer = self._answer(asked)
+                if "id" in asked:
+                    answer["id"] = asked["id"]  # a pipelined asker matches answers by it
             except Exception as exc:  # a malformed ask costs its asker an answer, not the engine
                 answer = {"ok": False, "why": f"malformed ask: {type(exc).__name__}"}
             self._sock.send_multipart([ident, b"", msgspec.msgpack.encode(answer)])
@@ -205,3 +208,52 @@ def ask(host: str, port: int, message: Mapping[str, Any], *, timeout_s: float) -
         why = answer.get("why") if isinstance(answer, dict) else answer
         raise ChannelError(f"prefill engine at {host}:{port} refused {message.get('op')!r}: {why}")
     return answer
+
+
+class Asker:
+    """Asks that never block: each is sent at once and its answer taken by a later
+    :meth:`answers`, so a decode engine's scheduler asks from its own steps.
+    (Not from a worker: under ``vllm serve`` on a CPU a worker's other threads
+    starve while it serves steps — measured, a thread of a decode worker ran
+    110 times in a minute, and its ZeroMQ socket never sent.) One DEALER socket
+    per channel, answers matched by the ask's ``id``."""
+
+    def __init__(self) -> None:
+        self._ctx = zmq.Context()
+        self._socks: dict[tuple[str, int], zmq.Socket] = {}
+        self._next = 0
+
+    def send(self, host: str, port: int, message: Mapping[str, Any]) -> int:
+        sock = self._socks.get((host, port))
+        if sock is None:
+            sock = self._socks[(host, port)] = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://{host}:{port}")
+        self._next += 1
+        body = msgspec.msgpack.encode({**message, "id": self._next})
+        try:
+            sock.send_multipart([b"", body], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # never answered: its asker gives up at its deadline
+        return self._next
+
+    def answers(self) -> dict[int, dict[str, Any]]:
+        """Every answer that arrived since the last call, by ask id."""
+        out: dict[int, dict[str, Any]] = {}
+        for sock in self._socks.values():
+            while True:
+                try:
+                    frames = sock.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    answer = msgspec.msgpack.decode(frames[-1])
+                    out[int(answer["id"])] = answer
+                except Exception:  # not an answer to us: ignored
+                    continue
+        return out
+
+    def close(self) -> None:
+        for sock in self._socks.values():
+            sock.close()
+        self._ctx.term()

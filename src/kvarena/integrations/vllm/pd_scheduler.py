@@ -21,16 +21,40 @@ disaggregation does.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from concurrent.futures import ThreadPoolExecutor
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from .groups import Group
-from .pd_channel import Channel, ChannelError, Hello, OfferBook, ask
+from .pd_channel import Asker, Channel, ChannelError, Hello, OfferBook
 from .pd_params import Offer, prefix_digest, wants_remote_decode
 from .records import Pull, StepPlan
 
 log = logging.getLogger("vllm.kvarena")
+
+LEASE_MARGIN_S = 5.0
+"""How much longer than a read may take the prefill engine holds its blocks
+for it: the decode worker has given its READ up well before they are reused."""
+
+
+@dataclass(kw_only=True)
+class _Peer:
+    """A prefill engine as this decode engine's scheduler knows it."""
+
+    asked: dict[int, tuple[int, float]] = field(default_factory=dict)  # rank -> (ask id, when)
+    hellos: dict[int, Hello] = field(default_factory=dict)
+    why: str = ""  # why it cannot be read from (its channel refused)
+    announced: bool = False  # its hellos went to the workers in a plan
+
+
+@dataclass(kw_only=True)
+class _Leasing:
+    pull: Pull
+    lease: int  # the lease ask's id
+    asked: float  # time.monotonic() when it was asked
+    granted: bool = False
 
 
 class PdScheduler:
@@ -62,7 +86,10 @@ class PdScheduler:
         self._pending: dict[str, tuple[Offer, int, int]] = {}  # rid -> offer, tokens, local
         self._pulls: list[Pull] = []
         self._new_offers: list[str] = []
-        self._asks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvarena-pd-release")
+        # a decode engine's asks of prefill engines: from its own steps, never waiting
+        self._asker = Asker() if self.consumer else None
+        self._peers: dict[tuple[str, str, int], _Peer] = {}
+        self._leasing: list[_Leasing] = []
 
     # -- prefill side ---------------------------------------------------------------
     def hellos(self, hellos: dict[int, Hello]) -> None:
@@ -220,38 +247,95 @@ class PdScheduler:
             )
             return True
         ids = [b for x in (*kv_local, *kv_remote, state_local, state_remote) for b in x]
-        refused = "a null block on one side" if 0 in ids else ""
-        self._pulls.append(
-            Pull(
-                **where,
-                kv_local=kv_local if self.kv_groups else (),
-                kv_remote=kv_remote if self.kv_groups else (),
-                state_local=state_local,
-                state_remote=state_remote,
-                refused=refused,
-            )
+        pull = Pull(
+            **where,
+            kv_local=kv_local if self.kv_groups else (),
+            kv_remote=kv_remote if self.kv_groups else (),
+            state_local=state_local,
+            state_remote=state_remote,
+            refused="a null block on one side" if 0 in ids else "",
         )
+        if pull.refused:
+            self._pulls.append(pull)
+        else:
+            self._lease(pull)
         return True
+
+    def _lease(self, pull: Pull) -> None:
+        """Ask the prefill engine for its workers' hellos (once) and a lease on the
+        request's blocks; the pull goes to the workers once both are answered."""
+        assert self._asker is not None
+        now = time.monotonic()
+        peer = self._peers.setdefault((pull.engine_id, pull.host, pull.port), _Peer())
+        for rank in range(self.ranks):
+            if rank not in peer.hellos and rank not in peer.asked:
+                hello = {"op": "hello", "engine_id": pull.engine_id, "rank": rank}
+                peer.asked[rank] = (self._asker.send(pull.host, pull.port, hello), now)
+        lease = {
+            "op": "lease",
+            "engine_id": pull.engine_id,
+            "request": pull.remote_request,
+            "seconds": self.timeout_s + LEASE_MARGIN_S,
+        }
+        asked = self._asker.send(pull.host, pull.port, lease)
+        self._leasing.append(_Leasing(pull=pull, lease=asked, asked=now))
+
+    def _answered(self, plan: StepPlan) -> None:
+        """Take the prefill engines' answers: pulls leased from an engine whose
+        hellos are known go to the workers (with those hellos, the first time),
+        those refused or unanswered past ``timeout_s`` go as refused."""
+        if self._asker is None:
+            return
+        answers = self._asker.answers()
+        now = time.monotonic()
+        for peer in self._peers.values():
+            for rank, (asked, when) in list(peer.asked.items()):
+                answer = answers.pop(asked, None)
+                if answer is None:
+                    if now - when > self.timeout_s:
+                        del peer.asked[rank]  # asked again by the next pull
+                    continue
+                del peer.asked[rank]
+                if not answer.get("ok"):
+                    peer.why = f"its channel refused: {answer.get('why')}"
+                elif answer.get("tp_size") != self.ranks:
+                    peer.why = (
+                        f"prefill tensor-parallel size {answer.get('tp_size')}, here {self.ranks}"
+                    )
+                else:
+                    peer.hellos[rank] = Hello.from_dict(answer["hello"])
+        waiting = []
+        for w in self._leasing:
+            answer = answers.pop(w.lease, None)
+            if answer is not None and not answer.get("ok"):
+                why = f"no lease on its blocks: {answer.get('why')}"
+                self._pulls.append(dataclasses.replace(w.pull, refused=why))
+                continue
+            w.granted = w.granted or answer is not None
+            peer = self._peers[(w.pull.engine_id, w.pull.host, w.pull.port)]
+            if peer.why or now - w.asked > self.timeout_s:
+                why = peer.why or f"no answer from its prefill engine in {self.timeout_s:g} s"
+                self._pulls.append(dataclasses.replace(w.pull, refused=why))
+            elif w.granted and len(peer.hellos) == self.ranks:
+                if not peer.announced:
+                    plan.peers[w.pull.engine_id] = {r: h.to_dict() for r, h in peer.hellos.items()}
+                    peer.announced = True
+                self._pulls.append(dataclasses.replace(w.pull, lease_end=w.asked + self.timeout_s))
+            else:
+                waiting.append(w)
+        self._leasing = waiting
 
     def _release(self, offer: Offer) -> None:
         """Tell a prefill engine its offer will not be read (off the scheduler's
         thread; a prefill engine that does not hear it frees at expiry)."""
 
-        def tell() -> None:
-            try:
-                ask(
-                    offer.host,
-                    offer.port,
-                    {"op": "release", "engine_id": offer.engine_id, "request": offer.request_id},
-                    timeout_s=self.timeout_s,
-                )
-            except ChannelError as exc:
-                log.info("kvarena: %s", exc)
-
-        self._asks.submit(tell)
+        if self._asker is not None:
+            release = {"op": "release", "engine_id": offer.engine_id, "request": offer.request_id}
+            self._asker.send(offer.host, offer.port, release)  # its answer is not awaited
 
     # -- each step ------------------------------------------------------------------
     def fill(self, plan: StepPlan) -> StepPlan:
+        self._answered(plan)
         plan.pulls += self._pulls
         plan.offers += self._new_offers
         plan.expired += self.offers.expired() if self.producer else []
@@ -259,6 +343,7 @@ class PdScheduler:
         return plan
 
     def close(self) -> None:
-        self._asks.shutdown(wait=False)
+        if self._asker is not None:
+            self._asker.close()
         if self.channel is not None:
             self.channel.close()

@@ -5,13 +5,14 @@ the scheduler holds for it (an *offer*), and the READ's notification
 (``kvarena-pulled:<request>``) tells this worker the blocks may be freed —
 reported to vLLM as ``finished_sending``, as is an offer whose hold expired.
 
-On a decode engine each *pull* (:class:`~.records.Pull`) goes through three
-stages, none of them blocking the engine's step: on an I/O thread, the
-prefill worker's hello for this rank (once per engine, through the prefill
-engine's side channel, :mod:`.pd_channel`) and a lease on the request's
-blocks; on the step, one NIXL READ of every span of its objects, paired
-span for span from both span tables (:mod:`.pd_table`) and merged where they
-continue each other on both sides; then, on a later step, its end. A pull
+On a decode engine the scheduler has fetched the prefill worker's hello
+(:mod:`.pd_channel`, once per engine, handed to the workers in a step's plan)
+and a lease on the request's blocks before a *pull* (:class:`~.records.Pull`)
+reaches a worker; the worker posts one NIXL READ of every span of its
+objects, paired span for span from both span tables (:mod:`.pd_table`) and
+merged where they continue each other on both sides, and sees it end on a
+later step. Nothing here waits, and nothing needs a thread of the worker's
+own (under ``vllm serve`` on a CPU they starve: see :class:`~.pd_channel.Asker`). A pull
 that is refused, fails, or passes its deadline is reported failed and vLLM
 recomputes its tokens; a READ NIXL cannot cancel is reported only once no
 byte of it can move any more, so nothing lands in a block vLLM has moved on.
@@ -25,15 +26,14 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from ...transfer.endpoint import nixl_api, nixl_sync
+from ...transfer.endpoint import nixl_api
 from .groups import namespace_diff
-from .pd_channel import ChannelError, Hello, ask
+from .pd_channel import ChannelError, Hello
 from .pd_table import SpanTable, pair
 from .records import Pull
 from .tensors import CachePages
@@ -41,9 +41,6 @@ from .tensors import CachePages
 log = logging.getLogger("vllm.kvarena")
 
 NOTIF = b"kvarena-pulled:"
-LEASE_MARGIN_S = 5.0
-"""How much longer than a pull's deadline its lease holds the prefill's blocks:
-the reader has cancelled its READ well before the blocks can be reused."""
 EARLY_KEPT = 4096  # READ notifications kept for offers not yet known to this worker
 PUMP_S = 0.001
 PUMP_IDLE_S = 0.01
@@ -55,11 +52,31 @@ NIXL's own progress thread polls without pause (a whole core per worker,
 measured); the pump costs about what an idle engine does."""
 
 
+class _OneCallAtATime:
+    """A NIXL agent that two threads (the step and the pump) call one at a time.
+    The lock is Python's, which waits without the GIL: NIXL's own thread sync
+    waits inside its bindings with the GIL held, and a decode worker hung
+    there (``add_remote_agent`` on the step against the pump's
+    ``get_new_notifs``)."""
+
+    def __init__(self, agent: Any) -> None:
+        self._agent = agent
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._agent, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                return fn(*args, **kwargs)
+
+        return call
+
+
 @dataclass(kw_only=True, eq=False)
 class _Pulling:
     pull: Pull
     deadline: float
-    ready: Future  # the hello and the lease, from an I/O thread
     xfer: Any = None  # the NIXL handle, once posted
     descriptors: int = 0
     nbytes: int = 0
@@ -91,20 +108,14 @@ class PdWorker:
         self.timeout_s = timeout_s
         self.table = SpanTable.of(pages)
         self.mem_type = "VRAM" if pages.device.type == "cuda" else "DRAM"
-        # STRICT: the pump and the step call the agent from two threads.
-        config = nixl_agent_config(
-            enable_prog_thread=False,
-            enable_listen_thread=False,
-            sync_mode=nixl_sync().NIXL_THREAD_SYNC_STRICT,
-        )
-        self.agent = nixl_agent(f"kvarena-{rank}-{uuid.uuid4().hex[:12]}", config)
+        config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False)
+        self.agent = _OneCallAtATime(nixl_agent(f"kvarena-{rank}-{uuid.uuid4().hex[:12]}", config))
         rows = np.array(
             [[addr, size, self.table.device] for addr, size in self.table.bases], dtype=np.int64
         )
         self._reg = self.agent.register_memory(rows, self.mem_type) if len(rows) else None
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvarena-pd")
         self._lock = threading.Lock()
-        self._hellos: dict[tuple[str, str, int], Future] = {}  # (engine, host, port) -> Hello
+        self._hellos: dict[str, Hello] = {}  # prefill engine id -> its worker's of this rank
         self._agents: dict[str, str] = {}  # engine id -> its remote agent's name
         self._pulling: list[_Pulling] = []
         self._offered: set[str] = set()
@@ -165,53 +176,16 @@ class PdWorker:
             if pull.refused:
                 self._fail(pull, pull.refused)
                 continue
-            ready = self._pool.submit(self._prepare, pull)
-            self._pulling.append(
-                _Pulling(pull=pull, deadline=time.monotonic() + self.timeout_s, ready=ready)
-            )
+            # given up before its lease ends (the clock is the machine's, as the
+            # scheduler's that took the lease)
+            deadline = min(time.monotonic() + self.timeout_s, pull.lease_end)
+            self._pulling.append(_Pulling(pull=pull, deadline=deadline))
 
-    def _hello_of(self, pull: Pull) -> Hello:
-        where = (pull.engine_id, pull.host, pull.port)
-        with self._lock:
-            got = self._hellos.get(where)
-            if got is None or (got.done() and got.exception() is not None):
-                got = self._hellos[where] = Future()
-                mine = True
-            else:
-                mine = False
-        if mine:
-            try:
-                answer = ask(
-                    pull.host,
-                    pull.port,
-                    {"op": "hello", "engine_id": pull.engine_id, "rank": self.rank},
-                    timeout_s=self.timeout_s,
-                )
-                if answer.get("tp_size") != self.ranks:
-                    raise ChannelError(
-                        f"prefill engine {pull.engine_id} runs tensor-parallel size "
-                        f"{answer.get('tp_size')}, this decode engine {self.ranks}"
-                    )
-                got.set_result(Hello.from_dict(answer["hello"]))
-            except BaseException as exc:
-                got.set_exception(exc)
-        return got.result(timeout=self.timeout_s)
-
-    def _prepare(self, pull: Pull) -> Hello:
-        """On an I/O thread: the peer's hello, then a lease on the request's blocks."""
-        hello = self._hello_of(pull)
-        ask(
-            pull.host,
-            pull.port,
-            {
-                "op": "lease",
-                "engine_id": pull.engine_id,
-                "request": pull.remote_request,
-                "seconds": self.timeout_s + LEASE_MARGIN_S,
-            },
-            timeout_s=self.timeout_s,
-        )
-        return hello
+    def learn(self, peers: dict[str, dict[int, dict]]) -> None:
+        """Prefill engines' hellos, as the scheduler fetched them: this rank's."""
+        for engine, hellos in peers.items():
+            if self.rank in hellos:
+                self._hellos[engine] = Hello.from_dict(hellos[self.rank])
 
     def _agent_of(self, pull: Pull, hello: Hello) -> tuple[str, SpanTable]:
         """The peer's agent (added once) and span table, after checking that its
@@ -238,7 +212,12 @@ class PdWorker:
 
     def _post(self, p: _Pulling) -> None:
         pull = p.pull
-        name, theirs = self._agent_of(pull, p.ready.result())
+        hello = self._hellos.get(pull.engine_id)
+        if hello is None:
+            raise ChannelError(
+                f"no hello from prefill engine {pull.engine_id} for rank {self.rank}"
+            )
+        name, theirs = self._agent_of(pull, hello)
         parts = []
         for kind, local, remote in (
             ("kv", pull.kv_local, pull.kv_remote),
@@ -294,11 +273,6 @@ class PdWorker:
                 return True
             return False
         if p.xfer is None:
-            if not p.ready.done():
-                if now > p.deadline:
-                    self._fail(p.pull, f"no answer from its prefill engine in {self.timeout_s:g} s")
-                    return True
-                return False
             try:
                 self._post(p)
             except Exception as exc:
@@ -365,7 +339,6 @@ class PdWorker:
     def close(self) -> None:
         self._stop.set()
         self._pump.join()
-        self._pool.shutdown(wait=False, cancel_futures=True)
         for name in self._agents.values():
             try:
                 self.agent.remove_remote_agent(name)

@@ -73,6 +73,7 @@ class Pull:
     state_local: tuple[int, ...] = ()
     state_remote: tuple[int, ...] = ()
     refused: str = ""
+    lease_end: float = 0.0  # time.monotonic() (the machine's clock) past which it is given up
 
     @property
     def block_ids(self) -> set[int]:
@@ -88,6 +89,7 @@ class StepPlan(KVConnectorMetadata):
     pulls: list[Pull] = field(default_factory=list)  # reads from prefill engines
     offers: list[str] = field(default_factory=list)  # requests held for a decode engine
     expired: list[str] = field(default_factory=list)  # offers no longer held: free them
+    peers: dict[str, dict[int, Any]] = field(default_factory=dict)  # new prefill engines' hellos
 
 
 @dataclass(frozen=True, kw_only=True)
