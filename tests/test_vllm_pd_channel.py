@@ -4,6 +4,7 @@ its book of held requests. Runs in the ``.venv-vllm`` environment."""
 from __future__ import annotations
 
 import socket
+import time
 
 import msgspec
 import pytest
@@ -88,3 +89,31 @@ def test_a_taken_port_is_refused_at_start(channel):
     ch, book = channel
     with pytest.raises(ChannelError, match=f"cannot listen on 127.0.0.1:{ch.port}"):
         Channel(host="127.0.0.1", port=ch.port, engine_id="e2", hellos=HELLOS, offers=book)
+
+
+def test_an_asker_never_waits_and_matches_answers_by_id(channel):
+    from kvarena.integrations.vllm.pd_channel import Asker
+
+    ch, book = channel
+    book.hold("r1", 60.0)
+    asker = Asker()
+    try:
+        ids = [
+            asker.send("127.0.0.1", ch.port, {"op": "lease", "engine_id": "e1", "request": r})
+            for r in ("r1", "r2")
+        ]
+        ids.append(asker.send("127.0.0.1", ch.port, {"op": "hello", "engine_id": "e1", "rank": 1}))
+        got: dict = {}
+        deadline = time.monotonic() + 10
+        while len(got) < 3 and time.monotonic() < deadline:  # answers come on later calls
+            got.update(asker.answers())
+            time.sleep(0.01)
+        assert [got[i]["ok"] for i in ids] == [True, False, True]
+        assert Hello.from_dict(got[ids[2]]["hello"]) == HELLOS[1]
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            dead = s.getsockname()[1]
+        lost = asker.send("127.0.0.1", dead, {"op": "hello", "engine_id": "e1", "rank": 0})
+        assert lost not in asker.answers()  # nobody there: never answered, never waited for
+    finally:
+        asker.close()
