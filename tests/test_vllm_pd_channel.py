@@ -6,11 +6,12 @@ from __future__ import annotations
 import socket
 import time
 
-import msgspec
 import pytest
-import zmq
 
 pytest.importorskip("vllm")
+
+import msgspec  # vLLM's dependencies, as the connector's
+import zmq
 
 from kvarena.integrations.vllm.pd_channel import (
     Channel,
