@@ -64,14 +64,6 @@ def nixl_shim() -> None:
 
 
 # -- part 1 ------------------------------------------------------------------------
-def storages(pages) -> list[torch.Tensor]:
-    seen: dict[int, torch.Tensor] = {}
-    for kind in ("kv", "state"):
-        for s in pages.spans(kind):
-            seen.setdefault(s.storage.data_ptr(), s.storage)
-    return list(seen.values())
-
-
 def layout_part(tokens: int, rounds: int, layout: str) -> None:
     nixl_agent, nixl_agent_config = nixl_api()
     full = tokens // BLOCK
@@ -82,8 +74,8 @@ def layout_part(tokens: int, rounds: int, layout: str) -> None:
     config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False)
     a = nixl_agent(f"bench-prefill-{layout}", config)
     b = nixl_agent(f"bench-decode-{layout}", config)
-    a.register_memory(storages(there))
-    b.register_memory(storages(here))
+    a.register_memory(remote.regions(), "DRAM")
+    b.register_memory(local.regions(), "DRAM")
     kv_r = np.array([[b_] for b_ in range(3, 3 + full)])
     kv_l = np.array([[b_] for b_ in range(full + 4, 2 * full + 4)])
     st_r, st_l = np.array([[blocks - 2, blocks - 3, blocks - 4]]), np.array([[1, 2, full + 3]])
@@ -155,7 +147,9 @@ def engines_part(n_prompts: int) -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 500) for _ in range(1024)] for _ in range(n_prompts)]
     print(f"\n{n_prompts} prompts of 1,024 tokens; decode engine's time to first token (median)")
-    print(f"{'model':<11} {'connector':<15} {'TTFT ms':>8} {'desc/req':>9} {'KB/req':>8} {'pull ms':>8}")
+    print(
+        f"{'model':<11} {'connector':<15} {'TTFT ms':>8} {'desc/req':>9} {'KB/req':>8} {'pull ms':>8}"
+    )
     for kind, block in (("llama", 32), ("qwen3_next", None)):
         model = save_tiny(kind, root)
         base = {"distributed_executor_backend": "uni", "block_size": block}

@@ -1,13 +1,14 @@
 """The prefill engine's side channel: its workers' NIXL hellos, and leases on its offers.
 
-A decode worker asks the prefill engine two things before it READs: the
-hello of the prefill worker of its own tensor-parallel rank (NIXL agent
-metadata, span table, namespace: :class:`Hello`), once per engine; and a
-lease on the request's blocks (:class:`OfferBook`), once per request. The
-lease is what makes a late READ impossible: the prefill engine keeps a
-request's blocks at least until its lease ends, and the decode worker gives
-up (cancels) its READ before that, so no byte is read from blocks already
-given to another request, whatever the two clocks say.
+A decode engine's scheduler asks the prefill engine two things before its
+workers READ (:class:`Asker`): the hellos of the prefill workers (NIXL
+agent metadata, span table, namespace: :class:`Hello`, one per
+tensor-parallel rank), once per engine; and a lease on the request's blocks
+(:class:`OfferBook`), once per request. The lease is what makes a late READ
+impossible: the prefill engine keeps a request's blocks at least until its
+lease ends, and the decode worker gives up (cancels) its READ before that,
+so no byte is read from blocks already given to another request, whatever
+the two clocks say.
 
 The channel is one ZeroMQ ROUTER socket on a thread of the prefill
 engine's scheduler process, msgpack both ways; the address it listens on is
@@ -31,7 +32,8 @@ POLL_MS = 100  # how often the listener looks up from its socket to see if it mu
 
 
 class ChannelError(Error, RuntimeError):
-    """A peer's side channel did not answer, or answered a refusal."""
+    """A prefill engine cannot be read from: its channel cannot listen or
+    refused, or its cache means other bytes than this engine's."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,30 +186,6 @@ class Channel:
         self._thread.join()
         self._sock.close()
         self._ctx.term()
-
-
-def ask(host: str, port: int, message: Mapping[str, Any], *, timeout_s: float) -> dict[str, Any]:
-    """One ask of a prefill engine's channel and its answer; :class:`ChannelError`
-    where none comes within ``timeout_s`` or the answer is a refusal."""
-    ctx: zmq.Context = zmq.Context.instance()
-    sock = ctx.socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, max(1, int(timeout_s * 1000)))
-    sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
-    try:
-        sock.connect(f"tcp://{host}:{port}")
-        sock.send(msgspec.msgpack.encode(dict(message)))
-        answer = msgspec.msgpack.decode(sock.recv())
-    except zmq.ZMQError as exc:
-        raise ChannelError(
-            f"prefill engine at {host}:{port} did not answer {message.get('op')!r}: {exc}"
-        ) from None
-    finally:
-        sock.close()
-    if not isinstance(answer, dict) or not answer.get("ok"):
-        why = answer.get("why") if isinstance(answer, dict) else answer
-        raise ChannelError(f"prefill engine at {host}:{port} refused {message.get('op')!r}: {why}")
-    return answer
 
 
 class Asker:

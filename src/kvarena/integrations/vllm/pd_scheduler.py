@@ -326,9 +326,8 @@ class PdScheduler:
         self._leasing = waiting
 
     def _release(self, offer: Offer) -> None:
-        """Tell a prefill engine its offer will not be read (off the scheduler's
-        thread; a prefill engine that does not hear it frees at expiry)."""
-
+        """Tell a prefill engine its offer will not be read (sent, not waited
+        for: a prefill engine that does not hear it frees at expiry)."""
         if self._asker is not None:
             release = {"op": "release", "engine_id": offer.engine_id, "request": offer.request_id}
             self._asker.send(offer.host, offer.port, release)  # its answer is not awaited

@@ -99,6 +99,11 @@ class SpanTable:
                 out.append(f"{kind} objects: spans cut differently (payload offsets or lengths)")
         return out
 
+    def regions(self) -> np.ndarray:
+        """NIXL registration rows ``[n, 3]`` (address, size, device): the storages."""
+        rows = [[addr, size, self.device] for addr, size in self.bases]
+        return np.array(rows, dtype=np.int64).reshape(-1, 3)
+
     def addresses(self, kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(address, length) of every span of objects of ``kind`` at ``blocks``
         (``[objects, groups]``), object after object, each in payload order;

@@ -110,9 +110,7 @@ class PdWorker:
         self.mem_type = "VRAM" if pages.device.type == "cuda" else "DRAM"
         config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False)
         self.agent = _OneCallAtATime(nixl_agent(f"kvarena-{rank}-{uuid.uuid4().hex[:12]}", config))
-        rows = np.array(
-            [[addr, size, self.table.device] for addr, size in self.table.bases], dtype=np.int64
-        )
+        rows = self.table.regions()
         self._reg = self.agent.register_memory(rows, self.mem_type) if len(rows) else None
         self._lock = threading.Lock()
         self._hellos: dict[str, Hello] = {}  # prefill engine id -> its worker's of this rank
@@ -273,6 +271,9 @@ class PdWorker:
                 return True
             return False
         if p.xfer is None:
+            if now > p.deadline:  # its lease may be over: a READ now could be late
+                self._fail(p.pull, "its lease ended before its READ was posted")
+                return True
             try:
                 self._post(p)
             except Exception as exc:

@@ -192,16 +192,7 @@ class ConnectorSettings:
                 f"{where}['save_backlog'] must be a size of at least 1 byte (an integer "
                 f"or a string such as '1GiB'), got {backlog!r:.80}"
             )
-        timeout = extra.get("load_timeout", cls.load_timeout)
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, (int, float))
-            or not 0 < timeout <= 3600
-        ):
-            raise ConnectorConfigError(
-                f"{where}['load_timeout'] must be a number of seconds in (0, 3600], "
-                f"got {timeout!r:.80}"
-            )
+        timeout = _seconds(extra, "load_timeout", cls.load_timeout, 3600)
         host = extra.get("pd_host", cls.pd_host)
         if not isinstance(host, str) or not host or host in ("0.0.0.0", "::") or " " in host:
             raise ConnectorConfigError(
@@ -213,26 +204,18 @@ class ConnectorSettings:
             raise ConnectorConfigError(
                 f"{where}['pd_port'] must be a port in 0..65535 (0: a free one), got {port!r:.80}"
             )
-        expiry = extra.get("pd_expiry", cls.pd_expiry)
-        if (
-            isinstance(expiry, bool)
-            or not isinstance(expiry, (int, float))
-            or not 0 < expiry <= 86400
-        ):
-            raise ConnectorConfigError(
-                f"{where}['pd_expiry'] must be a number of seconds in (0, 86400], got {expiry!r:.80}"
-            )
+        expiry = _seconds(extra, "pd_expiry", cls.pd_expiry, 86400)
         return cls(
             pd_host=host,
             pd_port=port,
-            pd_expiry=float(expiry),
+            pd_expiry=expiry,
             disaggregated=role != "kv_both" or "pd_host" in extra or "pd_port" in extra,
             tiers=tuple(specs),
             namespace=namespace,
             host_frame_bytes=frame,
             layout=layout,
             save_backlog=backlog_bytes,
-            load_timeout=float(timeout),
+            load_timeout=timeout,
         )
 
     def preferred_layout(self, *, cpu: bool) -> str | None:
@@ -240,6 +223,17 @@ class ConnectorSettings:
         if self.layout == "engine" or (self.layout == "auto" and cpu):
             return None
         return BLOCK_MAJOR
+
+
+def _seconds(extra: Mapping[str, Any], key: str, default: float, most: float) -> float:
+    """``extra[key]`` as a number of seconds in (0, ``most``], else refused naming it."""
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= most:
+        raise ConnectorConfigError(
+            f"kv_connector_extra_config[{key!r}] must be a number of seconds in (0, {most:g}], "
+            f"got {value!r:.80}"
+        )
+    return float(value)
 
 
 def check_failure_policy(policy: object) -> str:
