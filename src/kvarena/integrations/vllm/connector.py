@@ -45,7 +45,7 @@ from .settings import ConnectorConfigError, ConnectorSettings, check_failure_pol
 from .tensors import payload_bytes
 from .worker_side import WorkerSide
 
-_SOURCES = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
+_SOURCES = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK, "p2p": CacheHitSource.P2P}
 
 log = logging.getLogger("vllm.kvarena")
 
@@ -362,7 +362,9 @@ class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int):
         assert self._scheduler is not None
-        found = self._scheduler.hit_sources(request, num_external_tokens)
+        found = self._pd.hit_sources(request, num_external_tokens) if self._pd else None
+        if found is None:
+            found = self._scheduler.hit_sources(request, num_external_tokens)
         return {_SOURCES.get(k, CacheHitSource.EXTERNAL_UNSPECIFIED): n for k, n in found.items()}
 
     def build_connector_meta(self, scheduler_output: Any) -> StepPlan:

@@ -90,6 +90,7 @@ class PdScheduler:
         self._asker = Asker() if self.consumer else None
         self._peers: dict[tuple[str, str, int], _Peer] = {}
         self._leasing: list[_Leasing] = []
+        self._read_now: dict[str, int] = {}  # rid -> tokens read, this step's allocations
 
     # -- prefill side ---------------------------------------------------------------
     def hellos(self, hellos: dict[int, Hello]) -> None:
@@ -222,6 +223,7 @@ class PdScheduler:
         if external == 0:
             self._release(offer)
             return True
+        self._read_now[rid] = external
         bs = self.block_size
         where = dict(
             request=rid,
@@ -260,6 +262,12 @@ class PdScheduler:
         else:
             self._lease(pull)
         return True
+
+    def hit_sources(self, request: Any, tokens: int) -> dict[str, int] | None:
+        """A request read from its prefill engine in this step: all its hit tokens
+        came from another instance (None: not one this half read)."""
+        read = self._read_now.get(request.request_id)
+        return None if read is None else {"p2p": min(read, tokens)}
 
     def _lease(self, pull: Pull) -> None:
         """Ask the prefill engine for its workers' hellos (once) and a lease on the
@@ -339,6 +347,7 @@ class PdScheduler:
         plan.offers += self._new_offers
         plan.expired += self.offers.expired() if self.producer else []
         self._pulls, self._new_offers = [], []
+        self._read_now.clear()
         return plan
 
     def close(self) -> None:
