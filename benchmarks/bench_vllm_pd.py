@@ -22,8 +22,11 @@ hybrid it asks ``VLLM_SSM_CONV_STATE_LAYOUT=DS``). Each
 prompt is prefilled, then sent to the decode engine with one token to
 generate: the decode side's time to first token, transfer included, median
 over the prompts; and, for kvarena, descriptors, bytes and seconds per pull
-as its decode workers report them. vLLM alone computing the whole prompt
-gives the same measure without a handoff.
+as its decode workers report them. ``kvarena+tiers``: a decode engine with a
+disk tier of its own that once computed each prompt's first three quarters
+(its device cache emptied since), so it loads those from its tier and reads
+only the rest. vLLM alone computing the whole prompt gives the same measure
+without a handoff.
 """
 
 from __future__ import annotations
@@ -141,7 +144,7 @@ def engines_part(n_prompts: int) -> None:
     from kvarena.integrations.transformers.tiny import save_tiny
     from kvarena.integrations.vllm import kv_transfer_config
     from kvarena.testing.vllm_engine import engine_args
-    from kvarena.testing.vllm_pair import EngineProcess, pd_books
+    from kvarena.testing.vllm_pair import EngineProcess, cold, pd_books
 
     root = tempfile.mkdtemp(prefix="bench-pd-")
     rng = random.Random(0)
@@ -167,9 +170,13 @@ def engines_part(n_prompts: int) -> None:
             print(f"{kind:<11} {'(vLLM alone)':<15} {ttft(alone, [None] * n_prompts):>8.1f}")
         finally:
             alone.stop()
-        for name in ("kvarena", "NixlConnector"):
-            if name == "kvarena":
-                configs = [kv_transfer_config([], role=r) for r in ("kv_producer", "kv_consumer")]
+        for name in ("kvarena", "kvarena+tiers", "NixlConnector"):
+            if name.startswith("kvarena"):
+                tiers = [f"disk:{root}/tiers-{kind}:1GiB"] if name.endswith("tiers") else []
+                configs = [
+                    kv_transfer_config([], role="kv_producer"),
+                    kv_transfer_config(tiers, role="kv_consumer"),
+                ]
                 setup, env = None, [{}, {}]
             else:
                 configs = [
@@ -193,6 +200,9 @@ def engines_part(n_prompts: int) -> None:
             ]
             try:
                 producer, consumer = engines
+                if name.endswith("tiers"):  # its tiers hold each prompt's first 3/4
+                    consumer.generate([p[: len(p) * 3 // 4] for p in prompts], max_tokens=1)
+                    consumer.call(cold)
                 answers = producer.generate(
                     prompts, [{"do_remote_decode": True}] * n_prompts, max_tokens=1
                 )
@@ -202,7 +212,7 @@ def engines_part(n_prompts: int) -> None:
                 ]
                 ms = ttft(consumer, params)
                 row = f"{kind:<11} {name:<15} {ms:>8.1f}"
-                if name == "kvarena":
+                if name.startswith("kvarena"):
                     pulls = consumer.call(pd_books)["pulls"]
                     row += (
                         f" {statistics.median(p['descriptors'] for p in pulls):>9.0f}"

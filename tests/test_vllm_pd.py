@@ -33,7 +33,7 @@ vllm = pytest.importorskip("vllm")
 
 from kvarena.integrations.transformers.tiny import save_tiny  # noqa: E402
 from kvarena.testing.vllm_engine import engine_args  # noqa: E402
-from kvarena.testing.vllm_pair import EngineProcess, pd_books  # noqa: E402
+from kvarena.testing.vllm_pair import EngineProcess, cold, pd_books  # noqa: E402
 from kvarena.transfer import nixl_available  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")
@@ -140,6 +140,26 @@ def pairs(models):
         for engines in started.values():
             for e in engines:
                 e.stop()
+
+
+@pytest.fixture(scope="module")
+def tiered(models, tmp_path_factory):
+    """A decode engine per model with a disk tier of its own, started when first
+    asked for."""
+    started: dict[str, EngineProcess] = {}
+
+    def consumer(kind: str) -> EngineProcess:
+        if kind not in started:
+            disk = tmp_path_factory.mktemp(f"disk-{kind}")
+            tiers = [f"disk:{disk}:256MiB"]
+            started[kind] = EngineProcess(args(models[kind], kind, "kv_consumer", tiers=tiers))
+        return started[kind]
+
+    try:
+        yield consumer
+    finally:
+        for engine in started.values():
+            engine.stop()
 
 
 @pytest.mark.parametrize("kind", list(BLOCK))
@@ -251,3 +271,33 @@ def test_engines_whose_caches_differ_are_refused(models, pairs, reference):
         consumer.stop()
     producer.generate([[7, 8, 9]], max_tokens=2)
     assert producer.call(pd_books)["held"] == 0  # told at once
+
+
+@pytest.mark.parametrize("kind", list(BLOCK))
+def test_a_decode_engine_reads_only_what_its_tiers_lack(pairs, tiered, reference, kind):
+    """A decode engine whose own tiers hold a prompt's first blocks loads those
+    and reads only the rest from the prefill engine (a hybrid's state at the
+    prefill's end among them); tokens unchanged."""
+    producer, _ = pairs(kind)
+    consumer = tiered(kind)
+    bs = BLOCK[kind] or 256
+    whole, other = prompts(0, kind)[-1], prompts(1, kind)[-1]  # 700 tokens each
+    # a prompt its tiers know nothing of is read whole
+    got = consumer.generate([other], [to_decode(a) for a in prefill(producer, [other])])
+    assert got[0].tokens == reference[kind][1][-1]
+    full = consumer.call(pd_books)["pulls"][-1]
+    # the decode engine once computed the first 600 tokens itself: its tiers
+    # hold their whole blocks
+    consumer.generate([whole[:600]], max_tokens=1)
+    assert consumer.call(cold)
+    got = consumer.generate([whole], [to_decode(a) for a in prefill(producer, [whole])])
+    assert got[0].tokens == reference[kind][0][-1]
+    assert got[0].cached == len(whole) - 1
+    part = consumer.call(pd_books)["pulls"][-1]
+    blocks = -(-(len(whole) - 1) // bs)  # the blocks a read of the whole prompt writes
+    read = blocks - 600 // bs  # those after the tiers' whole blocks
+    assert 0 < read < blocks
+    if kind == "llama":  # KV blocks alone: the bytes read are the blocks read
+        assert part["nbytes"] * blocks == full["nbytes"] * read
+    else:  # the state at the prefill's end travels with the blocks
+        assert part["nbytes"] < full["nbytes"]

@@ -241,3 +241,23 @@ def test_a_request_asked_again_is_looked_up_from_where_its_run_ended():
     assert side.matched(r, 0) == (30 * BS, True)
     side.reported(WorkerReport(failed=[names[3]]))  # a load of block 3 failed
     assert side.matched(r, 0) == (3 * BS, True)
+
+
+def test_a_part_hit_takes_whole_kv_blocks_alone_for_a_read_to_finish():
+    """A decode request whose prefill engine offers the rest asks the tiers for a
+    part: every whole KV block they hold, whether or not a state was saved at
+    its end (the read brings the state at the prefill's end), no state loaded,
+    off the step, and marked as one part of two."""
+    side = _side("kv", "state")
+    r = _request("r7", 80)
+    keys = block_keys(key_root(NS), torch.tensor(r.all_token_ids).numpy(), BS)
+    kv = [object_name(ImageKind.KV_BLOCK, k) for k in keys[:4]]
+    side.catalogue.hosted([*kv, object_name(ImageKind.STATE, keys[0])], [])
+    assert side.matched(r, 0) == (16, True)  # alone: the one boundary with a state
+    assert side.matched(r, 0, part=True) == (64, True)  # a part: every whole block
+    ids = _blocks("r7", 2)
+    side.allocated(r, ids, 64)
+    (load,) = side.plan(_step([r], {"r7": 16}, {"r7": 64}, 2)).loads
+    assert [c.index for c in load.kv] == [0, 1, 2, 3] and load.state is None
+    assert load.joined and not load.in_step
+    assert load.block_ids == set(ids[0][:4])

@@ -53,6 +53,20 @@ def pd_books(llm: Any) -> dict[str, Any]:
     }
 
 
+def cold(llm: Any) -> bool:
+    """Every save of an engine with tiers written and its scheduler told (a
+    write's report rides on a later step: a one-token request takes a few),
+    then its device cache emptied: what it hits next comes from its tiers.
+    Pass to :meth:`EngineProcess.call`; True where the cache was emptied."""
+    from vllm import SamplingParams
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    get_kv_transfer_group()._worker.flush()
+    params = SamplingParams(max_tokens=3, temperature=0, detokenize=False)
+    llm.generate([{"prompt_token_ids": [5]}], params, use_tqdm=False)
+    return bool(llm.reset_prefix_cache())
+
+
 def _serve(conn: Any, engine: dict[str, Any], env: dict[str, str], setup: Any) -> None:
     os.environ.update(env)
     try:

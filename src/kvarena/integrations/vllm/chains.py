@@ -15,6 +15,7 @@ import numpy as np
 
 from ...prefix.keys import block_keys, tail_key
 from ...tiers.image import ImageKind, object_name
+from .records import BlockCopy
 
 CHUNK = 32
 """Blocks hashed at a time: a window's worth, so a probe hashes in few calls."""
@@ -26,6 +27,7 @@ class RequestKeys:
 
     def __init__(self, root: bytes, request: Any, block_size: int, extra: tuple[object, ...]):
         self._root, self._request, self._bs, self._extra = root, request, block_size, extra
+        self.block_size = block_size
         self._keys: list[bytes] = []
         self._names: dict[ImageKind, list[str]] = {kind: [] for kind in ImageKind}
         self._tails: dict[tuple[int, int], bytes] = {}
@@ -87,3 +89,27 @@ def cacheable(request: Any) -> bool:
     """Multimodal prompts are left to vLLM: the token ids standing for an image
     do not name which image it is."""
     return not getattr(request, "mm_features", None)
+
+
+def saved_tail(
+    objects: Any, request: Any, keys: RequestKeys, full: int, skip: set[str]
+) -> tuple[BlockCopy | None, int]:
+    """The partial block after the request's first ``full`` blocks that the tiers
+    hold (``objects.locate``; its blocks not known yet), and the tokens of it a
+    hit uses: the longest saved one whose tokens begin the request's next ones
+    (a full block there counts too), used up to the prompt's last token, which
+    vLLM computes itself. Objects named in ``skip`` failed a load: not used."""
+    bs = keys.block_size
+    rows = request.num_tokens - 1 - full * bs
+    if rows <= 0 or full < 1:  # a prompt under one block saves no partial block
+        return None, 0
+    sizes = range(min(bs, request.num_tokens - full * bs), 0, -1)
+    wanted = [keys[full] if t == bs else keys.tail(full, t) for t in sizes]
+    names = [object_name(ImageKind.KV_BLOCK, k) for k in wanted]
+    for t, key, name, where in zip(sizes, wanted, names, objects.locate(names), strict=True):
+        if where is not None and name not in skip:
+            copy = BlockCopy(
+                index=full, key=key, blocks=(), level=where, tokens=None if t == bs else t
+            )
+            return copy, min(t, rows)
+    return None, 0

@@ -34,6 +34,7 @@ from ...tiers.stack import tier_labels
 from .catalogue import Catalogue
 from .events import TierEvents
 from .groups import Group, classify, namespace_json
+from .joins import Joins
 from .metrics import KvarenaPromMetrics, KvarenaStats
 from .pd_channel import Hello
 from .pd_scheduler import PdScheduler
@@ -156,6 +157,7 @@ class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
         self._ranks = ranks
         self._num_blocks = int(kv_cache_config.num_blocks)
         self._block_errors: set[int] = set()
+        self._joins = Joins()  # loads whose rest a prefill engine's read brings
         if role == KVConnectorRole.SCHEDULER:
             if getattr(vllm_config, "shutdown_timeout", None) == 0:
                 log.warning(
@@ -251,6 +253,7 @@ class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if self._worker is not None and isinstance(meta, StepPlan):
+            self._joins.expect(job.request for job in meta.loads if job.joined)
             self._worker.load(meta)
             if self._pd_worker is not None:
                 self._pd_worker.learn(meta.peers)
@@ -260,7 +263,7 @@ class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
                 self._pd_worker.progress()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # a load is copied in a step's start_load_kv, before its forward
+        return None  # a load lands in a step's start_load_kv, before its forward
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any):
         return None  # saves read every layer after the forward, in wait_for_save
@@ -283,7 +286,8 @@ class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
         if self._pd_worker is not None:
             self._pd_worker.progress()
             sent, pulled, pull_failed, pull_errors = self._pd_worker.take()
-            done, failed, errors = done | pulled, failed | pull_failed, errors | pull_errors
+            done, failed = self._joins.settle((done, failed), (pulled, pull_failed))
+            errors |= pull_errors
         self._block_errors = errors if len(self._kv_cache_config.kv_cache_groups) == 1 else set()
         return KVConnectorTransferResults(
             finished_sending=sent,
@@ -340,11 +344,18 @@ class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
     # -- scheduler ------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
         assert self._scheduler is not None
-        if self._pd is not None:
-            answer = self._pd.matched(request, num_computed_tokens)
-            if answer is not None:  # a decode request: read from its prefill engine
+        tiers = bool(self._settings.tiers)
+        if self._pd is not None and self._pd.offered(request):
+            first = 0  # a decode request: the tiers' whole blocks first, then the read
+            if tiers:
+                hit, _ = self._scheduler.matched(request, num_computed_tokens, part=True)
+                if hit is None:
+                    return None, False  # ask again
+                first = hit
+            answer = self._pd.matched(request, num_computed_tokens, first)
+            if answer is not None and answer[0]:
                 return answer
-        if not self._settings.tiers:  # a prefill or decode engine alone
+        if not tiers:  # a prefill or decode engine alone
             return 0, False
         return self._scheduler.matched(request, num_computed_tokens)
 
@@ -355,16 +366,15 @@ class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
         assert self._scheduler is not None
         ids = blocks.get_block_ids()
-        if self._pd is not None and self._pd.allocated(request, ids, num_external_tokens):
-            self._scheduler.allocated(request, ids, 0)  # its later blocks saved as any
-            return
-        self._scheduler.allocated(request, ids, num_external_tokens)
+        first = self._pd.allocated(request, ids, num_external_tokens) if self._pd else None
+        # a read request's tiers part (if any; its later blocks saved as any)
+        self._scheduler.allocated(request, ids, num_external_tokens if first is None else first)
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int):
         assert self._scheduler is not None
-        found = self._pd.hit_sources(request, num_external_tokens) if self._pd else None
-        if found is None:
-            found = self._scheduler.hit_sources(request, num_external_tokens)
+        read = self._pd.read_now(request) if self._pd is not None else 0
+        found = self._scheduler.hit_sources(request, num_external_tokens - read)
+        found.update({"p2p": read} if read else {})
         return {_SOURCES.get(k, CacheHitSource.EXTERNAL_UNSPECIFIED): n for k, n in found.items()}
 
     def build_connector_meta(self, scheduler_output: Any) -> StepPlan:

@@ -83,7 +83,9 @@ class PdScheduler:
         self.expiry_s, self.timeout_s = expiry_s, timeout_s
         self.offers = OfferBook()
         self.channel: Channel | None = None
-        self._pending: dict[str, tuple[Offer, int, int]] = {}  # rid -> offer, tokens, local
+        # rid -> offer, tokens read up to, tokens held or loaded before the read, of
+        # which loaded from this engine's tiers
+        self._pending: dict[str, tuple[Offer, int, int, int]] = {}
         self._pulls: list[Pull] = []
         self._new_offers: list[str] = []
         # a decode engine's asks of prefill engines: from its own steps, never waiting
@@ -166,11 +168,19 @@ class PdScheduler:
         self.offers.release(requests)
 
     # -- decode side ----------------------------------------------------------------
-    def matched(self, request: Any, num_computed: int) -> tuple[int, bool] | None:
-        """The tokens a request carrying an offer reads (None: it carries none)."""
+    def offered(self, request: Any) -> bool:
+        """Whether a request carries a prefill engine's offer this engine reads."""
         params = request.kv_transfer_params
-        if not self.consumer or not params or not params.get("do_remote_prefill"):
+        return bool(self.consumer and params and params.get("do_remote_prefill"))
+
+    def matched(self, request: Any, num_computed: int, first: int = 0) -> tuple[int, bool] | None:
+        """The tokens a request carrying an offer reads beyond ``num_computed``
+        (None: it carries none). ``first``: tokens after ``num_computed`` this
+        engine's tiers load (whole blocks): only the rest is read, and the
+        answer counts both."""
+        if not self.offered(request):
             return None
+        params = request.kv_transfer_params
         offer = Offer.parse(params, groups=len(self.groups))
         if offer is None:
             return None
@@ -181,13 +191,17 @@ class PdScheduler:
                 request.request_id,
                 why,
             )
-        if why or tokens <= num_computed:
+        local = num_computed + first
+        # where the tiers load every KV block, a state group's state at the
+        # prefill's end is still worth a read of its own
+        short = tokens < local or (tokens == local and not self.state_groups)
+        if why or tokens <= num_computed or short:
             params["do_remote_prefill"] = False
             if not isinstance(offer, str):
                 self._release(offer)
             return 0, False
         assert isinstance(offer, Offer)
-        self._pending[request.request_id] = (offer, tokens, num_computed)
+        self._pending[request.request_id] = (offer, tokens, local, first)
         return tokens - num_computed, True
 
     def _usable(self, request: Any, offer: Offer | str) -> tuple[str, int]:
@@ -210,20 +224,22 @@ class PdScheduler:
             return "", offer.num_tokens
         return "", min(offer.num_tokens, len(prompt) - 1)
 
-    def allocated(self, request: Any, block_ids: tuple[list[int], ...], external: int) -> bool:
-        """Plan the read into the blocks vLLM allocated; False where the request
-        is not one this half answered."""
+    def allocated(
+        self, request: Any, block_ids: tuple[list[int], ...], external: int
+    ) -> int | None:
+        """Plan the read into the blocks vLLM allocated; the tokens this engine's
+        tiers load before it (None: the request is not one this half answered)."""
         rid = request.request_id
         pending = self._pending.pop(rid, None)
         if pending is None:
-            return False
-        offer, tokens, local = pending
+            return None
+        offer, tokens, local, first = pending
         if request.kv_transfer_params:
             request.kv_transfer_params["do_remote_prefill"] = False  # read once
         if external == 0:
             self._release(offer)
-            return True
-        self._read_now[rid] = external
+            return 0
+        self._read_now[rid] = external - first
         bs = self.block_size
         where = dict(
             request=rid,
@@ -247,7 +263,7 @@ class PdScheduler:
             self._pulls.append(
                 Pull(**where, refused="the offer's block ids do not cover its tokens")
             )
-            return True
+            return first
         ids = [b for x in (*kv_local, *kv_remote, state_local, state_remote) for b in x]
         pull = Pull(
             **where,
@@ -261,13 +277,12 @@ class PdScheduler:
             self._pulls.append(pull)
         else:
             self._lease(pull)
-        return True
+        return first
 
-    def hit_sources(self, request: Any, tokens: int) -> dict[str, int] | None:
-        """A request read from its prefill engine in this step: all its hit tokens
-        came from another instance (None: not one this half read)."""
-        read = self._read_now.get(request.request_id)
-        return None if read is None else {"p2p": min(read, tokens)}
+    def read_now(self, request: Any) -> int:
+        """The tokens a request allocated in this step reads from its prefill
+        engine (vLLM counts them as hits from another instance)."""
+        return self._read_now.get(request.request_id, 0)
 
     def _lease(self, pull: Pull) -> None:
         """Ask the prefill engine for its workers' hellos (once) and a lease on the

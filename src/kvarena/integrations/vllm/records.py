@@ -45,6 +45,7 @@ class Load:
     kv: tuple[BlockCopy, ...]
     state: BlockCopy | None
     in_step: bool = False
+    joined: bool = False  # a read of the prefill engine brings the rest (:mod:`.joins`)
 
     @property
     def block_ids(self) -> set[int]:

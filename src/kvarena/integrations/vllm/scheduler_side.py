@@ -25,7 +25,7 @@ from ...tiers.image import ImageKind, object_name
 from ...tiers.stack import tier_labels
 from .asked import AskedBefore
 from .catalogue import Catalogue
-from .chains import RequestKeys, cacheable, request_extra
+from .chains import RequestKeys, cacheable, request_extra, saved_tail
 from .events import TierEvents
 from .groups import Group
 from .pace import LoadPace
@@ -46,6 +46,7 @@ class Found:
     tail: BlockCopy | None = None  # a partial block after them (its blocks not known yet)
     rows: int = 0  # the tokens of ``tail`` the hit uses
     in_step: bool = False  # loaded in the step vLLM schedules it in (its synchronous path)
+    part: bool = False  # KV blocks alone: a prefill engine's read brings the rest
 
 
 LOADS_IN_FLIGHT = 64
@@ -102,14 +103,21 @@ class SchedulerSide:
         return chain
 
     # -- lookups ------------------------------------------------------------------
-    def matched(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
+    def matched(
+        self, request: Any, num_computed: int, *, part: bool = False
+    ) -> tuple[int | None, bool]:
+        """Hit tokens beyond ``num_computed``, and whether they load asynchronously
+        (None: ask again). ``part``: the hit is the first part of a request whose
+        prefill engine offers the rest (:mod:`.pd_scheduler`): whole KV blocks
+        alone, no state (the rest's read brings the state at its end), loaded
+        off the step."""
         self._found.pop(request.request_id, None)
         if not cacheable(request):
             return 0, False
         bs = self.block_size
         local = num_computed // bs
         limit = (request.num_tokens - 1) // bs
-        tails = self._tails_served
+        tails = self._tails_served and not part
         if limit < local or (limit == local and not tails):
             return 0, False
         self.telemetry.looked_up()
@@ -130,13 +138,21 @@ class SchedulerSide:
         if known:
             finds = dataclasses.replace(finds, kv={**known, **finds.kv})
         self.asked.found(request.request_id, local, finds, since)
-        point = resume_point(finds.kv_end, bool(self.state_groups), lambda b: b in finds.state)
-        tail, rows = self._tail(request, keys, limit) if tails and point == limit else (None, 0)
+        point = (
+            finds.kv_end
+            if part
+            else resume_point(finds.kv_end, bool(self.state_groups), lambda b: b in finds.state)
+        )
+        tail, rows = (
+            saved_tail(self._objects, request, keys, limit, self._failed)
+            if tails and point == limit
+            else (None, 0)
+        )
         if point * bs + rows <= num_computed:
             return 0, False
         if len(self._inflight) >= LOADS_IN_FLIGHT:
             return None, False  # ask again: no load starts past the bound
-        in_step = self._in_step(finds, local, point, tail)
+        in_step = not part and self._in_step(finds, local, point, tail)
         self._found[request.request_id] = Found(
             local=local,
             resume_point=point,
@@ -145,6 +161,7 @@ class SchedulerSide:
             tail=tail,
             rows=rows,
             in_step=in_step,
+            part=part,
         )
         # Loaded between steps, never inside the forward that resumes from it:
         # vLLM copies a resumed request's Mamba state to its running block
@@ -173,29 +190,6 @@ class SchedulerSide:
         exact only at a block boundary, so a hybrid resumes at one."""
         return bool(self.kv_groups) and not self.state_groups
 
-    def _tail(self, request: Any, keys: RequestKeys, full: int) -> tuple[BlockCopy | None, int]:
-        """The partial block after the request's first ``full`` blocks that the
-        tiers hold (its blocks not known yet), and the tokens of it a hit uses:
-        the longest saved one whose tokens begin the request's next ones (a
-        full block there counts too), used up to the prompt's last token, which
-        vLLM computes itself."""
-        bs = self.block_size
-        rows = request.num_tokens - 1 - full * bs
-        if rows <= 0 or full < 1:  # see _tail_save: a prompt under a block saves none
-            return None, 0
-        sizes = range(min(bs, request.num_tokens - full * bs), 0, -1)
-        wanted = [keys[full] if t == bs else keys.tail(full, t) for t in sizes]
-        names = [object_name(ImageKind.KV_BLOCK, k) for k in wanted]
-        for t, key, name, where in zip(
-            sizes, wanted, names, self._objects.locate(names), strict=True
-        ):
-            if where is not None and name not in self._failed:
-                copy = BlockCopy(
-                    index=full, key=key, blocks=(), level=where, tokens=None if t == bs else t
-                )
-                return copy, min(t, rows)
-        return None, 0
-
     def allocated(self, request: Any, block_ids: tuple[list[int], ...], external: int) -> None:
         rid = request.request_id
         self._requests[rid] = request
@@ -219,14 +213,14 @@ class SchedulerSide:
             if found.tail.tokens is None:  # a full block, used but for its last token
                 upto = b + 1
         state = None
-        if self.state_groups:
+        if self.state_groups and not found.part:
             state = BlockCopy(
                 index=b,
                 key=keys[b - 1],
                 blocks=tuple(block_ids[g.index][b - 1] for g in self.state_groups),
                 level=found.finds.state.get(b),
             )
-        load = Load(request=rid, kv=kv, state=state, in_step=found.in_step)
+        load = Load(request=rid, kv=kv, state=state, in_step=found.in_step, joined=found.part)
         if 0 in load.block_ids:
             raise RuntimeError(
                 f"kvarena connector: request {rid}: vLLM allocated the null block where a hit "
@@ -238,7 +232,7 @@ class SchedulerSide:
         for kind, n in self.hit_sources(request, external).items():
             self.telemetry.hit(kind, n)
         self._saved_upto[rid] = upto  # what the tiers hold is not saved again
-        self._floor[rid] = b
+        self._floor[rid] = 0 if found.part else b
 
     def hit_sources(self, request: Any, tokens: int) -> dict[str, int]:
         """Hit tokens by the outermost tier that serves each block of the load."""
