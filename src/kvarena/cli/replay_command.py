@@ -23,6 +23,7 @@ from .app import (
     _serving,
     app,
 )
+from .replay_fleet import check_fleet, run_fleets
 from .replay_outputs import check_sweep, json_head, outputs, run_sweep, write_replay_outputs
 from .replay_tables import render_replay
 
@@ -74,7 +75,10 @@ def replay(
         ),
     ] = None,
     picture: Annotated[
-        str | None, typer.Option(help="the sweep's budget curve: a .svg or .png file")
+        str | None,
+        typer.Option(
+            help="the sweep's budget curve (with --engines: hits by engine count): .svg/.png"
+        ),
     ] = None,
     timeline: Annotated[
         str | None,
@@ -87,6 +91,28 @@ def replay(
     ] = None,
     workers: Annotated[
         int | None, typer.Option(help="sweep replays run at once (default: the cores)")
+    ] = None,
+    engines: Annotated[
+        str | None,
+        typer.Option(
+            help="a fleet: N engines, each with its own device cache and --tier tiers (a comma "
+            "list, 1,2,4,8, replays each count; with --picture, hits by count)"
+        ),
+    ] = None,
+    router: Annotated[
+        str | None,
+        typer.Option(
+            help="with --engines: round-robin or prefix (the engine holding the longest "
+            "prefix), or both as a comma list (a sweep's default)"
+        ),
+    ] = None,
+    shared: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--shared",
+            help="with --engines: a store below every engine (repeat): host:SIZE, "
+            "disk:DIR:SIZE, redis://HOST:PORT",
+        ),
     ] = None,
 ) -> None:
     """Replay a request trace through the real prefix cache and pools."""
@@ -103,7 +129,25 @@ def replay(
     for name, rate in (("--prefill-rate", prefill_rate), ("--decode-rate", decode_rate)):
         if not 0 < rate < 1e12:
             raise InvalidValueError(f"{name} must be a positive rate, got {rate}")
-    out = outputs(sweep=sweep, picture=picture, timeline=timeline, report=report)
+    fleets = None
+    if engines is not None:
+        fleets, fleet_picture = check_fleet(
+            engines=engines,
+            router=router,
+            shared=shared,
+            picture=picture,
+            refused={
+                "--compare": compare,
+                "--sweep": sweep is not None,
+                "--timeline": timeline is not None,
+                "--report": report is not None,
+            },
+        )
+    elif router is not None or shared:
+        raise InvalidValueError("--router and --shared place a fleet's engines; give --engines")
+    out = outputs(
+        sweep=sweep, picture=None if fleets else picture, timeline=timeline, report=report
+    )
     m = model_cache(model, options)
     cfg = ReplayConfig(
         budget_bytes=out.budgets[0] if out.budgets else budget,
@@ -127,6 +171,16 @@ def replay(
     if out.budgets:
         check_sweep(m, cfg, out.budgets, compare=compare, vllm_model=vm)
     requests = load_trace(trace, limit=limit)
+    if fleets is not None:
+        head = {
+            **json_head("kvarena-replay-fleet/1", trace, m, cfg),
+            "budget_bytes": cfg.budget_bytes,
+            "tiers": list(cfg.tiers),
+        }
+        run_fleets(
+            trace, m, requests, cfg, fleets, picture=fleet_picture, as_json=as_json, head=head
+        )
+        return
     if out.budgets:
         run_sweep(
             trace,

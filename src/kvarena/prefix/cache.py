@@ -109,6 +109,16 @@ class PrefixCache:
         return sum(isinstance(k, tuple) and k[1] not in self._copying for k in self.pool.keys())
 
     @synchronized
+    def held(self, keys: Sequence[bytes]) -> int:
+        """Blocks of a prompt (its chained ``keys``, :meth:`keys`) this device could
+        resume after now: what a router reading this cache's KV events knows of
+        it. Asks no tier, takes nothing, counts nothing."""
+        keys = list(keys)
+        if not self.has_kv:  # a state-only model resumes at its furthest image
+            return next((b for b in range(len(keys), 0, -1) if self._has_image(keys, b)), 0)
+        return next((i for i, k in enumerate(keys) if not self._device_kv(k)), len(keys))
+
+    @synchronized
     def running(self, request: Hashable) -> Admission:
         try:
             return self._running[request]
@@ -378,6 +388,22 @@ class PrefixCache:
         the number of objects written."""
         self.poll()
         return self._loads.drain(set(self._copying), batch)
+
+    @synchronized
+    def publish(self, request: Hashable, store: TierStack, boundaries: Sequence[int] = ()) -> int:
+        """Write what a running request computed (its full KV blocks past its hit,
+        its images at ``boundaries``) through every tier of ``store``, as the
+        connector writes a shared store: another engine over it finds them
+        without waiting for this one's evictions. The objects written."""
+        if not isinstance(store, TierStack):
+            raise InvalidValueError(f"publish: store must be a TierStack, got {store!r}")
+        marks = [check_count(b, "publish: boundary", lo=1) for b in boundaries]
+        adm = self.running(request)
+        self.poll()
+        h, full = adm.hit.tokens // self.block_size, adm.tokens.size // self.block_size
+        kv = [(i, adm.keys[i], adm.blocks[i]) for i in range(h, full)] if self.has_kv else []
+        images = [(b, adm.keys[b - 1]) for b in marks if h < b <= full]
+        return self._loads.publish(kv, images, set(self._copying), store)
 
     @synchronized
     def check_books(self) -> None:

@@ -10,7 +10,7 @@ without them.
 
 from __future__ import annotations
 
-from collections.abc import Set
+from collections.abc import Sequence, Set
 
 from ..checkpoint import CheckpointSpec
 from ..checks import check_count
@@ -18,7 +18,7 @@ from ..pools.unified import UnifiedCache
 from ..tiers import TierStack
 from ..tiers.checked import Expectations, fetch_checked
 from ..tiers.image import Expected, ImageKind, TierObject, object_name
-from .records import PrefixHit, PrefixMetrics
+from .records import PrefixHit, PrefixMetrics, image_key
 from .tiering import WriteDown, host_bytes
 
 
@@ -69,7 +69,11 @@ class TierLoads:
             track=spec is not None,
         )
         return cls(
-            cache=cache, tiers=tiers, spec=spec, metrics=metrics, expect=expect,
+            cache=cache,
+            tiers=tiers,
+            spec=spec,
+            metrics=metrics,
+            expect=expect,
             write_down=write_down,
         )
 
@@ -135,6 +139,25 @@ class TierLoads:
             raw[o : o + n].copy_(src[pos : pos + n])
             pos += n
 
+    def publish(
+        self,
+        kv: Sequence[tuple[int, bytes, int]],
+        images: Sequence[tuple[int, bytes]],
+        copying: Set[bytes],
+        store: TierStack,
+    ) -> int:
+        """Write KV blocks (index, key, device block) and the images at boundaries
+        (boundary, key; those still being written skipped) through every tier of
+        ``store``; the objects written."""
+        objects = [self.write_down.kv_object(key, block, i) for i, key, block in kv]
+        for b, key in images:
+            units = self.pool.blocks_of(image_key(key))
+            if self.spec is not None and units is not None and key not in copying:
+                objects.append(self.write_down.state_object(key, units, b))
+        if objects:
+            store.write_through(objects)
+        return len(objects)
+
     def drain(self, copying: Set[bytes], batch: int) -> int:
         """Write every cached block and every image not in ``copying`` (bytes still
         being written) back to the tiers without evicting anything; the number
@@ -156,4 +179,3 @@ class TierLoads:
                 n, objects = n + len(objects), []
         self.tiers.write_back(objects)
         return n + len(objects)
-

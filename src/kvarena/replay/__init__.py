@@ -9,8 +9,9 @@ infinite-cache bound, :mod:`.clairvoyant` places images knowing the whole trace
 """
 
 from .clairvoyant import clairvoyant_bound, parting_points
+from .host_memory import host_memory_available
 from .policies import compare, infinite_bound
-from .run import ReplayConfig, ReplayResult, host_memory_available, replay
+from .run import ReplayConfig, ReplayResult, replay
 from .trace import MOONCAKE_BLOCK, TraceError, TraceRequest, load_trace, parse_trace
 
 __all__ = [

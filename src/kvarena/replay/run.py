@@ -35,14 +35,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..checks import check_bytes
 from ..errors import InvalidValueError
 from ..models import ModelCache
-from ..pools import BlockAllocationError, StateAllocationError, blocks_for, plan_cache
+from ..pools import BlockAllocationError, CachePlan, StateAllocationError, blocks_for, plan_cache
 from ..prefix import CheckpointPolicy, PrefixCache
 from ..prefix.records import Admission, plan_namespace
 from ..tiers import TierStack
+from ..tiers.base import Tier
 from ..tiers.image import object_bytes
+from .host_memory import check_host_memory
 from .timeline import Sample
 from .trace import TraceRequest
 
@@ -116,19 +117,24 @@ class _TraceRun:
         cfg: ReplayConfig,
         label: str,
         checkpoints: Sequence[Sequence[int]] | None,
+        below: Sequence[Tier] = (),
     ) -> None:
+        """``below``: tiers under this engine's own (``cfg.tiers``), opened and
+        closed by the caller: a fleet's store, shared by its engines, which
+        each prefill's blocks and images are also written through to."""
         self.trace, self.cfg, self.checkpoints = trace, cfg, checkpoints
         plan = plan_cache(model, budget_bytes=cfg.budget_bytes, max_seqs=cfg.max_seqs)
         device = torch.device("cpu" if cfg.verify else "meta")
-        # A host tier's frame is one KV block's object, so a block takes exactly one.
-        frame = object_bytes(plan_namespace(plan).to_json(), plan.block_bytes)
-        self.tiers = TierStack.from_specs(cfg.tiers, frame_bytes=frame)
+        own = TierStack.from_specs(cfg.tiers, frame_bytes=frame_bytes(plan))
+        self._own = own.tiers
+        self.tiers = TierStack([*own.tiers, *below]) if below else own
+        self._store = TierStack(below) if below else None
         try:
             self.pc = PrefixCache(
                 plan, device, policy=cfg.policy, reuse=cfg.reuse, tiers=self.tiers
             )
         except BaseException:
-            self.tiers.close()
+            own.close()
             raise
         self.bs = plan.block_size
         self.result = ReplayResult(label=label)
@@ -184,6 +190,8 @@ class _TraceRun:
                     raw[o : o + n].view(torch.int64).fill_(word)
             self.pc.checkpoint(adm.request, b)
         self.pc.commit(adm.request, adm.tokens.size)
+        if self._store is not None:
+            self.pc.publish(adm.request, self._store, wanted)
 
     # -- the time model ------------------------------------------------------------------
     def _push(self, t: float, kind: str, index: int) -> None:
@@ -253,47 +261,76 @@ class _TraceRun:
             )
         )
 
+    # -- one engine's part of a run (a fleet drives several, in one clock) ----------------
+    @property
+    def next_event(self) -> float:
+        """When this engine's next prefill ends or request finishes (inf: none)."""
+        return self.events[0][0] if self.events else float("inf")
+
+    @property
+    def busy(self) -> int:
+        """Requests admitted and not finished, and those waiting."""
+        return self.result.admitted - self.finished + len(self.queue)
+
+    def arrive(self, index: int, now: float) -> None:
+        self.result.requests += 1
+        self.result.prompt_tokens += self.trace[index].tokens.size
+        self.queue.append(index)
+        self.settle(now)
+
+    def advance(self) -> float:
+        """Take this engine's next event; its time."""
+        now, _, kind, index = heapq.heappop(self.events)
+        if kind == "prefill":
+            self._compute(index)
+        else:
+            self.pc.finish(index)
+            self.finished += 1
+        self.settle(now)
+        return now
+
+    def settle(self, now: float) -> None:
+        """Admit what the pools hold now (with nothing running, drop what never fits)."""
+        self._try_admit(now)
+        if self.cfg.timeline:
+            self._sample(now)
+
     def run(self) -> ReplayResult:
         try:
-            return self._run()
-        finally:
-            self.tiers.close()
-
-    def _run(self) -> ReplayResult:
-        wall = time.perf_counter()
-        arrivals = deque(range(len(self.trace)))
-        now = 0.0
-        while arrivals or self.events or self.queue:
-            next_arrival = self.trace[arrivals[0]].arrival_ms / 1000 if arrivals else float("inf")
-            if self.events and self.events[0][0] <= next_arrival:
-                now, _, kind, index = heapq.heappop(self.events)
-                if kind == "prefill":
-                    self._compute(index)
+            wall = time.perf_counter()
+            arrivals = deque(range(len(self.trace)))
+            now = 0.0
+            while arrivals or self.events or self.queue:
+                next_arrival = (
+                    self.trace[arrivals[0]].arrival_ms / 1000 if arrivals else float("inf")
+                )
+                if self.events and self.next_event <= next_arrival:
+                    now = self.advance()
+                elif arrivals:
+                    now = next_arrival
+                    self.arrive(arrivals.popleft(), now)
                 else:
-                    self.pc.finish(index)
-                    self.finished += 1
-                self._try_admit(now)
-            elif arrivals:
-                now = next_arrival
-                index = arrivals.popleft()
-                self.result.requests += 1
-                self.result.prompt_tokens += self.trace[index].tokens.size
-                self.queue.append(index)
-                self._try_admit(now)
-            else:  # queued requests with nothing running: _try_admit drops what never fits
-                self._try_admit(now)
-            if self.cfg.timeline:
-                self._sample(now)
+                    self.settle(now)
+            return self.summed(now, time.perf_counter() - wall)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Close this engine's own tiers (those below it are its caller's)."""
+        TierStack(self._own).close()
+
+    def summed(self, now: float, wall_seconds: float, *, drain: bool = True) -> ReplayResult:
+        """The result at the end of a run (``drain``: write what the device still
+        caches down to the tiers, as a server shutting down does)."""
         r = self.result
         r.sim_seconds = now
-        r.wall_seconds = time.perf_counter() - wall
+        r.wall_seconds = wall_seconds
         r.admission_us = 1e6 * self.admit_seconds / max(1, r.admitted)
         r.blocks, r.slots = self.pc.cache.num_blocks, self.pc.cache.num_slots
         r.metrics = self.pc.metrics.to_dict()
         if self.tiers:
-            # The run ends as a server shutting down: what the device still caches
-            # goes down too, so the next run over the same disk or store starts warm.
-            r.drained = self.pc.drain()
+            # so the next run over the same disk or store starts warm
+            r.drained = self.pc.drain() if drain else 0
             r.tiers = self.tiers.report()
             m = self.pc.metrics
             for row in r.tiers:
@@ -302,33 +339,9 @@ class _TraceRun:
         return r
 
 
-def host_memory_available() -> int | None:
-    """Bytes the kernel says can be allocated without swapping (``MemAvailable``),
-    or None where it does not say (no ``/proc/meminfo``)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def _check_host_memory(cfg: ReplayConfig) -> None:
-    """A verified replay writes real bytes into a CPU cache of the whole budget,
-    and a prefix cache keeps what it computed until it must evict: a budget
-    above the host's available memory ends in the kernel killing the process
-    once the cache fills, so it is refused before anything is allocated."""
-    if not cfg.verify:
-        return
-    budget = check_bytes(cfg.budget_bytes, "replay: budget_bytes", lo=1)
-    available = host_memory_available()
-    if available is not None and budget > available:
-        raise InvalidValueError(
-            f"a verified replay keeps the cache's {budget:,} B in host memory, but this host "
-            f"has {available:,} B available; replay a smaller budget (--memory)"
-        )
+def frame_bytes(plan: CachePlan) -> int:
+    """A host tier's frame: one KV block's object, so a block takes exactly one."""
+    return object_bytes(plan_namespace(plan).to_json(), plan.block_bytes)
 
 
 def replay(
@@ -348,7 +361,7 @@ def replay(
         raise InvalidValueError(f"replay: model must be a ModelCache, got {type(model).__name__}")
     if checkpoints is not None:
         _check_checkpoints(checkpoints, trace)
-    _check_host_memory(cfg)
+    check_host_memory(cfg.budget_bytes, verify=cfg.verify)
     return _TraceRun(model, trace, cfg, label, checkpoints).run()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from .fleet import FleetResult
 from .run import ReplayResult
 from .sweep import Sweep
 
@@ -21,6 +22,21 @@ REPLAY_COLUMNS = (
     "admission µs",
     "verified",
     "mismatches",
+)
+
+FLEET_COLUMNS = (
+    "arrangement",
+    "engines",
+    "requests",
+    "hit tokens",
+    "hit %",
+    "device",
+    "own tiers",
+    "store",
+    "store holds (B)",
+    "written to store (B)",
+    "read from store (B)",
+    "store traffic / engine (B)",
 )
 
 SWEEP_COLUMNS = (
@@ -76,3 +92,26 @@ def sweep_rows(sw: Sweep) -> list[tuple[str, ...]]:
             )
         )
     return rows
+
+
+def fleet_row(r: FleetResult) -> tuple[str, ...]:
+    """One fleet under :data:`FLEET_COLUMNS`: hit tokens by where they came from
+    (the engines' devices, their own tiers, the store), the store's size at
+    the end and the bytes written to and read from it (each engine's share)."""
+    by = r.hit_by_source
+    own = sum(v for k, v in by.items() if k not in ("device", "shared"))
+    traffic = r.shared_put_bytes + r.shared_get_bytes
+    return (
+        r.arrangement,
+        f"{r.engines:,}",
+        f"{r.requests:,}",
+        f"{r.hit_tokens:,}",
+        f"{100 * r.hit_fraction:.1f}",
+        f"{by.get('device', 0):,}",
+        f"{own:,}",
+        f"{by.get('shared', 0):,}",
+        f"{r.shared_bytes:,}" if r.shared else "-",
+        f"{r.shared_put_bytes:,}" if r.shared else "-",
+        f"{r.shared_get_bytes:,}" if r.shared else "-",
+        f"{traffic // r.engines:,}" if r.shared else "-",
+    )
