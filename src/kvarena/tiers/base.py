@@ -215,10 +215,12 @@ class IndexedTier(Tier):
     def _removed(self, name: str) -> None:
         self._used -= self._index.pop(name)
 
-    def _hit(self, name: str, nbytes: int) -> None:
+    def _hit(self, name: str) -> None:
+        # what a get moves is counted as puts are, by logical size: an elided
+        # image (a bookkeeping replay) weighs the payload its header declares
         self._index.move_to_end(name)
         self.metrics.hits += 1
-        self.metrics.get_bytes += nbytes
+        self.metrics.get_bytes += self._index[name]
 
     @abc.abstractmethod
     def _fetch(self, name: str) -> bytes | memoryview | None:
@@ -239,7 +241,7 @@ class IndexedTier(Tier):
                     self._removed(name)
                 self.metrics.misses += 1
             else:
-                self._hit(name, memoryview(data).nbytes)
+                self._hit(name)
             out.append(data)
         return out
 

@@ -211,7 +211,7 @@ class HostTier(IndexedTier):
                     view = self._mv[start : start + n].toreadonly()
                 else:
                     view = self._read(name)
-                self._hit(name, n)
+                self._hit(name)
                 out.append(view)
             yield out
 

@@ -339,6 +339,17 @@ def read_header(data: bytes | bytearray | memoryview) -> ImageHeader:
     )
 
 
+def logical_bytes(data: bytes | bytearray | memoryview) -> int:
+    """What stored bytes weigh as a tier counts room: their length, or for an
+    elided image (a bookkeeping replay's) the whole object its header declares."""
+    view = memoryview(data)
+    try:
+        header = read_header(view)
+    except ImageMismatch:
+        return view.nbytes
+    return object_bytes(header.namespace, header.payload_bytes) if header.elided else view.nbytes
+
+
 def checksum_of(data: bytes | bytearray | memoryview) -> int:
     """xxh3-64 of a stored image with its checksum field read as zero."""
     view = memoryview(data)

@@ -26,7 +26,7 @@ from ..checks import check_timeout
 from ..errors import InvalidValueError
 from ..locking import synchronized
 from .base import Tier, TierError
-from .image import TierObject
+from .image import TierObject, logical_bytes
 
 DEFAULT_PREFIX = "kvarena:"
 INLINE_BYTES = 64 << 10
@@ -292,7 +292,7 @@ class RedisTier(Tier):
                 self.metrics.misses += 1
             else:
                 self.metrics.hits += 1
-                self.metrics.get_bytes += len(v)
+                self.metrics.get_bytes += logical_bytes(v)
         return out
 
     @synchronized
