@@ -24,6 +24,7 @@ Runs in the ``.venv-vllm`` environment; skipped where vLLM or NIXL is missing.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 
@@ -37,6 +38,7 @@ from kvarena.testing.vllm_pair import EngineProcess, cold, pd_books  # noqa: E40
 from kvarena.transfer import nixl_available  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")
+CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
 BLOCK = {"llama": 32, "qwen3_next": None}  # None: vLLM unifies the hybrid's pages (256)
 # several blocks each, none ending on a boundary (the hybrid's reference starts
@@ -301,3 +303,42 @@ def test_a_decode_engine_reads_only_what_its_tiers_lack(pairs, tiered, reference
         assert part["nbytes"] * blocks == full["nbytes"] * read
     else:  # the state at the prefill's end travels with the blocks
         assert part["nbytes"] < full["nbytes"]
+
+
+@pytest.mark.skipif(len(CORES) < 2, reason="two ranks need two usable cores")
+def test_tensor_parallel_engines_hand_over_rank_by_rank(models, pairs, reference):
+    """Two engines of two ranks each (vLLM's ``mp`` executor, each rank's threads
+    on a core of its own): every decode rank reads its own shard from the
+    prefill rank of its number, and the tokens are those of the prefill
+    engine serving the prompts alone. A decode engine of one rank is refused
+    the two-rank offer before any load (computed, same tokens)."""
+    from kvarena.integrations.vllm import kv_transfer_config
+
+    env = {"VLLM_CPU_OMP_THREADS_BIND": f"{CORES[0]}|{CORES[1]}"}
+    tp = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp", "block_size": 32}
+    engines = []
+    try:
+        for role in ("kv_producer", "kv_consumer"):
+            config = kv_transfer_config([], role=role)
+            engines.append(
+                EngineProcess(
+                    engine_args(models["llama"], **tp, kv_transfer_config=config), env=env
+                )
+            )
+        producer, consumer = engines
+        batch = prompts(0)
+        alone = [a.tokens for a in producer.generate(batch)]
+        answers = prefill(producer, batch)
+        assert all(a.params["tp_size"] == 2 for a in answers)
+        got = consumer.generate(batch, [to_decode(a) for a in answers])
+        assert [g.tokens for g in got] == alone
+        assert [g.cached for g in got] == [len(p) - 1 for p in batch]
+        _, single = pairs("llama")
+        books = single.call(pd_books)
+        got = single.generate(batch, [to_decode(a) for a in prefill(producer, batch)])
+        assert [g.tokens for g in got] == reference["llama"][0]
+        after = single.call(pd_books)  # refused before a load was promised: none ran
+        assert (after["pulls"], after["failed"]) == (books["pulls"], books["failed"])
+    finally:
+        for e in engines:
+            e.stop()
