@@ -129,28 +129,44 @@ class RedisServer:
 
 
 class RedisCluster:
-    """A Redis Cluster of ``nodes`` masters on localhost (no replicas), made with
-    ``redis-cli --cluster create``; ``url`` is the tier spec that reaches it."""
+    """A Redis Cluster on localhost: ``nodes`` primaries, each with ``replicas``
+    replicas, made with ``redis-cli --cluster create``; ``url`` is the tier
+    spec that reaches it. ``node_timeout_ms``: how long a silent primary is
+    waited for before its replica is promoted (Redis's own default, 15 s,
+    where None)."""
 
-    def __init__(self, workdir: str, *, nodes: int = 3, binary: str | None = None) -> None:
+    def __init__(
+        self,
+        workdir: str,
+        *,
+        nodes: int = 3,
+        replicas: int = 0,
+        binary: str | None = None,
+        node_timeout_ms: int | None = None,
+    ) -> None:
         self.servers: list[RedisServer] = []
+        extra: tuple[str, ...] = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")
+        if node_timeout_ms is not None:
+            extra += ("--cluster-node-timeout", str(node_timeout_ms))
         try:
-            for i in range(nodes):
+            for i in range(nodes * (1 + replicas)):
                 where = os.path.join(workdir, f"node{i}")
                 os.makedirs(where, exist_ok=True)
-                self.servers.append(
-                    RedisServer(
-                        where,
-                        binary=binary,
-                        extra=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"),
-                    )
-                )
+                self.servers.append(RedisServer(where, binary=binary, extra=extra))
             cli = shutil.which("redis-cli")
             if cli is None:
                 raise RedisServerError("redis-cli is not installed (Debian: redis-tools)")
             addrs = [f"127.0.0.1:{s.port}" for s in self.servers]
             done = subprocess.run(
-                [cli, "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"],
+                [
+                    cli,
+                    "--cluster",
+                    "create",
+                    *addrs,
+                    "--cluster-yes",
+                    "--cluster-replicas",
+                    f"{replicas}",
+                ],
                 capture_output=True,
                 timeout=60,
             )
@@ -164,13 +180,39 @@ class RedisCluster:
             raise
         self.url = f"redis+cluster://127.0.0.1:{self.servers[0].port}"
 
+    def primaries(self) -> list[RedisServer]:
+        """The servers that are primaries now (a promoted replica among them)."""
+        import redis
+
+        out = []
+        for s in self.servers:
+            if s.proc is None:
+                continue
+            client = redis.Redis(port=s.port)
+            try:
+                if client.info("replication").get("role") == "master":
+                    out.append(s)
+            finally:
+                client.close()
+        return out
+
+    def wait_ok(self, timeout_s: float = 30.0) -> None:
+        """Until every live node says the cluster is whole (a failover done)."""
+        self._wait_ok(timeout_s)
+
     def _wait_ok(self, timeout_s: float = 20.0) -> None:
         import redis
 
         deadline = time.monotonic() + timeout_s
         for s in self.servers:
+            if s.proc is None:  # stopped (a primary killed)
+                continue
             client = redis.Redis(port=s.port)
-            while client.cluster("info").get("cluster_state") != "ok":
+            # whole, and every replica in sync with its primary (a replica that never
+            # was is not promoted when its primary dies)
+            while client.cluster("info").get("cluster_state") != "ok" or (
+                client.info("replication").get("master_link_status", "up") != "up"
+            ):
                 if time.monotonic() > deadline:
                     raise RedisServerError("the cluster did not reach cluster_state:ok")
                 time.sleep(0.05)
