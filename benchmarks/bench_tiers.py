@@ -12,7 +12,14 @@ For each object size, one round moves about ``--round-mib`` of objects:
   checked) vs a plain open/read of the same bytes;
 - redis put/get: RedisTier (one pipeline of SETs / GETs, images) + decode vs
   a plain pipeline of SET / GET of the payloads on the same connection kind,
-  against a real redis-server started here on a free localhost port;
+  against a real redis-server started here on a free localhost port, and the
+  same against a Redis Cluster of three primaries with a replica each
+  (``cluster`` rows; ``--no-cluster`` leaves it out); then each object put
+  and got alone (one round trip each): p50 and p99 milliseconds;
+- mooncake put/get: MooncakeTier (images through its one registered staging
+  buffer) + decode vs the Mooncake client's own ``put_batch`` / ``get_batch``
+  of the payloads, against one ``mooncake_master`` on loopback, TCP
+  (``--no-mooncake`` leaves it out); and each object alone;
 - host put/get: HostTier (images held unsealed; a get reads them in place with
   ``HostTier.borrow``, checks every header field and copies the payload out once,
   as the connector's loads do) vs one numpy copy of the same bytes;
@@ -41,6 +48,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import zlib
 from pathlib import Path
 
@@ -51,8 +59,18 @@ from _timing import side_by_side
 
 from kvarena.checks import parse_bytes
 from kvarena.layout import aligned_zeros
-from kvarena.testing.redis_server import RedisServer, find_redis_server
-from kvarena.tiers import DiskTier, Expected, HostTier, ImageKind, RedisTier, decode, encode
+from kvarena.testing.mooncake_master import MooncakeMaster, find_mooncake_master
+from kvarena.testing.redis_server import RedisCluster, RedisServer, find_redis_server
+from kvarena.tiers import (
+    DiskTier,
+    Expected,
+    HostTier,
+    ImageKind,
+    RedisTier,
+    decode,
+    encode,
+    parse_tier,
+)
 
 NS = json.dumps(
     {"bench": "kvarena", "layers": [f"model.layers.{i}.self_attn.attn" for i in range(103)]},
@@ -212,12 +230,20 @@ def bench_disk(payloads: list[bytes], root: Path, rounds: int) -> dict[str, floa
     }
 
 
-def bench_redis(payloads: list[bytes], port: int, rounds: int) -> dict[str, float]:
+def bench_redis(payloads: list[bytes], url: str, rounds: int) -> dict[str, float]:
+    """One Redis (``redis://``) or a Redis Cluster (``redis+cluster://``): the tier
+    against raw pipelines on the same kind of client; and each object put and
+    got alone, for the latency of one (p50, p99)."""
     import redis
 
-    url = f"redis://127.0.0.1:{port}/0"
-    tier = RedisTier(url, timeout_s=60)
-    client = redis.Redis.from_url(url, socket_timeout=60)
+    cluster = url.startswith("redis+cluster://")
+    tier = RedisTier(url, timeout_s=60, cluster=cluster)
+    if cluster:
+        client = redis.RedisCluster.from_url(
+            "redis://" + url[len("redis+cluster://") :], socket_timeout=60
+        )
+    else:
+        client = redis.Redis.from_url(url, socket_timeout=60)
     tags = Counter()
 
     def tier_put() -> None:
@@ -258,12 +284,92 @@ def bench_redis(payloads: list[bytes], port: int, rounds: int) -> dict[str, floa
         pipe.execute()
 
     get = side_by_side({"kvarena": tier_get, "raw": raw_get}, rounds, CPU)
+    one_get, one_put = [], []
+    for _ in range(rounds):  # one object at a time: its own round trip
+        for obj, exp in zip(objs, exps, strict=True):
+            began = time.perf_counter()
+            (data,) = tier.get_many([obj.name])
+            decode(data, exp)  # type: ignore[arg-type]
+            one_get.append(time.perf_counter() - began)
+        fresh, _ = images(payloads, tags.next())
+        for obj in fresh:
+            began = time.perf_counter()
+            tier.put_many([obj])
+            one_put.append(time.perf_counter() - began)
+        tier.delete_many([o.name for o in fresh])
     client.flushall()
+    tier.close()
+    client.close()
     return {
         "put": put["kvarena"],
         "put_raw": put["raw"],
         "get": get["kvarena"],
         "get_raw": get["raw"],
+        "get_p50": float(np.percentile(one_get, 50)),
+        "get_p99": float(np.percentile(one_get, 99)),
+        "put_p50": float(np.percentile(one_put, 50)),
+        "put_p99": float(np.percentile(one_put, 99)),
+    }
+
+
+def bench_mooncake(payloads: list[bytes], url: str, rounds: int) -> dict[str, float]:
+    """Mooncake Store over TCP: the tier (images, one staging buffer registered
+    once) against the client's own batch calls on raw payloads (``put_batch``,
+    ``get_batch``); each object alone for its latency."""
+    tier = parse_tier(f"{url}/{2 * len(payloads) * len(payloads[0]) + (256 << 20)}")
+    store = tier._store  # the same client: raw calls beside the tier's
+    tags = Counter()
+
+    def tier_put() -> None:
+        objs, _ = images(payloads, tags.next())
+        tier.put_many(objs)
+        tier.delete_many([o.name for o in objs])
+
+    def raw_put() -> None:
+        t = tags.next()
+        keys = [f"raw:{t}:{i}" for i in range(len(payloads))]
+        store.put_batch(keys, payloads)
+        store.batch_remove(keys, True)
+
+    put = side_by_side({"kvarena": tier_put, "raw": raw_put}, rounds, CPU)
+    objs, exps = images(payloads, 0)
+    tier.put_many(objs)
+    raw_keys = [f"rawget:{i}" for i in range(len(payloads))]
+    store.put_batch(raw_keys, payloads)
+    names = [o.name for o in objs]
+
+    def tier_get() -> list[memoryview]:
+        return [
+            decode(data, exp)  # type: ignore[arg-type]
+            for data, exp in zip(tier.get_many(names), exps, strict=True)
+        ]
+
+    get = side_by_side({"kvarena": tier_get, "raw": lambda: store.get_batch(raw_keys)}, rounds, CPU)
+    one_get, one_put = [], []
+    for _ in range(rounds):
+        for obj, exp in zip(objs, exps, strict=True):
+            began = time.perf_counter()
+            (data,) = tier.get_many([obj.name])
+            decode(data, exp)  # type: ignore[arg-type]
+            one_get.append(time.perf_counter() - began)
+        fresh, _ = images(payloads, tags.next())
+        for obj in fresh:
+            began = time.perf_counter()
+            tier.put_many([obj])
+            one_put.append(time.perf_counter() - began)
+        tier.delete_many([o.name for o in fresh])
+    tier.delete_many(names)
+    store.batch_remove(raw_keys, True)
+    tier.close()
+    return {
+        "put": put["kvarena"],
+        "put_raw": put["raw"],
+        "get": get["kvarena"],
+        "get_raw": get["raw"],
+        "get_p50": float(np.percentile(one_get, 50)),
+        "get_p99": float(np.percentile(one_get, 99)),
+        "put_p50": float(np.percentile(one_put, 50)),
+        "put_p99": float(np.percentile(one_put, 99)),
     }
 
 
@@ -394,6 +500,18 @@ def main() -> None:
     ap.add_argument("--round-mib", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where the disk tier writes (default: a temp dir)")
+    ap.add_argument(
+        "--cluster",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also a Redis Cluster (three primaries, three replicas) beside the one Redis",
+    )
+    ap.add_argument(
+        "--mooncake",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also Mooncake Store (one master on this machine, TCP)",
+    )
     args = ap.parse_args()
     sizes = [parse_bytes(s) for s in args.sizes.split(",")]
     work = Path(tempfile.mkdtemp(prefix="kvarena-bench-tiers-", dir=args.dir))
@@ -404,8 +522,16 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
         return
     redis = RedisServer(str(work), maxmemory="4gb") if find_redis_server() else None
+    cluster = None
     if redis is None:
         print("redis-server not found: the Redis rows are skipped", file=sys.stderr)
+    elif args.cluster:  # three primaries, each with a replica, on this machine
+        cluster = RedisCluster(str(work / "cluster"), replicas=1)
+    mooncake = None
+    if args.mooncake and find_mooncake_master() is not None:
+        mooncake = MooncakeMaster(work / "mooncake_master.log")
+    elif args.mooncake:
+        print("Mooncake is not installed: its rows are skipped", file=sys.stderr)
     rng = np.random.default_rng(0)
     print(
         f"{args.round_mib} MiB per round, median of {args.rounds} interleaved rounds; "
@@ -443,10 +569,22 @@ def main() -> None:
             row("disk put", d["put"], d["put_raw"], "write, no fsync (not durable)")
             row("disk get", d["get"], d["get_raw"], "open + read, from the page cache")
             row("disk get", d["get_cold"], d["get_raw_cold"], "open + read, from the disk")
-            if redis is not None:
-                r = bench_redis(payloads, redis.port, args.rounds)
-                row("redis put", r["put"], r["put_raw"], "pipelined SET")
-                row("redis get", r["get"], r["get_raw"], "pipelined GET")
+            for name, store in (("redis", redis), ("cluster", cluster), ("mooncake", mooncake)):
+                if store is None:
+                    continue
+                if name == "mooncake":
+                    r = bench_mooncake(payloads, store.url, args.rounds)
+                    row(f"{name} put", r["put"], r["put_raw"], "put_batch of the payloads")
+                    row(f"{name} get", r["get"], r["get_raw"], "get_batch of the payloads")
+                else:
+                    r = bench_redis(payloads, store.url, args.rounds)
+                    row(f"{name} put", r["put"], r["put_raw"], "pipelined SET")
+                    row(f"{name} get", r["get"], r["get_raw"], "pipelined GET")
+                print(
+                    f"{label:>8} {name + ' one':<12} ms p50/p99: get "
+                    f"{r['get_p50'] * 1e3:.2f}/{r['get_p99'] * 1e3:.2f}, put "
+                    f"{r['put_p50'] * 1e3:.2f}/{r['put_p99'] * 1e3:.2f}"
+                )
             h = bench_host(payloads, args.rounds)
             row("host put", h["put"], h["put_raw"], "numpy copy (paired)", h["put_ratio"])
             row("host get", h["get"], h["get_raw"], "numpy copy (paired)", h["get_ratio"])
@@ -458,8 +596,9 @@ def main() -> None:
                 f"{100 * d['xxh3'] / d['get']:.1f}% from the page cache"
             )
     finally:
-        if redis is not None:
-            redis.stop()
+        for store in (redis, cluster, mooncake):
+            if store is not None:
+                store.stop()
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -49,6 +49,7 @@ pytestmark = pytest.mark.usefixtures("vllm_in_process")
         ({"tiers": ["host:1GiB"], "tier": 1}, "'tier'"),
         ({"tiers": ["nowhere:1GiB"]}, "['tiers'][0]"),
         ({"tiers": ["host:1GiB", "host:2GiB"]}, "['tiers'][1]"),
+        ({"tiers": ["host:1GiB", "mooncake://m:50051"]}, "['tiers'][1]"),
         ({"tiers": [3]}, "['tiers'][0]"),
         ({"tiers": ["host:1GiB"], "namespace": 7}, "'namespace'"),
         ({"tiers": ["host:1GiB"], "host_frame_bytes": 100}, "'host_frame_bytes'"),

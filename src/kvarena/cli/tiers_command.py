@@ -55,6 +55,11 @@ def open_inventory(where: str) -> Inventory:
         return DiskInventory(spec.directory)
     if spec.kind == "redis" and spec.url is not None:
         return RedisInventory(spec.url, cluster=spec.cluster)
+    if spec.kind == "mooncake":
+        raise InvalidValueError(
+            f"{where!r}: a Mooncake store cannot be listed from outside (its client has no "
+            "listing); name a disk directory or a Redis store"
+        )
     raise InvalidValueError(
         f"{where!r}: a host tier lives in an engine's memory; name a disk directory or "
         f"a store ({SPEC_FORMS})"

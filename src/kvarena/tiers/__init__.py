@@ -16,6 +16,7 @@ from .image import (
     read_header,
     seal,
 )
+from .mooncake_tier import MooncakeTier
 from .redis_tier import RedisTier
 from .spec import SPEC_FORMS, TierSpec, TierSpecError
 from .stack import TierStack, parse_tier
@@ -28,6 +29,7 @@ __all__ = [
     "ImageHeader",
     "ImageKind",
     "ImageMismatch",
+    "MooncakeTier",
     "RedisTier",
     "Tier",
     "TierError",

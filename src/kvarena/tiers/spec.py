@@ -17,10 +17,15 @@ from ..errors import Error, InvalidValueError
 from .base import Tier
 from .disk import DiskTier
 from .host import DEFAULT_FRAME_BYTES, HostTier
+from .mooncake_tier import DEFAULT_SEGMENT_BYTES, MooncakeTier
 from .redis_tier import RedisTier
 
-SPEC_FORMS = "host:SIZE, disk:DIR:SIZE, redis://HOST:PORT[/DB], redis+cluster://HOST:PORT"
-KINDS = ("host", "disk", "redis")
+SPEC_FORMS = (
+    "host:SIZE, disk:DIR:SIZE, redis://HOST:PORT[/DB], redis+cluster://HOST:PORT, "
+    "mooncake://HOST:PORT[/SEGMENT]"
+)
+KINDS = ("host", "disk", "redis", "mooncake")
+_MOONCAKE = "mooncake://"
 _REDIS = ("redis://", "rediss://", "unix://")
 _CLUSTER = "redis+cluster://"
 
@@ -38,7 +43,9 @@ class TierSpecError(InvalidValueError):
 class TierSpec:
     """A tier's kind and where it lives: ``size`` for host and disk (bytes),
     ``directory`` for disk, ``url`` (as redis-py takes it) and ``cluster`` for a
-    shared store. ``str()`` gives the spec back in its canonical form."""
+    shared store; for Mooncake ``url`` is the master's HOST:PORT and ``size`` the
+    segment this process contributes. ``str()`` gives the spec back in its
+    canonical form."""
 
     kind: str
     size: int | None = None
@@ -58,6 +65,8 @@ class TierSpec:
             return cls(kind="redis", url=text)
         if text.startswith(_CLUSTER):
             return cls(kind="redis", url="redis://" + text[len(_CLUSTER) :], cluster=True)
+        if text.startswith(_MOONCAKE):
+            return cls._mooncake(spec, text[len(_MOONCAKE) :])
         kind, _, rest = text.partition(":")
         size: str | None = None
         directory = None
@@ -76,6 +85,18 @@ class TierSpec:
         return cls(kind=kind, size=nbytes, directory=directory)
 
     @classmethod
+    def _mooncake(cls, spec: object, rest: str) -> TierSpec:
+        where, _, segment = rest.partition("/")
+        host, _, port = where.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise TierSpecError(spec, "a Mooncake master is mooncake://HOST:PORT[/SEGMENT]")
+        try:
+            size = parse_bytes(segment) if segment else DEFAULT_SEGMENT_BYTES
+        except Error as exc:
+            raise TierSpecError(spec, str(exc)) from None
+        return cls(kind="mooncake", url=where, size=size)
+
+    @classmethod
     def parse_place(cls, text: object) -> TierSpec:
         """Where a tier's objects live, as one reads them from outside an engine
         (``kvarena tiers``): any spec, a disk spec without its size, or a bare
@@ -83,7 +104,7 @@ class TierSpec:
         is None where not given."""
         if isinstance(text, str) and text.strip():
             t = text.strip()
-            if not t.startswith(("host:", "disk:", *_REDIS, _CLUSTER)):
+            if not t.startswith(("host:", "disk:", *_REDIS, _CLUSTER, _MOONCAKE)):
                 return cls(kind="disk", directory=t)
             if t.startswith("disk:") and t.count(":") == 1:
                 return cls(kind="disk", directory=t[len("disk:") :])
@@ -95,6 +116,8 @@ class TierSpec:
         if self.kind == "disk":
             return f"disk:{self.directory}:{self.size}"
         assert self.url is not None
+        if self.kind == "mooncake":
+            return f"{_MOONCAKE}{self.url}/{self.size}"
         return _CLUSTER + self.url[len("redis://") :] if self.cluster else self.url
 
     def share(self, parts: int, *, directory: str | None = None) -> TierSpec:
@@ -118,4 +141,7 @@ class TierSpec:
             assert self.size is not None and self.directory is not None
             return DiskTier(self.directory, self.size)
         assert self.url is not None
+        if self.kind == "mooncake":
+            assert self.size is not None
+            return MooncakeTier(self.url, segment_bytes=self.size)
         return RedisTier(self.url, cluster=self.cluster)

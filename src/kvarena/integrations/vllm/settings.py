@@ -155,6 +155,12 @@ class ConnectorSettings:
                 raise ConnectorConfigError(
                     f"{where}['tiers'][{i}] = {text!r}: {exc.reason}"
                 ) from None
+            if spec.kind == "mooncake":
+                raise ConnectorConfigError(
+                    f"{where}['tiers'][{i}] = {text!r}: a Mooncake store is not yet a tier "
+                    "of the connector (its scheduler lists a shared store, which Mooncake's "
+                    "client cannot); use redis:// or redis+cluster://"
+                )
             if spec.kind in [x.kind for x in specs]:
                 raise ConnectorConfigError(
                     f"{where}['tiers'][{i}] = {text!r}: a second {spec.kind} tier; "
