@@ -71,6 +71,7 @@ from kvarena.tiers import (
     encode,
     parse_tier,
 )
+from kvarena.tiers.spec import TierSpec
 
 NS = json.dumps(
     {"bench": "kvarena", "layers": [f"model.layers.{i}.self_attn.attn" for i in range(103)]},
@@ -236,14 +237,11 @@ def bench_redis(payloads: list[bytes], url: str, rounds: int) -> dict[str, float
     got alone, for the latency of one (p50, p99)."""
     import redis
 
-    cluster = url.startswith("redis+cluster://")
-    tier = RedisTier(url, timeout_s=60, cluster=cluster)
-    if cluster:
-        client = redis.RedisCluster.from_url(
-            "redis://" + url[len("redis+cluster://") :], socket_timeout=60
-        )
-    else:
-        client = redis.Redis.from_url(url, socket_timeout=60)
+    spec = TierSpec.parse(url)
+    assert spec.url is not None
+    tier = RedisTier(spec.url, timeout_s=60, cluster=spec.cluster)
+    factory = redis.RedisCluster if spec.cluster else redis.Redis
+    client = factory.from_url(spec.url, socket_timeout=60)
     tags = Counter()
 
     def tier_put() -> None:

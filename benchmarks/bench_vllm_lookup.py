@@ -1,6 +1,6 @@
 """The scheduler's lookup per request at TP 8 with a host, a disk and a Redis tier.
 
-.venv-vllm/bin/python benchmarks/bench_vllm_lookup.py [--requests 200] [--tokens 4096] [--held 20000]
+.venv-vllm/bin/python benchmarks/bench_vllm_lookup.py [--requests 200] [--tokens 4096] [--held 20000] [--cluster]
 
 vLLM's scheduler is one thread: a lookup's time is every request's. The
 connector's scheduler side answers ``get_num_new_matched_tokens`` (the
@@ -12,7 +12,9 @@ per rank's name in the disk directories and one pipelined ``EXISTS`` batch to
 a real ``redis-server`` on loopback (the network's cost is not in it). The
 tiers hold ``--held`` objects per rank (half on disk, half in the store) of a
 shared prefix family, and each request misses past its first half: the
-lookup probes every block it could use.
+lookup probes every block it could use. ``--cluster``: the store a Redis
+Cluster (three primaries, a replica each): the in-memory catalogue lists
+every node; the probing path's ``EXISTS`` batch is one pipeline per node.
 
 Each request is looked up twice, as vLLM's scheduler asks a waiting request
 step after step: the first ask hashes the prompt's keys (once per request:
@@ -29,6 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from vllm import SamplingParams
@@ -47,10 +50,11 @@ from kvarena.integrations.vllm.ranks import rank_dir, rank_names
 from kvarena.integrations.vllm.scheduler_side import SchedulerSide
 from kvarena.integrations.vllm.settings import ConnectorSettings
 from kvarena.prefix.keys import block_keys, key_root
-from kvarena.testing.redis_server import RedisServer
+from kvarena.testing.redis_server import RedisCluster, RedisServer
 from kvarena.tiers import RedisTier, TierObject
 from kvarena.tiers.disk import SUFFIX
 from kvarena.tiers.image import ImageKind, object_name
+from kvarena.tiers.spec import TierSpec
 
 BS = 16
 RANKS = 8
@@ -93,14 +97,25 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--held", type=int, default=20000, help="objects per rank in the tiers")
+    ap.add_argument(
+        "--cluster",
+        action="store_true",
+        help="the store a Redis Cluster (three primaries, three replicas) instead of one Redis",
+    )
     args = ap.parse_args()
     prefix = [(i * 7919) % 30000 + 1 for i in range(args.tokens)]
     root = key_root(NS)
     keys = block_keys(root, torch.tensor(prefix[: args.tokens // 2]).numpy(), BS, ())
-    with tempfile.TemporaryDirectory() as tmp, RedisServer(tmp, binary=redis_binary()) as server:
-        url = f"redis://127.0.0.1:{server.port}"
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.cluster:  # three primaries, a replica each
+            server: Any = RedisCluster(tmp, replicas=1, binary=redis_binary())
+        else:
+            server = RedisServer(tmp, binary=redis_binary())
+        url = server.url if args.cluster else f"redis://127.0.0.1:{server.port}"
         disk = tmp + "/disk"
-        store = RedisTier(url)
+        spec = TierSpec.parse(url)
+        assert spec.url is not None
+        store = RedisTier(spec.url, cluster=spec.cluster)
         # the request's first half in the tiers (every rank), the rest filler
         names = [object_name(ImageKind.KV_BLOCK, k) for k in keys]
         filler = [object_name(ImageKind.KV_BLOCK, i.to_bytes(16, "big")) for i in range(args.held)]
@@ -169,10 +184,12 @@ def main() -> None:
         for side in sides.values():
             side.catalogue.close()
         store.close()
+        server.stop()
     probes = RANKS * ((args.tokens - 1) // BS)
+    where = "a Redis Cluster of 3 primaries" if args.cluster else "one Redis"
     print(
         f"TP {RANKS}, {args.tokens:,}-token prompts (a hit of the first half), {args.held:,} objects per rank "
-        f"held; {probes:,} names a lookup may ask"
+        f"held in {where}; {probes:,} names a lookup may ask"
     )
 
     def p(ts: list[float], q: float) -> float:
