@@ -231,6 +231,30 @@ def bench_disk(payloads: list[bytes], root: Path, rounds: int) -> dict[str, floa
     }
 
 
+def one_at_a_time(tier, objs, exps, payloads, tags, rounds: int) -> dict[str, float]:
+    """Each object got (and checked) and put alone, its own round trip: the
+    latency of one, p50 and p99 (seconds)."""
+    one_get, one_put = [], []
+    for _ in range(rounds):
+        for obj, exp in zip(objs, exps, strict=True):
+            began = time.perf_counter()
+            (data,) = tier.get_many([obj.name])
+            decode(data, exp)  # type: ignore[arg-type]
+            one_get.append(time.perf_counter() - began)
+        fresh, _ = images(payloads, tags.next())
+        for obj in fresh:
+            began = time.perf_counter()
+            tier.put_many([obj])
+            one_put.append(time.perf_counter() - began)
+        tier.delete_many([o.name for o in fresh])
+    return {
+        "get_p50": float(np.percentile(one_get, 50)),
+        "get_p99": float(np.percentile(one_get, 99)),
+        "put_p50": float(np.percentile(one_put, 50)),
+        "put_p99": float(np.percentile(one_put, 99)),
+    }
+
+
 def bench_redis(payloads: list[bytes], url: str, rounds: int) -> dict[str, float]:
     """One Redis (``redis://``) or a Redis Cluster (``redis+cluster://``): the tier
     against raw pipelines on the same kind of client; and each object put and
@@ -282,19 +306,7 @@ def bench_redis(payloads: list[bytes], url: str, rounds: int) -> dict[str, float
         pipe.execute()
 
     get = side_by_side({"kvarena": tier_get, "raw": raw_get}, rounds, CPU)
-    one_get, one_put = [], []
-    for _ in range(rounds):  # one object at a time: its own round trip
-        for obj, exp in zip(objs, exps, strict=True):
-            began = time.perf_counter()
-            (data,) = tier.get_many([obj.name])
-            decode(data, exp)  # type: ignore[arg-type]
-            one_get.append(time.perf_counter() - began)
-        fresh, _ = images(payloads, tags.next())
-        for obj in fresh:
-            began = time.perf_counter()
-            tier.put_many([obj])
-            one_put.append(time.perf_counter() - began)
-        tier.delete_many([o.name for o in fresh])
+    one = one_at_a_time(tier, objs, exps, payloads, tags, rounds)
     client.flushall()
     tier.close()
     client.close()
@@ -303,10 +315,7 @@ def bench_redis(payloads: list[bytes], url: str, rounds: int) -> dict[str, float
         "put_raw": put["raw"],
         "get": get["kvarena"],
         "get_raw": get["raw"],
-        "get_p50": float(np.percentile(one_get, 50)),
-        "get_p99": float(np.percentile(one_get, 99)),
-        "put_p50": float(np.percentile(one_put, 50)),
-        "put_p99": float(np.percentile(one_put, 99)),
+        **one,
     }
 
 
@@ -343,19 +352,7 @@ def bench_mooncake(payloads: list[bytes], url: str, rounds: int) -> dict[str, fl
         ]
 
     get = side_by_side({"kvarena": tier_get, "raw": lambda: store.get_batch(raw_keys)}, rounds, CPU)
-    one_get, one_put = [], []
-    for _ in range(rounds):
-        for obj, exp in zip(objs, exps, strict=True):
-            began = time.perf_counter()
-            (data,) = tier.get_many([obj.name])
-            decode(data, exp)  # type: ignore[arg-type]
-            one_get.append(time.perf_counter() - began)
-        fresh, _ = images(payloads, tags.next())
-        for obj in fresh:
-            began = time.perf_counter()
-            tier.put_many([obj])
-            one_put.append(time.perf_counter() - began)
-        tier.delete_many([o.name for o in fresh])
+    one = one_at_a_time(tier, objs, exps, payloads, tags, rounds)
     tier.delete_many(names)
     store.batch_remove(raw_keys, True)
     tier.close()
@@ -364,10 +361,7 @@ def bench_mooncake(payloads: list[bytes], url: str, rounds: int) -> dict[str, fl
         "put_raw": put["raw"],
         "get": get["kvarena"],
         "get_raw": get["raw"],
-        "get_p50": float(np.percentile(one_get, 50)),
-        "get_p99": float(np.percentile(one_get, 99)),
-        "put_p50": float(np.percentile(one_put, 50)),
-        "put_p99": float(np.percentile(one_put, 99)),
+        **one,
     }
 
 
