@@ -133,3 +133,63 @@ def test_the_same_code_runs_on_a_redis_cluster(tmp_path):
         second = make(TierStack([parse_tier(cluster.url)]))
         adm = compute(second, 0, ps[0])
         assert adm.hit.tokens == 32 and set(adm.hit.sources) == {"redis"}
+
+
+def test_a_cluster_resharded_while_serving_costs_at_most_misses(tmp_path):
+    """Slots moved from one primary to another (``redis-cli --cluster reshard``)
+    while the tier reads and writes: a read during the move is a hit with the
+    right bytes or a miss, never other bytes; once moved, every object is
+    where the cluster says and every read hits."""
+    import shutil
+    import subprocess
+
+    import redis
+    from conftest import redis_binary
+
+    from kvarena.testing.redis_server import RedisCluster
+
+    with RedisCluster(str(tmp_path), binary=redis_binary()) as cluster:
+        tier = parse_tier(cluster.url)
+        objs = images(40)
+        tier.put_many(objs)
+        names = [o.name for o in objs]
+        want = {o.name: o.to_bytes() for o in objs}
+        ids = [redis.Redis(port=s.port).cluster("myid") for s in cluster.servers]
+        ids = [i.decode() if isinstance(i, bytes) else i for i in ids]
+        before = [redis.Redis(port=s.port).dbsize() for s in cluster.servers]
+        move = subprocess.Popen(
+            [
+                shutil.which("redis-cli"),
+                "--cluster",
+                "reshard",
+                f"127.0.0.1:{cluster.servers[0].port}",
+                "--cluster-from",
+                ids[0],
+                "--cluster-to",
+                ids[1],
+                "--cluster-slots",
+                "5461",
+                "--cluster-yes",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        reads = hits = 0
+        while move.poll() is None or reads < 20:
+            got = tier.get_many(names)
+            reads += 1
+            for name, data in zip(names, got, strict=True):
+                if data is not None:
+                    hits += 1
+                    assert bytes(data) == want[name]
+            tier.put_many(images(2))  # writes go on during the move
+        assert move.wait() == 0
+        cluster.wait_ok()
+        after = [redis.Redis(port=s.port).dbsize() for s in cluster.servers]
+        # every key of the first primary's slots now on the second (an emptied
+        # primary becomes its replica: Redis's replica migration)
+        assert before[0] > 0 and after[1] == before[0] + before[1]
+        got = tier.get_many(names)
+        assert [bytes(g) for g in got] == [want[n] for n in names]
+        assert hits > 0
+        tier.close()
