@@ -39,7 +39,7 @@ from ..pools import plan_cache
 from ..tiers import TierStack
 from ..tiers.spec import TierSpec
 from .host_memory import check_host_memory
-from .run import ReplayConfig, ReplayResult, _TraceRun, frame_bytes
+from .run import EngineRun, ReplayConfig, ReplayResult, frame_bytes
 from .trace import TraceRequest
 
 ROUTERS = ("round-robin", "prefix")
@@ -103,7 +103,7 @@ class FleetResult:
         return d
 
 
-def _pick(fleet: FleetConfig, engines: list[_TraceRun], index: int, req: TraceRequest) -> int:
+def _pick(fleet: FleetConfig, engines: list[EngineRun], index: int, req: TraceRequest) -> int:
     if fleet.router == "round-robin":
         return index % len(engines)
     keys = engines[0].pc.keys(req.tokens)  # one namespace: every engine's keys are these
@@ -123,10 +123,10 @@ def replay_fleet(
     check_host_memory(cfg.budget_bytes, verify=cfg.verify, engines=fleet.engines)
     plan = plan_cache(model, budget_bytes=cfg.budget_bytes, max_seqs=cfg.max_seqs)
     store = TierStack.from_specs(fleet.shared, frame_bytes=frame_bytes(plan))
-    engines: list[_TraceRun] = []
+    engines: list[EngineRun] = []
     try:
         for i in range(fleet.engines):
-            engines.append(_TraceRun(model, trace, cfg, f"engine {i}", None, below=store.tiers))
+            engines.append(EngineRun(model, trace, cfg, f"engine {i}", None, below=store.tiers))
         return _run(fleet, trace, engines, store)
     finally:
         for e in engines:
@@ -135,7 +135,7 @@ def replay_fleet(
 
 
 def _run(
-    fleet: FleetConfig, trace: Sequence[TraceRequest], engines: list[_TraceRun], store: TierStack
+    fleet: FleetConfig, trace: Sequence[TraceRequest], engines: list[EngineRun], store: TierStack
 ) -> FleetResult:
     wall = time.perf_counter()
     arrivals = deque(range(len(trace)))

@@ -106,9 +106,12 @@ def _block_word(key: bytes) -> int:
     return int(np.frombuffer(key[:8], dtype=np.int64)[0])
 
 
-class _TraceRun:
-    """One replay of a trace: the prefix cache and tiers it builds, and the
-    trace's requests run through them in order."""
+class EngineRun:
+    """One engine's replay of a trace: the prefix cache and tiers it builds, and
+    the requests it is given run through them in its time model. :meth:`run`
+    drives it alone over the whole trace; a fleet (:mod:`.fleet`) drives
+    several in one clock through :meth:`arrive`, :meth:`advance` and
+    :meth:`settle`."""
 
     def __init__(
         self,
@@ -362,7 +365,7 @@ def replay(
     if checkpoints is not None:
         _check_checkpoints(checkpoints, trace)
     check_host_memory(cfg.budget_bytes, verify=cfg.verify)
-    return _TraceRun(model, trace, cfg, label, checkpoints).run()
+    return EngineRun(model, trace, cfg, label, checkpoints).run()
 
 
 def _check_checkpoints(checkpoints: Sequence[Sequence[int]], trace: Sequence[TraceRequest]) -> None:
