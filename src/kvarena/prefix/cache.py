@@ -10,11 +10,10 @@ is at most ``len(tokens) - 1`` tokens. KV matched past the answer is lost,
 and (branch policy) marks where the next request computing through it keeps
 an image.
 
-The prefix cache keeps no book of blocks: the block pool owns which block
-holds which key (a KV block its chained key, an image's units
-:func:`~kvarena.prefix.records.image_key`, worthless without the KV block
-ending at its boundary). The pool's one LRU ages both; its write-down sink
-(:class:`~.tiering.WriteDown`) writes each victim to the tiers while its
+The block pool owns which block holds which key (a KV block its chained key,
+an image's units :func:`~kvarena.prefix.records.image_key`, worthless without
+the KV block ending at its boundary); its one LRU ages both, its write-down
+sink (:class:`~.tiering.WriteDown`) writes each victim to the tiers while its
 bytes are intact; a boundary move relocates keys and remaps holdings in place.
 """
 
@@ -110,10 +109,8 @@ class PrefixCache:
 
     @synchronized
     def held(self, keys: Sequence[bytes]) -> int:
-        """Blocks of a prompt (its chained ``keys``, :meth:`keys`) this device could
-        resume after now: what a router reading this cache's KV events knows of
-        it. Asks no tier, takes nothing, counts nothing."""
-        keys = list(keys)
+        """Blocks of a prompt (its ``keys``) this device could resume after now, as a
+        router reading its KV events knows: no tier asked, nothing taken or counted."""
         if not self.has_kv:  # a state-only model resumes at its furthest image
             return next((b for b in range(len(keys), 0, -1) if self._has_image(keys, b)), 0)
         return next((i for i, k in enumerate(keys) if not self._device_kv(k)), len(keys))
@@ -149,7 +146,7 @@ class PrefixCache:
     def _device_kv(self, key: bytes) -> bool:
         return self.pool.blocks_of(key) is not None
 
-    def _has_image(self, keys: list[bytes], b: int) -> bool:
+    def _has_image(self, keys: Sequence[bytes], b: int) -> bool:
         """Whether the device holds a READY image at resume point ``b``."""
         if b < 1:
             return False
@@ -268,14 +265,8 @@ class PrefixCache:
             self._loads.restore_payload(payloads[object_name(ImageKind.STATE, keys[h - 1])], slots[0])
         self.metrics.admitted(hit, tok.size, self.spec.image_bytes if self.spec else None)
         adm = Admission(
-            request=request,
-            tokens=tok,
-            keys=keys,
-            hit=hit,
-            holding=holding,
-            checkpoints=self._checkpoints(tok, keys, hit),
-            committed=h,
-            extra=tuple(extra),
+            request=request, tokens=tok, keys=keys, hit=hit, holding=holding,
+            checkpoints=self._checkpoints(tok, keys, hit), committed=h, extra=tuple(extra),
         )
         self._running[request] = adm
         self._settle()
@@ -391,19 +382,11 @@ class PrefixCache:
 
     @synchronized
     def publish(self, request: Hashable, store: TierStack, boundaries: Sequence[int] = ()) -> int:
-        """Write what a running request computed (its full KV blocks past its hit,
-        its images at ``boundaries``) through every tier of ``store``, as the
-        connector writes a shared store: another engine over it finds them
-        without waiting for this one's evictions. The objects written."""
-        if not isinstance(store, TierStack):
-            raise InvalidValueError(f"publish: store must be a TierStack, got {store!r}")
-        marks = [check_count(b, "publish: boundary", lo=1) for b in boundaries]
+        """Write what a running request computed through ``store`` (a shared store:
+        others find it before this cache evicts it); the objects written."""
         adm = self.running(request)
         self.poll()
-        h, full = adm.hit.tokens // self.block_size, adm.tokens.size // self.block_size
-        kv = [(i, adm.keys[i], adm.blocks[i]) for i in range(h, full)] if self.has_kv else []
-        images = [(b, adm.keys[b - 1]) for b in marks if h < b <= full]
-        return self._loads.publish(kv, images, set(self._copying), store)
+        return self._loads.publish(adm, store, boundaries, set(self._copying), kv=self.has_kv)
 
     @synchronized
     def check_books(self) -> None:

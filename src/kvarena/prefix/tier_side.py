@@ -14,11 +14,12 @@ from collections.abc import Sequence, Set
 
 from ..checkpoint import CheckpointSpec
 from ..checks import check_count
+from ..errors import InvalidValueError
 from ..pools.unified import UnifiedCache
 from ..tiers import TierStack
 from ..tiers.checked import Expectations, fetch_checked
 from ..tiers.image import Expected, ImageKind, TierObject, object_name
-from .records import PrefixHit, PrefixMetrics, image_key
+from .records import Admission, PrefixHit, PrefixMetrics, image_key
 from .tiering import WriteDown, host_bytes
 
 
@@ -141,19 +142,28 @@ class TierLoads:
 
     def publish(
         self,
-        kv: Sequence[tuple[int, bytes, int]],
-        images: Sequence[tuple[int, bytes]],
-        copying: Set[bytes],
+        adm: Admission,
         store: TierStack,
+        boundaries: Sequence[int],
+        copying: Set[bytes],
+        *,
+        kv: bool,
     ) -> int:
-        """Write KV blocks (index, key, device block) and the images at boundaries
-        (boundary, key; those still being written skipped) through every tier of
-        ``store``; the objects written."""
-        objects = [self.write_down.kv_object(key, block, i) for i, key, block in kv]
-        for b, key in images:
-            units = self.pool.blocks_of(image_key(key))
-            if self.spec is not None and units is not None and key not in copying:
-                objects.append(self.write_down.state_object(key, units, b))
+        """Write a running request's full KV blocks past its hit (``kv``: the cache
+        has them) and its images at ``boundaries`` (those still being written
+        skipped) through every tier of ``store``; the objects written."""
+        if not isinstance(store, TierStack):
+            raise InvalidValueError(f"publish: store must be a TierStack, got {store!r}")
+        marks = [check_count(b, "publish: boundary", lo=1) for b in boundaries]
+        h, full = adm.hit.tokens // self.block_size, adm.tokens.size // self.block_size
+        keys = adm.keys
+        objects = [
+            self.write_down.kv_object(keys[i], adm.blocks[i], i) for i in range(h, full) if kv
+        ]
+        for b in marks:
+            units = self.pool.blocks_of(image_key(keys[b - 1])) if h < b <= full else None
+            if self.spec is not None and units is not None and keys[b - 1] not in copying:
+                objects.append(self.write_down.state_object(keys[b - 1], units, b))
         if objects:
             store.write_through(objects)
         return len(objects)
