@@ -39,7 +39,8 @@ def draw_fleet_curve(results: Sequence[FleetResult], *, title: str) -> Any:
     ax.set_xticks(counts)
     ax.set_xticklabels([str(n) for n in counts], fontsize=8)
     ax.minorticks_off()
-    ax.set_ylim(0, 100)
+    top = max((100 * r.hit_fraction for r in results), default=0.0)
+    ax.set_ylim(0, min(100.0, 1.25 * top + 1.0))  # the curves, not an empty page above them
     ax.set_xlabel("engines")
     ax.set_ylabel("hit tokens, % of prompt tokens")
     ax.grid(True, alpha=0.3)
