@@ -46,6 +46,11 @@ ROUTERS = ("round-robin", "prefix")
 MAX_ENGINES = 1024
 
 
+def arrangement(router: str, shared: bool) -> str:
+    """A fleet's name in rows and pictures: its router, and whether a store is shared."""
+    return f"{router}{' + shared' if shared else ''}"
+
+
 @dataclass(frozen=True, kw_only=True)
 class FleetConfig:
     """How many engines, how requests reach them, and the store below them
@@ -66,8 +71,7 @@ class FleetConfig:
 
     @property
     def arrangement(self) -> str:
-        """The row's name: its router, and whether a store is shared."""
-        return f"{self.router}{' + shared' if self.shared else ''}"
+        return arrangement(self.router, bool(self.shared))
 
 
 @dataclass(kw_only=True)
@@ -89,7 +93,7 @@ class FleetResult:
 
     @property
     def arrangement(self) -> str:
-        return f"{self.router}{' + shared' if self.shared else ''}"
+        return arrangement(self.router, bool(self.shared))
 
     @property
     def hit_fraction(self) -> float:
