@@ -333,7 +333,7 @@ def _steps_to_first_token(llm, rid, prompt):
 
 
 def test_a_small_host_load_is_done_in_the_step_that_asks_for_it(models, tmp_path):
-    """Where the pace allows it (the copy within a share of a step, as measured),
+    """Where the pace allows it (the copy within the step's budget, as measured),
     a hit the host tier holds is loaded in the step vLLM schedules the request
     in: its first token comes a step sooner than through the asynchronous path,
     tokens unchanged. Loaded so, a host tier that lost the objects costs a
@@ -355,7 +355,7 @@ def test_a_small_host_load_is_done_in_the_step_that_asks_for_it(models, tmp_path
         firsts = {}
         for word, answer in (("async", False), ("in-step", True)):
             llm.reset_prefix_cache()
-            sched.pace.in_step = lambda nbytes, answer=answer: answer
+            sched.pace.fits = lambda nbytes, idle, answer=answer: 0.0 if answer else None
             firsts[word], out = _steps_to_first_token(llm, word, prompt)
             assert out == (reference, len(prompt) - 1), word
         assert firsts["in-step"] == firsts["async"] - 1, firsts

@@ -1,46 +1,103 @@
-"""When a load is done inside the step that asks for it: only once both the step
-and the host tier's load rate are measured, and only where the copy takes at
-most a share of a step."""
+"""When a load is done inside the step that asks for it: only once what the rule
+needs is measured; while other requests run, where the step's loads together
+take at most a share of a step; while none does, where they take at most what
+an asynchronous load has waited."""
 
 import pytest
 
 pytest.importorskip("vllm")
 
-from kvarena.integrations.vllm.pace import IDLE_S, KEPT, STEP_SHARE, LoadPace
+from kvarena.integrations.vllm.pace import IDLE_S, KEPT, STEP_SHARE, LoadPace, copy_line
+
+MIB = 1 << 20
 
 
-def test_nothing_is_loaded_in_the_step_before_both_sides_are_measured():
+def steps(pace: LoadPace, n: int, every: float, start: float = 0.0) -> None:
+    for i in range(n):
+        pace.stepped(start + i * every, busy=True)
+
+
+def test_nothing_is_loaded_in_the_step_before_the_rule_is_measured():
     pace = LoadPace()
-    assert not pace.in_step(1)
-    pace.loaded(1 << 20, 1e-3)  # a rate, no step yet
-    assert not pace.in_step(1)
-    pace.stepped(0.0)
-    assert not pace.in_step(1)  # one step is no interval
-    pace.stepped(0.02)
-    assert pace.step_s() == pytest.approx(0.02) and pace.in_step(1)
+    assert pace.fits(1, idle=False) is None and pace.fits(1, idle=True) is None
+    pace.loaded(MIB, 1e-3)  # a copy time, no step yet
+    assert pace.fits(1, idle=False) is None and pace.fits(1, idle=True) is None
+    pace.stepped(0.0, busy=True)
+    assert pace.fits(1, idle=False) is None  # one step is no interval
+    pace.stepped(0.02, busy=True)
+    assert pace.step_s() == pytest.approx(0.02) and pace.fits(1, idle=False) is not None
 
 
-def test_a_load_is_in_the_step_where_its_copy_fits_the_steps_share():
+def test_while_others_run_a_steps_loads_together_fit_its_share():
     pace = LoadPace()
-    for i in range(5):
-        pace.stepped(i * 0.01)  # 10 ms steps
-    pace.loaded(10 << 20, 0.01)  # 10 MiB in 10 ms
-    rate = pace.rate()
-    assert rate == pytest.approx((10 << 20) / 0.01)
-    fits = int(STEP_SHARE * 0.01 * rate)
-    assert pace.in_step(fits) and not pace.in_step(fits + 1024)
+    steps(pace, 5, 0.01)  # 10 ms steps
+    pace.loaded(10 * MIB, 0.01)  # 10 MiB in 10 ms: 1 GiB/s, one size (no fixed cost known)
+    budget = STEP_SHARE * 0.01
+    fits = int(budget / 0.01 * 10 * MIB)
+    assert pace.fits(fits, idle=False) == pytest.approx(budget, rel=1e-6)
+    assert pace.fits(fits + 1024, idle=False) is None
+    half = pace.fits(fits // 2, idle=False)
+    assert half is not None
+    pace.spend(half)  # one load put in this step: a second half fits, a third not
+    pace.spend(pace.fits(fits // 2, idle=False) or pytest.fail("the second half"))
+    assert pace.fits(fits // 4, idle=False) is None
+    pace.stepped(0.05, busy=True)  # the next step starts with its whole budget
+    assert pace.fits(fits // 2, idle=False) is not None
 
 
-def test_idle_gaps_are_not_steps_and_medians_forget_old_measures():
+def test_while_none_runs_loads_fit_what_the_asynchronous_way_waits():
+    """An idle engine: no request decoding waits for the copy, and the arriving
+    request would wait for the asynchronous way's whole wait; a load that
+    copies in less is done in the step."""
     pace = LoadPace()
-    pace.stepped(0.0)
-    pace.stepped(IDLE_S + 5)  # the engine waited for work
+    steps(pace, 5, 0.01)
+    pace.loaded(10 * MIB, 0.01)
+    assert pace.fits(5 * MIB, idle=False) is None  # 5 ms > 1 ms of a 10 ms step
+    assert pace.fits(5 * MIB, idle=True) is None  # no asynchronous wait measured yet
+    for w in (0.03, 0.04, 0.05):
+        pace.waited(w)
+    assert pace.wait_s() == pytest.approx(0.04)
+    assert pace.fits(5 * MIB, idle=True) == pytest.approx(0.005)
+    assert pace.fits(41 * MIB, idle=True) is None  # 41 ms > the 40 ms wait
+    pace.waited(0.0)  # nothing measured by a wait of nothing
+    assert pace.wait_s() == pytest.approx(0.04)
+
+
+def test_the_copy_time_is_a_fixed_cost_and_a_bandwidth():
+    """Small loads are mostly fixed cost, large ones mostly bytes: the line fitted
+    to both predicts either, and one load that met a slow moment moves it
+    little."""
+    fixed, bw = 0.5e-3, 2e9
+    loads = [(n, fixed + n / bw) for n in (64 << 10, 128 << 10, MIB, 4 * MIB, 16 * MIB) * 3]
+    a, b = copy_line(loads)
+    assert a == pytest.approx(fixed, rel=1e-6) and b == pytest.approx(1 / bw, rel=1e-6)
+    slow = [*loads, (MIB, 0.5)]
+    a2, b2 = copy_line(slow)
+    assert a2 == pytest.approx(fixed, rel=0.2) and b2 == pytest.approx(1 / bw, rel=1e-6)
+    pace = LoadPace()
+    for n, t in loads:
+        pace.loaded(n, t)
+    assert pace.copy_s(64 << 10) == pytest.approx(fixed + (64 << 10) / bw, rel=1e-6)
+    assert pace.copy_s(32 * MIB) == pytest.approx(fixed + 32 * MIB / bw, rel=1e-6)
+    # larger loads that are no slower: no negative bandwidth, the fixed cost alone
+    assert copy_line([(1, 2.0), (2, 2.0), (3, 1.0)])[1] == 0.0
+
+
+def test_idle_gaps_are_not_steps_and_estimates_forget_old_measures():
+    pace = LoadPace()
+    pace.stepped(0.0, busy=True)
+    pace.stepped(IDLE_S + 5, busy=True)  # the engine waited for work
     assert pace.step_s() is None
-    for i in range(KEPT):
-        pace.stepped(IDLE_S + 5 + (i + 1) * 0.5)  # slow steps
-    for i in range(KEPT):
-        pace.stepped(100 + i * 0.001)  # then fast ones only
+    pace.stepped(IDLE_S + 5.2, busy=False)  # a step after the engine was idle: no interval
+    assert pace.step_s() is None
+    steps(pace, KEPT, 0.5, IDLE_S + 6)  # slow steps
+    steps(pace, KEPT + 1, 0.001, 100)  # then fast ones only
     assert pace.step_s() == pytest.approx(0.001)
     pace.loaded(0, 1.0)  # nothing measured by an empty or instant load
     pace.loaded(100, 0.0)
-    assert pace.rate() is None
+    assert pace.copy_s(100) is None
+    for _ in range(KEPT):
+        pace.loaded(MIB, 1.0)
+    for _ in range(KEPT):
+        pace.loaded(MIB, 1e-3)
+    assert pace.copy_s(MIB) == pytest.approx(1e-3)

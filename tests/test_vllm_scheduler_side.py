@@ -261,3 +261,38 @@ def test_a_part_hit_takes_whole_kv_blocks_alone_for_a_read_to_finish():
     assert [c.index for c in load.kv] == [0, 1, 2, 3] and load.state is None
     assert load.joined and not load.in_step
     assert load.block_ids == set(ids[0][:4])
+
+
+def test_a_host_hit_loads_in_the_step_while_the_engine_is_idle_but_not_beside_decoding():
+    """The same host-tier hit, its copy timed by the workers' reports (2 ms):
+    the asynchronous way until an asynchronous load's wait is measured; then
+    in the step that schedules it while no other request runs (the copy is
+    shorter than that wait), two arrivals of one step sharing one budget; the
+    asynchronous way while another request decodes (the copy is more than a
+    tenth of its steps); in the step again once that request finished."""
+    side = _side("kv")
+    first = _request("r1", 80)
+    keys = block_keys(key_root(NS), torch.tensor(first.all_token_ids).numpy(), BS)
+    side.catalogue.hosted([object_name(ImageKind.KV_BLOCK, k) for k in keys], [])
+    side.pace.loaded(5 * side._kv_bytes, 2e-3)  # four full blocks and the tail: 2 ms
+
+    def same(rid: str) -> Request:
+        return Request(rid, list(first.prompt_token_ids), SamplingParams(max_tokens=4), None)
+
+    assert side.matched(first, 0) == (79, True)  # no asynchronous wait measured yet
+    side.allocated(first, _blocks("r1", 1), 79)
+    side.plan(_step([], {}, {}, 1))
+    side.loaded({"r1"})  # reported done: its wait, since the allocation, is measured
+    assert side.pace.wait_s() is not None
+    side.pace._waits.clear()
+    side.pace.waited(0.003)  # as if measured: 3 ms
+    second, third = same("r2"), same("r3")
+    assert side.matched(second, 0) == (79, False)  # idle: in the step (2 ms of 3)
+    assert side.matched(third, 0) == (79, True)  # the step's budget is spent
+    side.allocated(second, _blocks("r2", 1), 79)
+    side.plan(_step([second], {"r2": 1}, {"r2": 79}, 1))  # r2 now runs
+    side.pace._steps.extend([0.01] * 5)  # 10 ms steps: a tenth is 1 ms < 2 ms
+    fourth = same("r4")
+    assert side.matched(fourth, 0) == (79, True)  # beside a running request: asynchronous
+    side.finished(second)
+    assert side.matched(fourth, 0) == (79, False)  # alone again: in the step

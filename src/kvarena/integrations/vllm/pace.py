@@ -1,18 +1,27 @@
 """Whether a load is done inside the step that asks for it, from what is measured.
 
-A load vLLM waits for asynchronously costs its request one whole step: the
-request is scheduled only after the load is reported done. A load done in the
-step that asks for it (vLLM's synchronous path: copied before that step's
-forward) costs that step its copy time instead — every request of the batch
-waits for it. So a load is done in the step where its copy takes at most
-:data:`STEP_SHARE` of a step: the batch's inter-token latency grows by at most
-that share, and the request saves a step.
+A load vLLM waits for asynchronously costs its request at least one whole
+step: the request is scheduled only after the load is reported done, and the
+I/O thread that fetches it shares the cores with the engine's own. A load
+done in the step that asks for it (vLLM's synchronous path: copied before
+that step's forward) costs that step its copy time instead — every request
+of the batch waits for it. So:
 
-Both sides are measured as the engine runs, never assumed: the step, as the
-median time between the scheduler's last :data:`KEPT` steps; the copy, as the
-bytes per second of the host tier's loads the workers report (fetch, checks
-and copy into vLLM's blocks). Until both are known, every load goes the
-asynchronous way.
+- while other requests are running, a step's loads are done in it where
+  their copies together take at most :data:`STEP_SHARE` of a step: the
+  batch's inter-token latency grows by at most that share;
+- while none is (the engine idle but for the requests arriving now), where
+  they take at most what an asynchronous load has taken from its lookup to
+  its word of done: no request decoding waits, and the arriving request is
+  served sooner than the other way would serve it.
+
+Every side is measured as the engine runs, never assumed: the step, as the
+median time between consecutive busy steps (a step continuing requests of
+the step before, so the time between them was work, not waiting for it);
+the copy, as a line in bytes (a fixed cost and a bandwidth) fitted to the
+host tier's loads the workers report (fetch, checks and copy into vLLM's
+blocks, timed whole); the asynchronous way, as the median wait of those
+loads. Until what a rule needs is known, loads go the asynchronous way.
 """
 
 from __future__ import annotations
@@ -21,44 +30,100 @@ import statistics
 from collections import deque
 
 STEP_SHARE = 0.1
-"""The share of a step a load done inside it may take: the inter-token latency
-goal (at most 1.1x with loads) read as a bound per step."""
+"""The share of a step the loads done inside it may take while other requests
+run: the inter-token latency goal (at most 1.1x with loads) read per step."""
 
 KEPT = 64
-"""Step intervals and loads the medians are taken over."""
+"""Steps, loads and waits the estimates are taken over."""
 
 IDLE_S = 1.0
 """An interval longer than this is the engine waiting for work, not a step."""
 
 
+def copy_line(loads: list[tuple[int, float]]) -> tuple[float, float]:
+    """``(fixed seconds, seconds per byte)`` of loads ``(bytes, seconds)``: Tukey's
+    resistant line (the slope between the medians of the smallest and the
+    largest third, the fixed cost the median residual), so one load that met
+    a slow moment does not tilt it; where every load had one size, the
+    seconds per byte of their median."""
+    pts = sorted(loads)
+    third = max(1, len(pts) // 3)
+    lo, hi = pts[:third], pts[-third:]
+    x_lo, x_hi = statistics.median(p[0] for p in lo), statistics.median(p[0] for p in hi)
+    if x_hi <= x_lo:
+        return 0.0, statistics.median(t for _, t in pts) / statistics.median(n for n, _ in pts)
+    slope = (statistics.median(p[1] for p in hi) - statistics.median(p[1] for p in lo)) / (
+        x_hi - x_lo
+    )
+    slope = max(slope, 0.0)
+    return max(statistics.median(t - slope * n for n, t in pts), 0.0), slope
+
+
 class LoadPace:
-    """The engine's step time and the host tier's load rate, as measured."""
+    """The engine's step time, the host tier's copy time and the asynchronous
+    loads' wait, as measured; and this step's in-step copy time so far."""
 
     def __init__(self) -> None:
         self._last: float | None = None
         self._steps: deque[float] = deque(maxlen=KEPT)
-        self._rates: deque[float] = deque(maxlen=KEPT)  # bytes per second, one rank
+        self._loads: deque[tuple[int, float]] = deque(maxlen=KEPT)  # one rank's
+        self._line: tuple[float, float] | None = None  # fitted to _loads, None: stale
+        self._waits: deque[float] = deque(maxlen=KEPT)
+        self._spent = 0.0  # predicted copy seconds of the loads put in this step
 
-    def stepped(self, now: float) -> None:
-        """A step was scheduled at ``now`` (monotonic seconds)."""
-        if self._last is not None and 0 < now - self._last <= IDLE_S:
+    def stepped(self, now: float, *, busy: bool) -> None:
+        """A step was scheduled at ``now`` (monotonic seconds); ``busy``: it
+        continues requests the step before scheduled."""
+        if busy and self._last is not None and 0 < now - self._last <= IDLE_S:
             self._steps.append(now - self._last)
         self._last = now
+        self._spent = 0.0
 
     def loaded(self, nbytes: int, seconds: float) -> None:
         """One rank's load from the host tier took ``seconds`` for ``nbytes``."""
         if nbytes > 0 and seconds > 0:
-            self._rates.append(nbytes / seconds)
+            self._loads.append((nbytes, seconds))
+            self._line = None
+
+    def waited(self, seconds: float) -> None:
+        """An asynchronous load was reported done ``seconds`` after its lookup."""
+        if seconds > 0:
+            self._waits.append(seconds)
 
     def step_s(self) -> float | None:
         return statistics.median(self._steps) if self._steps else None
 
-    def rate(self) -> float | None:
-        return statistics.median(self._rates) if self._rates else None
+    def wait_s(self) -> float | None:
+        return statistics.median(self._waits) if self._waits else None
 
-    def in_step(self, nbytes: int) -> bool:
-        """Whether a load of ``nbytes`` (one rank's) copies within the step's share."""
-        step, rate = self.step_s(), self.rate()
-        if step is None or rate is None:
-            return False
-        return nbytes / rate <= STEP_SHARE * step
+    def copy_s(self, nbytes: int) -> float | None:
+        """The predicted seconds of one rank's host load of ``nbytes``."""
+        if not self._loads:
+            return None
+        if self._line is None:
+            self._line = copy_line(list(self._loads))
+        fixed, per_byte = self._line
+        return fixed + per_byte * nbytes
+
+    def budget(self, *, idle: bool) -> float | None:
+        """The copy seconds a step may take for loads done in it: a share of a
+        step while others run; while none does, the asynchronous way's wait
+        too (whichever is longer)."""
+        step = self.step_s()
+        share = STEP_SHARE * step if step is not None else None
+        if not idle:
+            return share
+        known = [x for x in (share, self.wait_s()) if x is not None]
+        return max(known) if known else None
+
+    def fits(self, nbytes: int, *, idle: bool) -> float | None:
+        """The predicted copy seconds of a load of ``nbytes`` where it fits what is
+        left of this step's budget, else None (it goes the asynchronous way)."""
+        cost, budget = self.copy_s(nbytes), self.budget(idle=idle)
+        if cost is None or budget is None or self._spent + cost > budget:
+            return None
+        return cost
+
+    def spend(self, seconds: float) -> None:
+        """A load of predicted ``seconds`` was put in this step."""
+        self._spent += seconds

@@ -86,9 +86,10 @@ class SchedulerSide:
         self._floor: dict[str, int] = {}  # state boundaries up to this are in the tiers
         self._loads: list[Load] = []
         self.telemetry = Telemetry(ranks)  # what the engine's metrics count
-        self._inflight: set[str] = set()  # requests whose load is not reported done
+        self._inflight: dict[str, float] = {}  # loads not reported done: when each was planned
+        self._running: set[str] = set()  # scheduled last step, not finished since
         self.events = events
-        self.pace = LoadPace()  # step time and host load rate, as measured
+        self.pace = LoadPace()  # step, host copy and asynchronous wait times, as measured
         kinds = catalogue.kinds
         self._host = tier_labels(kinds)[0] if kinds and kinds[0] == "host" else None
         self._kv_bytes = payload_bytes(self.kv_groups)  # one KV object's payload, one rank
@@ -172,17 +173,22 @@ class SchedulerSide:
     def _in_step(self, finds: TierFinds, local: int, point: int, tail: BlockCopy | None) -> bool:
         """Whether a hit (blocks ``local`` to ``point``, and ``tail``) loads in the step
         vLLM schedules it in: where a host tier on top holds every object and the
-        copy takes at most a share of a step as measured (:mod:`.pace`); for an
-        attention-only model of one group (vLLM maps a failed synchronous load's
-        block ids back to requests for one group alone, and a state must land a
-        step before the forward resuming from it)."""
+        copy fits what is left of the step's budget as measured (:mod:`.pace`:
+        a share of a step while other requests run, the asynchronous way's wait
+        while none does); for an attention-only model of one group (vLLM maps a
+        failed synchronous load's block ids back to requests for one group alone,
+        and a state must land a step before the forward resuming from it)."""
         n = point - local + (tail is not None)
         if self._host is None or len(self.groups) != 1 or self.state_groups or not n:
             return False
-        if not self.pace.in_step(n * self._kv_bytes):  # before the levels: mostly no
+        cost = self.pace.fits(n * self._kv_bytes, idle=not self._running)
+        if cost is None:  # before the levels: mostly no
             return False
         levels = [finds.kv.get(i) for i in range(local, point)] + ([tail.level] if tail else [])
-        return levels.count(0) == n
+        if levels.count(0) != n:
+            return False
+        self.pace.spend(cost)
+        return True
 
     @property
     def _tails_served(self) -> bool:
@@ -214,12 +220,8 @@ class SchedulerSide:
                 upto = b + 1
         state = None
         if self.state_groups and not found.part:
-            state = BlockCopy(
-                index=b,
-                key=keys[b - 1],
-                blocks=tuple(block_ids[g.index][b - 1] for g in self.state_groups),
-                level=found.finds.state.get(b),
-            )
+            ids = tuple(block_ids[g.index][b - 1] for g in self.state_groups)
+            state = BlockCopy(index=b, key=keys[b - 1], blocks=ids, level=found.finds.state.get(b))
         load = Load(request=rid, kv=kv, state=state, in_step=found.in_step, joined=found.part)
         if 0 in load.block_ids:
             raise RuntimeError(
@@ -228,7 +230,7 @@ class SchedulerSide:
             )
         self._loads.append(load)
         if not load.in_step:  # vLLM waits for word of it
-            self._inflight.add(rid)
+            self._inflight[rid] = time.monotonic()
         for kind, n in self.hit_sources(request, external).items():
             self.telemetry.hit(kind, n)
         self._saved_upto[rid] = upto  # what the tiers hold is not saved again
@@ -248,11 +250,12 @@ class SchedulerSide:
     def plan(self, scheduler_output: Any) -> StepPlan:
         plan = StepPlan(loads=self._loads)
         self._loads = []
-        self.pace.stepped(time.monotonic())
+        cached = scheduler_output.scheduled_cached_reqs
+        self.pace.stepped(time.monotonic(), busy=bool(cached.req_ids))
+        self._running = set(scheduler_output.num_scheduled_tokens)
         bs = self.block_size
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         starts = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
-        cached = scheduler_output.scheduled_cached_reqs
         starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         ends: dict[str, int] = {}  # requests whose step ends on a block boundary: that boundary
         tails: list[BlockCopy] = []  # partial blocks that prompts end in, this step
@@ -293,12 +296,9 @@ class SchedulerSide:
             for b in sorted(at):
                 if b * bs > len(request.all_token_ids) or b <= self._floor.get(rid, 0):
                     continue
-                keys = self._chain(request).upto(b)
-                copy = BlockCopy(
-                    index=b,
-                    key=keys[b - 1],
-                    blocks=tuple(at[b][g.index] for g in self.state_groups),
-                )
+                key = self._chain(request).upto(b)[b - 1]
+                blocks = tuple(at[b][g.index] for g in self.state_groups)
+                copy = BlockCopy(index=b, key=key, blocks=blocks)
                 plan.state_saves.append(copy)
                 if self.events is not None:
                     self.events.planned(request, ImageKind.STATE, copy)
@@ -320,10 +320,8 @@ class SchedulerSide:
             return None  # (a prompt under one block: its prefill costs less than a load)
         blocks = tuple(ids[g.index][full] for g in self.kv_groups)
         key = self._chain(request).tail(full, tokens)
-        if (
-            0 in blocks
-            or self._objects.locate([object_name(ImageKind.KV_BLOCK, key)])[0] is not None
-        ):
+        held = self._objects.locate([object_name(ImageKind.KV_BLOCK, key)])[0] is not None
+        if 0 in blocks or held:
             return None
         return BlockCopy(index=full, key=key, blocks=blocks, tokens=tokens)
 
@@ -384,11 +382,16 @@ class SchedulerSide:
 
     def loaded(self, requests: set[str]) -> None:
         """vLLM's word that these requests' loads are done (or failed)."""
-        self._inflight.difference_update(requests)
+        now = time.monotonic()
+        for rid in requests:
+            since = self._inflight.pop(rid, None)
+            if since is not None:
+                self.pace.waited(now - since)
 
     def finished(self, request: Any) -> None:
         rid = request.request_id
-        self._inflight.discard(rid)
+        self._inflight.pop(rid, None)
+        self._running.discard(rid)
         self.asked.forget(rid)
         for book in (self._requests, self._keys, self._found, self._saved_upto, self._floor):
             book.pop(rid, None)
