@@ -77,43 +77,42 @@ def models(tmp_path_factory):
     return {kind: save_tiny(kind, root) for kind in BLOCK}
 
 
-def alone(model, kind, batch: list[list[int]]) -> list[list[int]]:
-    """The greedy tokens of one engine serving ``batch`` alone (see the module's
-    docstring for the hybrid's split)."""
-    if BLOCK[kind] is not None:
-        engine = EngineProcess(args(model, kind))
-        try:
-            return [a.tokens for a in engine.generate(batch)]
-        finally:
-            engine.stop()
-    out: dict[int, list[int]] = {}
-    for n in sorted({len(p) for p in batch}):
-        split = engine_args(
-            model,
-            distributed_executor_backend="uni",
-            max_num_batched_tokens=n - 1,
-            max_num_seqs=1,
-            enable_prefix_caching=False,
-        )
-        engine = EngineProcess(split)
-        try:
-            mine = [i for i, p in enumerate(batch) if len(p) == n]
+def alone(batches: dict[str, tuple[object, list[list[int]]]]) -> dict[str, list[list[int]]]:
+    """The greedy tokens of one engine serving each model's batch alone (see the
+    module's docstring for the hybrid's split: an engine per prompt length),
+    every engine started side by side."""
+    plans: list[tuple[str, int | None, dict]] = []
+    for kind, (model, batch) in batches.items():
+        if BLOCK[kind] is not None:
+            plans.append((kind, None, args(model, kind)))
+            continue
+        for n in sorted({len(p) for p in batch}):
+            split = engine_args(
+                model,
+                distributed_executor_backend="uni",
+                max_num_batched_tokens=n - 1,
+                max_num_seqs=1,
+                enable_prefix_caching=False,
+            )
+            plans.append((kind, n, split))
+    engines = EngineProcess.many([engine for _, _, engine in plans])
+    out: dict[str, dict[int, list[int]]] = {kind: {} for kind in batches}
+    try:
+        for (kind, n, _), engine in zip(plans, engines, strict=True):
+            batch = batches[kind][1]
+            mine = [i for i, p in enumerate(batch) if n is None or len(p) == n]
             got = engine.generate([batch[i] for i in mine])
-            out.update({i: a.tokens for i, a in zip(mine, got, strict=True)})
-        finally:
-            engine.stop()
-    return [out[i] for i in range(len(batch))]
+            out[kind].update({i: a.tokens for i, a in zip(mine, got, strict=True)})
+    finally:
+        EngineProcess.stop_all(engines)
+    return {kind: [got[i] for i in range(len(got))] for kind, got in out.items()}
 
 
 @pytest.fixture(scope="module")
 def reference(models):
     """Each model served by vLLM alone: the tokens every run must give, by seed."""
-    out = {}
-    for kind, model in models.items():
-        got = alone(model, kind, prompts(0, kind) + prompts(1, kind))
-        n = len(LENGTHS[kind])
-        out[kind] = {0: got[:n], 1: got[n:]}
-    return out
+    got = alone({k: (m, prompts(0, k) + prompts(1, k)) for k, m in models.items()})
+    return {k: {0: t[: len(LENGTHS[k])], 1: t[len(LENGTHS[k]) :]} for k, t in got.items()}
 
 
 @pytest.fixture(scope="module")
@@ -127,21 +126,19 @@ def pairs(models):
     def pair(kind: str) -> tuple[EngineProcess, EngineProcess]:
         if kind not in started:
             p, c = fast[kind]
-            producer = EngineProcess(args(models[kind], kind, "kv_producer", **p))
-            try:
-                consumer = EngineProcess(args(models[kind], kind, "kv_consumer", **c))
-            except BaseException:
-                producer.stop()
-                raise
+            producer, consumer = EngineProcess.many(
+                [
+                    args(models[kind], kind, "kv_producer", **p),
+                    args(models[kind], kind, "kv_consumer", **c),
+                ]
+            )
             started[kind] = (producer, consumer)
         return started[kind]
 
     try:
         yield pair
     finally:
-        for engines in started.values():
-            for e in engines:
-                e.stop()
+        EngineProcess.stop_all([e for engines in started.values() for e in engines])
 
 
 @pytest.fixture(scope="module")
@@ -316,15 +313,14 @@ def test_tensor_parallel_engines_hand_over_rank_by_rank(models, pairs, reference
 
     env = {"VLLM_CPU_OMP_THREADS_BIND": f"{CORES[0]}|{CORES[1]}"}
     tp = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp", "block_size": 32}
-    engines = []
+    engines = EngineProcess.many(
+        [
+            engine_args(models["llama"], **tp, kv_transfer_config=kv_transfer_config([], role=r))
+            for r in ("kv_producer", "kv_consumer")
+        ],
+        env=env,
+    )
     try:
-        for role in ("kv_producer", "kv_consumer"):
-            config = kv_transfer_config([], role=role)
-            engines.append(
-                EngineProcess(
-                    engine_args(models["llama"], **tp, kv_transfer_config=config), env=env
-                )
-            )
         producer, consumer = engines
         batch = prompts(0)
         alone = [a.tokens for a in producer.generate(batch)]
@@ -340,5 +336,4 @@ def test_tensor_parallel_engines_hand_over_rank_by_rank(models, pairs, reference
         after = single.call(pd_books)  # refused before a load was promised: none ran
         assert (after["pulls"], after["failed"]) == (books["pulls"], books["failed"])
     finally:
-        for e in engines:
-            e.stop()
+        EngineProcess.stop_all(engines)

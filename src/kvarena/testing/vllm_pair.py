@@ -128,10 +128,16 @@ class EngineProcess:
     """One offline engine in a spawned process (``engine``: ``LLM`` keyword arguments)."""
 
     def __init__(
-        self, engine: dict[str, Any], *, env: dict[str, str] | None = None, setup: Any = None
+        self,
+        engine: dict[str, Any],
+        *,
+        env: dict[str, str] | None = None,
+        setup: Any = None,
+        wait: bool = True,
     ) -> None:
         """``env``: added to the process's environment; ``setup``: a picklable
-        callable run in the process before vLLM is imported."""
+        callable run in the process before vLLM is imported; ``wait``: return
+        once the engine is ready (else :meth:`ready` says when)."""
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         settings = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
@@ -140,7 +146,29 @@ class EngineProcess:
         )
         self.process.start()
         child.close()
+        if wait:
+            self.ready()
+
+    def ready(self) -> None:
+        """Wait until the engine serves (an error where it failed to start)."""
         self._wait("ready", START_TIMEOUT_S)
+
+    @classmethod
+    def many(
+        cls, engines: list[dict[str, Any]], *, env: dict[str, str] | None = None
+    ) -> list[EngineProcess]:
+        """Engines started side by side (their starts overlap: most of a start
+        is one process importing and loading alone), each ready on return;
+        where one fails to start, every one is killed."""
+        started = [cls(e, env=env, wait=False) for e in engines]
+        try:
+            for e in started:
+                e.ready()
+        except BaseException:
+            for e in started:
+                e.kill()
+            raise
+        return started
 
     def _wait(self, want: str, timeout_s: float) -> Any:
         if not self._conn.poll(timeout_s):
@@ -185,13 +213,31 @@ class EngineProcess:
         self.process.kill()
         self.process.join()
 
-    def stop(self, timeout_s: float = 60.0) -> None:
-        if self.process.is_alive():
+    def _ask_stop(self) -> bool:
+        """Ask the engine to shut down; whether it was asked (it was alive)."""
+        if not self.process.is_alive():
+            return False
+        try:
+            self._conn.send(("stop", None))
+        except (OSError, BrokenPipeError):
+            return False
+        return True
+
+    def stop(self, timeout_s: float = 60.0, *, asked: bool = False) -> None:
+        """Shut the engine down (``asked``: :meth:`_ask_stop` was called), killed
+        where it does not stop in ``timeout_s``."""
+        if asked or self._ask_stop():
             try:
-                self._conn.send(("stop", None))
                 self._wait("stopped", timeout_s)
             except (EngineProcessError, OSError, BrokenPipeError):
                 pass
             self.process.join(timeout_s)
         if self.process.is_alive():
             self.kill()
+
+    @staticmethod
+    def stop_all(engines: list[EngineProcess]) -> None:
+        """Engines shut down side by side."""
+        asked = [e._ask_stop() for e in engines]
+        for e, a in zip(engines, asked, strict=True):
+            e.stop(asked=a)
