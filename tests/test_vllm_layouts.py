@@ -83,7 +83,7 @@ def test_objects_gather_each_layers_page_in_group_order_and_scatter_exactly(layo
         for j, ids in enumerate(objs):
             want = b"".join(page(caches[n], b) for g, b in zip(mine, ids, strict=True) for n in g.layers)
             assert bytes(stage[j * size : (j + 1) * size].numpy()) == want
-        into.place(kind, objs, [memoryview(stage.numpy())[j * size : (j + 1) * size] for j in range(len(objs))], None)
+        into.place({kind: (objs, [memoryview(stage.numpy())[j * size : (j + 1) * size] for j in range(len(objs))])}, None)
     # Groups alias one allocation (a block's bytes are whichever group owns it), so a
     # layer is checked at its own group's blocks and at the blocks nobody owns.
     owned = {b for ids in OWNED.values() for b in ids}
@@ -94,6 +94,48 @@ def test_objects_gather_each_layers_page_in_group_order_and_scatter_exactly(layo
                     assert page(target[name], b) == page(caches[name], b), (layout, name, b)
                 elif b not in owned:
                     assert not any(page(target[name], b)), (layout, name, b)  # untouched
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "BLHNC"])
+def test_a_load_of_both_kinds_is_one_batch_per_storage_and_a_wrong_size_is_refused(
+    layout, monkeypatch
+):
+    """A load's KV blocks and state together: one batch per storage (the kinds
+    share vLLM's allocation), every page exact, nothing else written; a payload
+    of another size than its kind's is refused before a byte moves."""
+    import kvarena.integrations.vllm.tensors as tensors
+    from kvarena.errors import InvalidValueError
+
+    kc, caches = allocation(layout, padded=True)
+    groups = classify(kc)
+    fill(caches, seed=3)
+    pages = cache_pages(caches, groups, num_blocks=kc.num_blocks)
+    parts = {}
+    for kind in ("kv", "state"):
+        objs = objects(groups, kind)
+        stage = pages.gather(kind, objs)[0].numpy()
+        size = pages.payload[kind]
+        parts[kind] = (objs, [memoryview(stage[j * size : (j + 1) * size]) for j in range(len(objs))])
+    _, target = allocation(layout, padded=True)
+    into = cache_pages(target, groups, num_blocks=kc.num_blocks)
+    before = {n: t.clone() for n, t in target.items()}
+    bad = {**parts, "state": (parts["state"][0], [memoryview(bytes(len(parts["state"][1][0]) - 1))])}
+    with pytest.raises(InvalidValueError, match="state payload of"):
+        into.place(bad, None)
+    assert all(torch.equal(target[n], before[n]) for n in target)
+    calls = []
+    real = tensors.execute_batch
+    monkeypatch.setattr(tensors, "execute_batch", lambda b, s, d: calls.append(b) or real(b, s, d))
+    into.place(parts, None)
+    assert len(calls) == 1  # one storage, both kinds
+    owned = {b for ids in OWNED.values() for b in ids}
+    for g in groups:
+        for name in g.layers:
+            for b in range(kc.num_blocks):
+                if b in OWNED[g.index]:
+                    assert page(target[name], b) == page(caches[name], b), (layout, name, b)
+                elif b not in owned:
+                    assert not any(page(target[name], b)), (layout, name, b)
 
 
 def test_a_payload_lent_by_the_host_tier_is_copied_straight_from_its_allocation():
@@ -115,7 +157,7 @@ def test_a_payload_lent_by_the_host_tier_is_copied_straight_from_its_allocation(
     with host.borrow(["a"]) as (lent,):
         assert lent is not None
         rest = [memoryview(stage[j * size : (j + 1) * size].tobytes()) for j in (1, 2)]
-        into.place("kv", objs, [lent, *rest], host.buffer)
+        into.place({"kv": (objs, [lent, *rest])}, host.buffer)
     for name in groups[0].layers:
         for b in OWNED[0]:
             assert page(target[name], b) == page(caches[name], b)

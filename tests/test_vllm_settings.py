@@ -234,7 +234,7 @@ def test_block_bytes_round_trip_exactly(kv_first, blocks, inner, dtype, data):
         assert bytes(row) == bytes(want)
     dst = torch.zeros_like(src)
     out = CachePages({"state": [[LayerPages.of("l", dst, num_blocks=blocks, group=group)]]})
-    out.place("state", [[b] for b in ids], [memoryview(row) for row in rows], None)
+    out.place({"state": ([[b] for b in ids], [memoryview(row) for row in rows])}, None)
     for b in range(blocks):
         got, want = (dst[:, b], src[:, b]) if kv_first else (dst[b], src[b])
         expect = want if b in ids else torch.zeros_like(want)

@@ -32,6 +32,7 @@ import torch
 
 from ...copy.executor import execute_batch
 from ...copy.plan import CopyBatch
+from ...errors import InvalidValueError
 from .groups import Group
 from .settings import ConnectorConfigError
 
@@ -236,53 +237,73 @@ class CachePages:
 
     def scatter(
         self,
-        kind: str,
-        blocks: Sequence[Sequence[int]],
+        objects: Sequence[tuple[str, Sequence[int], int]],
         source: torch.Tensor,
-        payload_at: Sequence[int],
     ) -> None:
-        """Write objects of ``kind`` from ``source`` (a flat uint8 buffer, payload
-        ``j`` at ``payload_at[j]``) into their blocks: one batch per storage, each
-        checked whole before a byte moves."""
-        ids = np.asarray(blocks, dtype=np.int64).reshape(len(blocks), -1)
-        at = np.asarray(payload_at, dtype=np.int64)
+        """Write objects from ``source`` (a flat uint8 buffer) into their blocks,
+        each ``(kind, blocks, payload offset)``: ONE batch per storage for every
+        kind (a layer's KV and state pages share a storage in vLLM's
+        allocations: one check and one plan for a load), each checked whole
+        before a byte moves."""
         if source.device != self.device:
             source = source.to(self.device)
-        for storage, batch in self.batches(kind, ids, at):
+        merged: dict[int, tuple[torch.Tensor, list[CopyBatch]]] = {}
+        for kind in {k for k, _, _ in objects}:
+            mine = [(ids, at) for k, ids, at in objects if k == kind]
+            ids = np.asarray([i for i, _ in mine], dtype=np.int64).reshape(len(mine), -1)
+            at = np.asarray([a for _, a in mine], dtype=np.int64)
+            for storage, batch in self.batches(kind, ids, at):
+                key = storage.untyped_storage().data_ptr()
+                merged.setdefault(key, (storage, []))[1].append(batch)
+        for storage, batches in merged.values():
+            if len(batches) > 1:
+                batch = CopyBatch(
+                    np.concatenate([b.src for b in batches]),
+                    np.concatenate([b.dst for b in batches]),
+                    np.concatenate([b.length for b in batches]),
+                )
+            else:
+                (batch,) = batches
             execute_batch(batch, source, storage)
 
     def place(
         self,
-        kind: str,
-        blocks: Sequence[Sequence[int]],
-        payloads: Sequence[memoryview],
+        objects: Mapping[str, tuple[Sequence[Sequence[int]], Sequence[memoryview]]],
         arena: torch.Tensor | None,
     ) -> None:
-        """Copy checked payloads of ``kind`` objects into their blocks: those a host
-        tier lends in place (views into ``arena``, its one allocation) straight
-        from it, the rest staged once, back to back; one batch per storage each.
-        On a device the payloads are staged (one copy to the device), never the
-        whole arena."""
-        lent: list[tuple[Sequence[int], int]] = []
-        staged: list[tuple[Sequence[int], memoryview]] = []
+        """Copy checked payloads into their blocks, ``objects`` by kind as (blocks,
+        payloads): those a host tier lends in place (views into ``arena``, its
+        one allocation) straight from it, the rest staged once, back to back;
+        one batch per storage each (:meth:`scatter`). On a device the payloads
+        are staged (one copy to the device), never the whole arena. A payload
+        of another size than its kind's is refused before a byte moves."""
+        lent: list[tuple[str, Sequence[int], int]] = []
+        staged: list[tuple[str, Sequence[int], memoryview]] = []
         if self.device.type != "cpu":
             arena = None
         base = arena.data_ptr() if arena is not None else 0
         end = base + (arena.numel() if arena is not None else 0)
-        for ids, p in zip(blocks, payloads, strict=True):
-            at = np.frombuffer(p, dtype=np.uint8).__array_interface__["data"][0] if len(p) else 0
-            if arena is not None and base <= at and at + len(p) <= end:
-                lent.append((ids, at - base))
-            else:
-                staged.append((ids, p))
+        for kind, (blocks, payloads) in objects.items():
+            size = self.payload[kind]
+            for ids, p in zip(blocks, payloads, strict=True):
+                if len(p) != size:
+                    raise InvalidValueError(
+                        f"kvarena connector: a {kind} payload of {len(p):,} B for blocks "
+                        f"{list(ids)}; this cache's {kind} objects hold {size:,} B"
+                    )
+                at = np.frombuffer(p, dtype=np.uint8).__array_interface__["data"][0] if size else 0
+                if arena is not None and base <= at and at + size <= end:
+                    lent.append((kind, ids, at - base))
+                else:
+                    staged.append((kind, ids, p))
         if lent:
             assert arena is not None
-            self.scatter(kind, [ids for ids, _ in lent], arena, [o for _, o in lent])
+            self.scatter(lent, arena)
         if staged:
-            flat = np.concatenate([np.frombuffer(p, dtype=np.uint8) for _, p in staged])
-            size = self.payload[kind]
-            at_ = [j * size for j in range(len(staged))]
-            self.scatter(kind, [ids for ids, _ in staged], torch.from_numpy(flat), at_)
+            flat = np.concatenate([np.frombuffer(p, dtype=np.uint8) for _, _, p in staged])
+            offsets = np.cumsum([0] + [len(p) for _, _, p in staged[:-1]]).tolist()
+            rows = [(k, ids, at) for (k, ids, _), at in zip(staged, offsets, strict=True)]
+            self.scatter(rows, torch.from_numpy(flat))
 
 
 def _reversed(batch: CopyBatch) -> CopyBatch:

@@ -221,18 +221,14 @@ class WorkerSide:
         why = f"{missing} of {len(payloads)} objects missing or failing their checks"
         if not missing:
             try:
-                for kind in (ImageKind.KV_BLOCK, ImageKind.STATE):
-                    chosen = [
-                        (c, p) for (k, c), p in zip(wanted, payloads, strict=True) if k is kind
-                    ]
-                    if chosen:
-                        assert self.pages is not None
-                        self.pages.place(
-                            "kv" if kind is ImageKind.KV_BLOCK else "state",
-                            [c.blocks for c, _ in chosen],
-                            [p for _, p in chosen if p is not None],
-                            self._arena,
-                        )
+                parts: dict[str, tuple[list, list]] = {}
+                for (kind, copy), p in zip(wanted, payloads, strict=True):
+                    name = "kv" if kind is ImageKind.KV_BLOCK else "state"
+                    part = parts.setdefault(name, ([], []))
+                    part[0].append(copy.blocks)
+                    part[1].append(p)
+                assert self.pages is not None
+                self.pages.place(parts, self._arena)
             except Error as exc:  # a batch refused before a byte moved: recompute
                 why = f"its copy was refused ({exc})"
             else:
