@@ -52,7 +52,7 @@ define suite
 	$(1)/bin/ruff check src tests benchmarks examples tools
 	$(1)/bin/mkdocs build --strict --quiet --site-dir build/site
 	$(1)/bin/python -m pytest -q -n auto --maxprocesses 4
-	$(2)/bin/python -m pytest -q -p no:cacheprovider $(wildcard tests/test_vllm_*.py)
+	$(2)/bin/python -m pytest -q -p no:cacheprovider --durations=15 $(wildcard tests/test_vllm_*.py)
 endef
 
 demo: $(STAMP)
