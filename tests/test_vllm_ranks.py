@@ -1,6 +1,8 @@
 """Tensor-parallel ranks: each rank's keys, names and tiers, and a lookup that
 counts an object only where every rank's shard of it is."""
 
+import hashlib
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -33,9 +35,14 @@ def test_a_name_no_object_has_is_refused(name):
         parse_object_name(name)
 
 
-@given(key=keys, ranks=st.integers(2, 8))
+@given(key=keys, ranks=st.sampled_from([2, 3, 5, 8, 64, 65, 80]))
 def test_each_rank_has_a_key_of_its_own_and_rank_0_keeps_the_prefix_key(key, ranks):
+    """Every rank, those whose keyed hash is made once (below 64) and those past
+    them, keyed by one rule: BLAKE2b of the prefix key under the rank's person."""
     assert rank_key(key, 0, 1) == key
+    for r in (1, ranks - 1):
+        person = b"kvarena-tp" + r.to_bytes(2, "big")
+        assert rank_key(key, r, ranks) == hashlib.blake2b(key, digest_size=16, person=person).digest()
     derived = [rank_key(key, r, ranks) for r in range(ranks)]
     assert derived[0] == key
     assert len(set(derived)) == ranks and all(len(k) == len(key) for k in derived)

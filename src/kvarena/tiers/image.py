@@ -90,13 +90,17 @@ _NAME_PREFIX = {kind: f"{kind.prefix}-" for kind in ImageKind}
 def parse_object_name(name: str) -> tuple[ImageKind, bytes]:
     """The kind and key an :func:`object_name` was made of."""
     prefix, _, digits = name.partition("-")
-    for kind in ImageKind:
-        if kind.prefix == prefix and digits:
-            try:
-                return kind, bytes.fromhex(digits)
-            except ValueError:
-                break
+    kind = _KIND_OF_PREFIX.get(prefix)
+    if kind is not None and digits:
+        try:
+            return kind, bytes.fromhex(digits)
+        except ValueError:
+            pass
     raise InvalidValueError(f"{name!r} is no object name (kv-HEX or st-HEX)")
+
+
+_KIND_OF_PREFIX = {kind.prefix: kind for kind in ImageKind}
+"""Each name prefix's kind: a lookup parses a name per block it has not met."""
 
 
 class ImageMismatch(Error, ValueError):
