@@ -34,6 +34,20 @@ def objects(groups, kind):
     return [list(ids) for ids in zip(*(OWNED[i] for i in mine), strict=True)]
 
 
+def owned_pages_only(target, caches, groups, num_blocks, layout) -> None:
+    """``target`` holds ``caches``' pages at each group's own blocks and nothing at
+    the blocks no group owns (groups alias one allocation, so a block's bytes
+    are whichever group owns it)."""
+    owned = {b for ids in OWNED.values() for b in ids}
+    for g in groups:
+        for name in g.layers:
+            for b in range(num_blocks):
+                if b in OWNED[g.index]:
+                    assert page(target[name], b) == page(caches[name], b), (layout, name, b)
+                elif b not in owned:
+                    assert not any(page(target[name], b)), (layout, name, b)  # untouched
+
+
 def ranges(pages, kind, ids) -> int:
     """The contiguous ranges one object is once the copy engine coalesces its spans."""
     from kvarena.spans import coalesce
@@ -84,16 +98,7 @@ def test_objects_gather_each_layers_page_in_group_order_and_scatter_exactly(layo
             want = b"".join(page(caches[n], b) for g, b in zip(mine, ids, strict=True) for n in g.layers)
             assert bytes(stage[j * size : (j + 1) * size].numpy()) == want
         into.place({kind: (objs, [memoryview(stage.numpy())[j * size : (j + 1) * size] for j in range(len(objs))])}, None)
-    # Groups alias one allocation (a block's bytes are whichever group owns it), so a
-    # layer is checked at its own group's blocks and at the blocks nobody owns.
-    owned = {b for ids in OWNED.values() for b in ids}
-    for g in groups:
-        for name in g.layers:
-            for b in range(kc.num_blocks):
-                if b in OWNED[g.index]:
-                    assert page(target[name], b) == page(caches[name], b), (layout, name, b)
-                elif b not in owned:
-                    assert not any(page(target[name], b)), (layout, name, b)  # untouched
+    owned_pages_only(target, caches, groups, kc.num_blocks, layout)
 
 
 @pytest.mark.parametrize("layout", ["LBHNC", "BLHNC"])
@@ -128,14 +133,7 @@ def test_a_load_of_both_kinds_is_one_batch_per_storage_and_a_wrong_size_is_refus
     monkeypatch.setattr(tensors, "execute_batch", lambda b, s, d: calls.append(b) or real(b, s, d))
     into.place(parts, None)
     assert len(calls) == 1  # one storage, both kinds
-    owned = {b for ids in OWNED.values() for b in ids}
-    for g in groups:
-        for name in g.layers:
-            for b in range(kc.num_blocks):
-                if b in OWNED[g.index]:
-                    assert page(target[name], b) == page(caches[name], b), (layout, name, b)
-                elif b not in owned:
-                    assert not any(page(target[name], b)), (layout, name, b)
+    owned_pages_only(target, caches, groups, kc.num_blocks, layout)
 
 
 def test_a_payload_lent_by_the_host_tier_is_copied_straight_from_its_allocation():

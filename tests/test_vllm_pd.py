@@ -33,7 +33,7 @@ import pytest
 vllm = pytest.importorskip("vllm")
 
 from kvarena.integrations.transformers.tiny import save_tiny  # noqa: E402
-from kvarena.testing.vllm_engine import engine_args  # noqa: E402
+from kvarena.testing.vllm_engine import engine_args, split_args  # noqa: E402
 from kvarena.testing.vllm_pair import EngineProcess, cold, pd_books  # noqa: E402
 from kvarena.transfer import nixl_available  # noqa: E402
 
@@ -87,14 +87,7 @@ def alone(batches: dict[str, tuple[object, list[list[int]]]]) -> dict[str, list[
             plans.append((kind, None, args(model, kind)))
             continue
         for n in sorted({len(p) for p in batch}):
-            split = engine_args(
-                model,
-                distributed_executor_backend="uni",
-                max_num_batched_tokens=n - 1,
-                max_num_seqs=1,
-                enable_prefix_caching=False,
-            )
-            plans.append((kind, n, split))
+            plans.append((kind, n, split_args(model, n)))
     engines = EngineProcess.many([engine for _, _, engine in plans])
     out: dict[str, dict[int, list[int]]] = {kind: {} for kind in batches}
     try:

@@ -36,7 +36,7 @@ import pytest
 vllm = pytest.importorskip("vllm")
 
 from kvarena.integrations.transformers.tiny import save_tiny  # noqa: E402
-from kvarena.testing.vllm_engine import engine_args  # noqa: E402
+from kvarena.testing.vllm_engine import split_args  # noqa: E402
 from kvarena.testing.vllm_pair import EngineProcess  # noqa: E402
 from kvarena.testing.vllm_server import VllmServer, free_port  # noqa: E402
 from kvarena.transfer import nixl_available  # noqa: E402
@@ -72,14 +72,7 @@ def reference(model):
     """Each prompt's greedy tokens from one engine computing it as the two servers
     split it (its first ``N - 1`` tokens, then the last)."""
     (n,) = {len(p) for p in PROMPTS}
-    split = engine_args(
-        model,
-        distributed_executor_backend="uni",
-        max_num_batched_tokens=n - 1,
-        max_num_seqs=1,
-        enable_prefix_caching=False,
-    )
-    engine = EngineProcess(split)
+    engine = EngineProcess(split_args(model, n))
     try:
         return [a.tokens for a in engine.generate(PROMPTS, max_tokens=OUT)]
     finally:

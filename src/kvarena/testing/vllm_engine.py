@@ -23,3 +23,17 @@ def engine_args(model: str | Path, **overrides: Any) -> dict[str, Any]:
     )
     args.update(overrides)
     return args
+
+
+def split_args(model: str | Path, prompt_tokens: int) -> dict[str, Any]:
+    """``vllm.LLM`` keyword arguments of one engine computing a prompt of
+    ``prompt_tokens`` tokens as a prefill engine and a decode engine split it:
+    its first ``N - 1`` tokens in one step, then the last (a hybrid's greedy
+    tokens can depend on where a step boundary carries its state over)."""
+    return engine_args(
+        model,
+        distributed_executor_backend="uni",
+        max_num_batched_tokens=prompt_tokens - 1,
+        max_num_seqs=1,
+        enable_prefix_caching=False,
+    )
