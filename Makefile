@@ -51,7 +51,7 @@ lock:
 define suite
 	$(1)/bin/ruff check src tests benchmarks examples tools
 	$(1)/bin/mkdocs build --strict --quiet --site-dir build/site
-	$(1)/bin/python -m pytest -q -n auto --maxprocesses 4
+	$(1)/bin/python -m pytest -q -n auto --maxprocesses 4 --durations=15
 	$(2)/bin/python -m pytest -q -p no:cacheprovider --durations=15 $(wildcard tests/test_vllm_*.py)
 endef
 
