@@ -2,7 +2,7 @@
 
 .venv-vllm/bin/python benchmarks/bench_vllm.py [--requests 240] [--tokens-per-hash 32]
     [--model qwen3_next] [--device-kv 20MiB] [--max-out 8] [--decode-out 128]
-    [--decode-rounds 12]
+    [--decode-rounds 12] [--bounds]
 
 The trace's requests name their prompts by hash ids, one per 512-token block
 shared between requests. Each hash id is expanded here into ``--tokens-per-hash``
@@ -28,12 +28,15 @@ side (``bench_vllm_decode.py``, in a process of its own: vLLM alone, vLLM with a
 connector that does nothing, vLLM with kvarena; per round ratios); and
 kvarena's own time inside the connector's per-step methods, timed in place.
 The trace's engines run in this process (the ``uni`` executor), one after
-another.
+another. ``--bounds`` runs no engine: it prints an attention-only model's
+infinite-cache bound beside a hybrid's (256-token blocks) on the slice as
+expanded here and at the trace's own scale (from the hash ids).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -83,6 +86,28 @@ def bound(work: list[tuple[list[int], int]], block: int) -> int:
         total += k * block
         seen.update(tuple(prompt[: (b + 1) * block]) for b in range(len(prompt) // block))
     return total
+
+
+def trace_bound(path: Path, n: int, block: int) -> tuple[int, int]:
+    """The infinite cache's hit tokens over the first ``n`` requests at the trace's
+    own scale (a hash id is 512 tokens), from the hash ids alone: each prompt's
+    longest run of whole hash blocks an earlier prompt began with, at most
+    ``len - 1`` tokens, rounded down to ``block`` (1: every token, an
+    attention-only model with partial blocks); and the prompt tokens."""
+    seen: set[tuple[int, ...]] = set()
+    hit = total = 0
+    with open(path) as f:
+        for line in itertools.islice(f, n):
+            rec = json.loads(line)
+            ids, length = rec["hash_ids"], rec["input_length"]
+            whole = length // 512
+            k = 0
+            while k < whole and tuple(ids[: k + 1]) in seen:
+                k += 1
+            hit += min(k * 512, length - 1) // block * block
+            total += length
+            seen.update(tuple(ids[: j + 1]) for j in range(whole))
+    return hit, total
 
 
 def engine(model: Path, device_kv: int, tiers: list[str] | None, max_len: int):
@@ -272,6 +297,33 @@ def side_by_side(model_kind: str, device_kv: str, out: int, rounds: int) -> dict
     return json.loads(last)
 
 
+def print_bounds(trace: Path, n: int, per_hash: int) -> None:
+    """An attention-only model's bound (every token but the last of a shared
+    prefix) beside a hybrid's (256-token blocks, vLLM's unified block for the
+    tiny Qwen3-Next), on the slice as this benchmark expands it and at the
+    trace's own scale."""
+    from kvarena.integrations.transformers.tiny import SERVED_COMMON
+
+    work = prompts(trace, n, per_hash, SERVED_COMMON["vocab_size"], 1)
+    print(f"first {n} requests of {trace.name}; hit tokens of an infinite cache")
+    print(
+        f"{'scale':<28} {'prompt tokens':>14} {'attention-only':>15} {'hybrid (256)':>13} {'ratio':>6}"
+    )
+    rows = [
+        (
+            f"{per_hash} tokens a hash id",
+            sum(len(p) for p, _ in work),
+            bound(work, 1),
+            bound(work, 256),
+        )
+    ]
+    for m in sorted({n, 3993}):
+        (att, total), (hyb, _) = trace_bound(trace, m, 1), trace_bound(trace, m, 256)
+        rows.append((f"512 tokens a hash id, {m:,}", total, att, hyb))
+    for label, total, att, hyb in rows:
+        print(f"{label:<28} {total:>14,} {att:>15,} {hyb:>13,} {hyb / max(att, 1):>6.3f}")
+
+
 def main() -> None:
     from kvarena.checks import parse_bytes
     from kvarena.integrations.transformers.tiny import SERVED, SERVED_COMMON, save_tiny
@@ -287,12 +339,24 @@ def main() -> None:
     ap.add_argument("--decode-out", type=int, default=128, help="the decode rows' output tokens")
     ap.add_argument("--decode-rounds", type=int, default=12, help="side-by-side decode rounds")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--bounds",
+        action="store_true",
+        help="print the hybrid's and an attention-only model's bounds alone (no engine)",
+    )
     args = ap.parse_args()
+    if args.bounds:
+        print_bounds(Path(args.trace), args.requests, args.tokens_per_hash)
+        return
 
     work_dir = Path(tempfile.mkdtemp(prefix="kvarena-bench-vllm-"))
     model = save_tiny(args.model, work_dir)
     work = prompts(
-        Path(args.trace), args.requests, args.tokens_per_hash, SERVED_COMMON["vocab_size"], args.max_out
+        Path(args.trace),
+        args.requests,
+        args.tokens_per_hash,
+        SERVED_COMMON["vocab_size"],
+        args.max_out,
     )
     history = sum(len(p) for p, _ in work)
     max_len = max(len(p) + n for p, n in work) + 64
