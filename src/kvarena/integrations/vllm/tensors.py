@@ -248,7 +248,7 @@ class CachePages:
         if source.device != self.device:
             source = source.to(self.device)
         merged: dict[int, tuple[torch.Tensor, list[CopyBatch]]] = {}
-        for kind in {k for k, _, _ in objects}:
+        for kind in dict.fromkeys(k for k, _, _ in objects):  # in order: one plan every run
             mine = [(ids, at) for k, ids, at in objects if k == kind]
             ids = np.asarray([i for i, _ in mine], dtype=np.int64).reshape(len(mine), -1)
             at = np.asarray([a for _, a in mine], dtype=np.int64)
