@@ -154,15 +154,31 @@ def tiered(models, tmp_path_factory):
             engine.stop()
 
 
+def hand_over(producer, consumer, batch: list[list[int]], kind: str):
+    """Prefill answers and decode results of ``batch``: Llama's prompts together
+    (two handoffs at once), the hybrid's one at a time, as its reference
+    computes them (its bfloat16 Gated DeltaNet state is not bit-identical when
+    a request shares its steps with another: a near tie can go the other way,
+    seen once in a CI run where two decodes shared steps)."""
+    if BLOCK[kind] is not None:
+        answers = prefill(producer, batch)
+        return answers, consumer.generate(batch, [to_decode(a) for a in answers])
+    answers, got = [], []
+    for prompt in batch:
+        mine = prefill(producer, [prompt])
+        answers += mine
+        got += consumer.generate([prompt], [to_decode(a) for a in mine])
+    return answers, got
+
+
 @pytest.mark.parametrize("kind", list(BLOCK))
 def test_decode_reads_the_prefill_and_computes_only_the_last_token(pairs, reference, kind):
     producer, consumer = pairs(kind)
     read = len(consumer.call(pd_books)["pulls"])
     batch = prompts(0, kind)
-    answers = prefill(producer, batch)
+    answers, got = hand_over(producer, consumer, batch, kind)
     want = len(batch[0]) - 1 if kind == "qwen3_next" else len(batch[0])
     assert answers[0].params["remote_num_tokens"] == want  # a hybrid stops a token short
-    got = consumer.generate(batch, [to_decode(a) for a in answers])
     assert [g.tokens for g in got] == reference[kind][0]
     assert [g.cached for g in got] == [len(p) - 1 for p in batch]
     pulls = consumer.call(pd_books)["pulls"][read:]
@@ -173,8 +189,7 @@ def test_decode_reads_the_prefill_and_computes_only_the_last_token(pairs, refere
     after = producer.call(pd_books)
     assert after["held"] == 0 and after["free_blocks"] > before["free_blocks"]
     # both serve on: a second round, prompts of another seed
-    batch = prompts(1, kind)
-    got = consumer.generate(batch, [to_decode(a) for a in prefill(producer, batch)])
+    _, got = hand_over(producer, consumer, prompts(1, kind), kind)
     assert [g.tokens for g in got] == reference[kind][1]
 
 
