@@ -660,7 +660,7 @@ def test_every_torch_road_moves_exact_bytes_at_any_alignment(align, buffer_offse
     families = {
         "gather": "_copy_gather",
         "long gather": "_copy_gather",
-        "strided": "_copy_progression",
+        "strided": "copy_grid",
         "one each": "_copy_one",
     }[road]
     if road == "one each":  # a gather would take evenly spaced rows: space them unevenly

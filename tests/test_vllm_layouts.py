@@ -73,18 +73,42 @@ def oracle_ranges(caches, groups, kind, ids, num_blocks) -> int:
     return int((flat[1:] - flat[:-1] != 1).sum()) + 1
 
 
+def road(monkeypatch, which: str) -> dict[str, int]:
+    """Make the cache's copies take ``which`` road (``grids``: the grids its layout
+    declares; ``batch``: a batch the copy engine plans), counting the calls of each."""
+    import kvarena.integrations.vllm.tensors as tensors
+
+    calls = {"grids": 0, "batch": 0}
+    monkeypatch.setattr(tensors, "worth_grids", lambda found, nbytes: which == "grids" and bool(found))
+    for name, real in (("grids", tensors.execute_grids), ("batch", tensors.execute_batch)):
+
+        def spy(*args, real=real, name=name):
+            calls[name] += 1
+            return real(*args)
+
+        monkeypatch.setattr(tensors, f"execute_{name}", spy)
+    return calls
+
+
+@pytest.mark.parametrize("which", ["grids", "batch"])
+@pytest.mark.parametrize("reverse", [False, True], ids=["as handed out", "reversed"])
 @pytest.mark.parametrize(
     ("layout", "padded"), [("LBHNC", True), ("BLHNC", True), ("BLHNC", False), ("BLNHC", False)]
 )
-def test_objects_gather_each_layers_page_in_group_order_and_scatter_exactly(layout, padded):
+def test_objects_gather_each_layers_page_in_group_order_and_scatter_exactly(
+    layout, padded, reverse, which, monkeypatch
+):
+    """Both roads, objects in the order their blocks were handed out (evenly
+    spaced: one grid a run) and reversed (blocks descending: a grid an object)."""
     kc, caches = allocation(layout, padded=padded)
     groups = classify(kc)
     fill(caches, seed=1)
     pages = cache_pages(caches, groups, num_blocks=kc.num_blocks)
     _, target = allocation(layout, padded=padded)
     into = cache_pages(target, groups, num_blocks=kc.num_blocks)
+    calls = road(monkeypatch, which)
     for kind in ("kv", "state"):
-        objs = objects(groups, kind)
+        objs = objects(groups, kind)[:: -1 if reverse else 1]
         # as few ranges as the bytes allow: in block-major layouts a group's block
         # is one range (padded state pages leave gaps), in layer-major one per layer
         assert ranges(pages, kind, objs[0]) == oracle_ranges(caches, groups, kind, objs[0], kc.num_blocks)
@@ -99,16 +123,17 @@ def test_objects_gather_each_layers_page_in_group_order_and_scatter_exactly(layo
             assert bytes(stage[j * size : (j + 1) * size].numpy()) == want
         into.place({kind: (objs, [memoryview(stage.numpy())[j * size : (j + 1) * size] for j in range(len(objs))])}, None)
     owned_pages_only(target, caches, groups, kc.num_blocks, layout)
+    assert calls[which] == 4 and sum(calls.values()) == 4  # a gather and a place a kind
 
 
+@pytest.mark.parametrize("which", ["grids", "batch"])
 @pytest.mark.parametrize("layout", ["LBHNC", "BLHNC"])
 def test_a_load_of_both_kinds_is_one_batch_per_storage_and_a_wrong_size_is_refused(
-    layout, monkeypatch
+    layout, which, monkeypatch
 ):
-    """A load's KV blocks and state together: one batch per storage (the kinds
+    """A load's KV blocks and state together: one copy per storage (the kinds
     share vLLM's allocation), every page exact, nothing else written; a payload
     of another size than its kind's is refused before a byte moves."""
-    import kvarena.integrations.vllm.tensors as tensors
     from kvarena.errors import InvalidValueError
 
     kc, caches = allocation(layout, padded=True)
@@ -128,11 +153,9 @@ def test_a_load_of_both_kinds_is_one_batch_per_storage_and_a_wrong_size_is_refus
     with pytest.raises(InvalidValueError, match="state payload of"):
         into.place(bad, None)
     assert all(torch.equal(target[n], before[n]) for n in target)
-    calls = []
-    real = tensors.execute_batch
-    monkeypatch.setattr(tensors, "execute_batch", lambda b, s, d: calls.append(b) or real(b, s, d))
+    calls = road(monkeypatch, which)
     into.place(parts, None)
-    assert len(calls) == 1  # one storage, both kinds
+    assert calls[which] == 1 and sum(calls.values()) == 1  # one storage, both kinds
     owned_pages_only(target, caches, groups, kc.num_blocks, layout)
 
 

@@ -45,6 +45,7 @@ import torch
 from ..checks import check_bytes
 from ..errors import InvalidValueError
 from ..spans import distinct, gathers, grids, progressions
+from .grid_copy import copy_grid
 from .plan import CopyBatch
 from .short_spans import _short_spans_cpu, _short_spans_torch
 from .thresholds import (
@@ -96,34 +97,6 @@ def _copy_spans(
         group = short & (length == value)
         ops += mover(src_buf, dst_buf, src[group], dst[group], value)
     return ops
-
-
-def _copy_progression(
-    words: _Words,
-    src: int,
-    dst: int,
-    count: int,
-    length: int,
-    src_step: int,
-    dst_step: int,
-    outer: int = 1,
-    outer_src: int = 0,
-    outer_dst: int = 0,
-) -> None:
-    """One grid of spans (:func:`~kvarena.spans.grids`: ``outer`` families of
-    ``count`` rows) as one call between two ``[outer, count, length]`` views of
-    words. Destination rows are disjoint and, the batch being validated, no
-    row read is written; torch sees strided (not dense) views here and moves
-    them without an overlap copy of its own."""
-    w, sw, dw = words.size, words.src, words.dst
-    shape = (outer, count, length // w)
-    view_src = sw.as_strided(
-        shape, (outer_src // w, src_step // w, 1), sw.storage_offset() + src // w
-    )
-    view_dst = dw.as_strided(
-        shape, (outer_dst // w, dst_step // w, 1), dw.storage_offset() + dst // w
-    )
-    view_dst.copy_(view_src)
 
 
 def _copy_one(words: _Words, src: int, dst: int, n: int) -> None:
@@ -347,7 +320,7 @@ def execute_batch(
     if families or gathered or alone.any():
         words = _Words.of(src_buf, dst_buf, src, dst, length, widest=16 if path == "cpu" else 8)
         for grid in grids(families):  # families of families: one call each
-            _copy_progression(words, *grid)
+            copy_grid(words, *grid)
             ops += 1
         for gather in gathered:
             _copy_gather(words, *gather)

@@ -8,6 +8,7 @@ A refused batch writes nothing.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,7 +16,7 @@ import torch
 
 from ..errors import InvalidValueError
 from ..layout.regions import check_byte_buffer
-from ..spans import coalesce
+from ..spans import Grid, coalesce
 from .plan import CopyBatch
 
 
@@ -124,3 +125,80 @@ def _checked_spans(
         shift = src_buf.storage_offset() - dst_buf.storage_offset()
         _check_reads_miss_writes(src + shift, dst, length)
     return src, dst, length
+
+
+def checked_grids(grids: Sequence[Grid], src_buf: torch.Tensor, dst_buf: torch.Tensor) -> int:
+    """The bytes ``grids`` move, once the rule every batch passes holds for their
+    rows: every row inside its buffer, no two destination rows overlapping, no
+    row read that one writes where both buffers share a storage.
+
+    The same rule as :func:`_checked_spans`, for a caller that knows its grids:
+    a grid's lowest and highest row are found from its numbers (no
+    expansion), and only the destination rows (the sources too where one
+    storage holds both) are expanded and sorted for the overlap checks."""
+    check_byte_buffer(src_buf, "copy source buffer")
+    check_byte_buffer(dst_buf, "copy destination buffer")
+    if src_buf.device != dst_buf.device:
+        raise InvalidValueError(
+            f"copy buffers live on {src_buf.device} and {dst_buf.device}; one device"
+        )
+    sizes = (src_buf.numel(), dst_buf.numel())
+    live, nbytes = [], 0
+    for grid in grids:
+        s0, d0, count, n, ss, ds, outer, os_, od = grid
+        if not all(isinstance(v, (int, np.integer)) for v in grid) or min(grid) < 0:
+            raise CopyBoundsError(
+                f"copy grid {grid}: offsets, counts, lengths and steps are non-negative "
+                "integers (no strided view steps backward)"
+            )
+        if not (count and outer):
+            continue  # no rows (empty rows are checked in bounds, as a batch's are)
+        for name, first, step, ostep, size in (
+            ("source", s0, ss, os_, sizes[0]),
+            ("destination", d0, ds, od, sizes[1]),
+        ):
+            end = first + (outer - 1) * ostep + (count - 1) * step + n
+            if end > size:
+                raise CopyBoundsError(
+                    f"copy grid {grid}: its {name} rows reach byte {end} but the {name} "
+                    f"buffer holds [0, {size})"
+                )
+        if n:
+            live.append(grid)
+            nbytes += count * n * outer
+    if not live:
+        return 0
+    same = src_buf.untyped_storage().data_ptr() == dst_buf.untyped_storage().data_ptr()
+    dst, src, length = _rows(live, 1), _rows(live, 0) if same else None, _row_lengths(live)
+    order = np.argsort(dst, kind="stable")
+    dst, length = dst[order], length[order]
+    _check_disjoint(dst, length, "copy grid destination")
+    if src is not None:
+        shift = src_buf.storage_offset() - dst_buf.storage_offset()
+        _check_reads_miss_writes(src[order] + shift, dst, length)
+    return nbytes
+
+
+def _rows(grids: Sequence[Grid], side: int) -> np.ndarray:
+    """Every row's start on one side (0: source, 1: destination), grid by grid."""
+    out = []
+    for grid in grids:
+        first, count, step = grid[side], grid[2], grid[4 + side]
+        outer, ostep = grid[6], grid[7 + side]
+        inner = (
+            np.arange(first, first + count * step, step, dtype=np.int64)
+            if step
+            else np.full(count, first, dtype=np.int64)
+        )
+        if outer > 1:
+            starts = np.arange(0, outer * ostep, ostep) if ostep else np.zeros(outer, np.int64)
+            inner = np.add.outer(starts, inner).ravel()
+        out.append(inner)
+    return out[0] if len(out) == 1 else np.concatenate(out)
+
+
+def _row_lengths(grids: Sequence[Grid]) -> np.ndarray:
+    return np.repeat(
+        np.array([g[3] for g in grids], dtype=np.int64),
+        [g[2] * g[6] for g in grids],
+    )

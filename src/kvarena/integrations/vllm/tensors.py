@@ -14,11 +14,14 @@ block shifted by the block dimension's stride (:class:`LayerPages`). An
 object's payload is a group's layers in its order, each layer's page in its
 own element order, so the images are the same bytes in every layout. A load
 or a step's saves are then ONE described batch per storage
-(:class:`CachePages`): every object's every layer span, which the copy
-engine (:mod:`kvarena.copy`) checks whole, coalesces where spans continue
-each other (a block of every layer of a group in vLLM's block-major layouts
-is one range: the one-range-per-entry idea inside vLLM) and moves with its
-own strategies, instead of a copy per layer per block.
+(:class:`CachePages`): every object's every layer span, instead of a copy
+per layer per block. On a CPU the spans are the grids the layout declares
+(:mod:`.page_grids`: a group's layers one region apart, a request's blocks
+one block apart), checked whole and moved one call a grid; elsewhere (and
+where grids would be many small calls) the copy engine (:mod:`kvarena.copy`)
+checks the batch whole, coalesces where spans continue each other (a block
+of every layer of a group in vLLM's block-major layouts is one range: the
+one-range-per-entry idea inside vLLM) and moves it with its own strategies.
 """
 
 from __future__ import annotations
@@ -26,14 +29,17 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from ...copy.executor import execute_batch
+from ...copy.grid_copy import execute_grids, reversed_grid
 from ...copy.plan import CopyBatch
 from ...errors import InvalidValueError
 from .groups import Group
+from .page_grids import SpanRuns, worth_grids
 from .settings import ConnectorConfigError
 
 
@@ -170,6 +176,13 @@ class CachePages:
                     )
                 )
             self._spans[kind] = out
+        self._runs = {
+            kind: [SpanRuns.of(s.group, s.payload, s.at, s.step, s.length) for s in spans]
+            for kind, spans in self._spans.items()
+        }
+        self._bytes = {
+            kind: [int(s.length.sum()) for s in spans] for kind, spans in self._spans.items()
+        }
 
     def spans(self, kind: str) -> list[StorageSpans]:
         """Every span of ``kind``'s objects, one record per storage (what a
@@ -189,19 +202,59 @@ class CachePages:
         """For objects ``j`` of ``kind`` whose blocks are ``blocks[j]`` (one id per
         group) and whose payloads start at ``payload_at[j]`` of a flat buffer:
         each storage with the batch of (payload offset, storage offset, length)."""
-        out = []
-        for s in self._spans[kind]:
-            src = payload_at[:, None] + s.payload[None, :]
-            dst = s.at[None, :] + blocks[:, s.group] * s.step[None, :]
-            length = np.broadcast_to(s.length[None, :], src.shape)
-            out.append((s.storage, CopyBatch(src.reshape(-1), dst.reshape(-1), length.reshape(-1))))
-        return out
+        return [(s.storage, _batch(s, blocks, payload_at)) for s in self._spans[kind]]
+
+    def _copy(
+        self,
+        parts: Sequence[tuple[str, Sequence[Sequence[int]], Sequence[int]]],
+        buffer: torch.Tensor,
+        *,
+        load: bool,
+    ) -> None:
+        """Copy objects ``(kind, blocks [objects, groups], payload offsets)`` between
+        ``buffer`` and their blocks (into the blocks where ``load``): ONE copy per
+        storage for every kind (a layer's KV and state pages share a storage in
+        vLLM's allocations), checked whole before a byte moves. On a CPU, as the
+        grids the layout declares (:mod:`.page_grids`) where they move enough a
+        call; else as a described batch the copy engine plans."""
+        merged: dict[int, tuple[torch.Tensor, list[tuple[str, int, Any, Any]]]] = {}
+        for kind, ids, at in parts:  # in the order given: one plan every run
+            for i, s in enumerate(self._spans[kind]):
+                key = s.storage.untyped_storage().data_ptr()
+                merged.setdefault(key, (s.storage, []))[1].append((kind, i, ids, at))
+        for storage, items in merged.values():
+            if self.device.type == "cpu":
+                found = [g for k, i, ids, at in items for g in self._runs[k][i].grids(ids, at)]
+                nbytes = sum(len(at) * self._bytes[k][i] for k, i, _, at in items)
+                if worth_grids(found, nbytes):
+                    if load:
+                        execute_grids(found, buffer, storage)
+                    else:
+                        execute_grids([reversed_grid(g) for g in found], storage, buffer)
+                    continue
+            batches = [
+                _batch(
+                    self._spans[k][i],
+                    np.asarray(ids, dtype=np.int64).reshape(len(at), -1),
+                    np.asarray(at, dtype=np.int64),
+                )
+                for k, i, ids, at in items
+            ]
+            batch = CopyBatch(
+                np.concatenate([b.src for b in batches]),
+                np.concatenate([b.dst for b in batches]),
+                np.concatenate([b.length for b in batches]),
+            )
+            if load:
+                execute_batch(batch, buffer, storage)
+            else:
+                execute_batch(CopyBatch(batch.dst, batch.src, batch.length), storage, buffer)
 
     def gather(
         self, kind: str, blocks: Sequence[Sequence[int]]
     ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """The payloads of ``kind`` objects at ``blocks`` (one id per group each),
-        back to back in a host buffer: one batch per storage. On a CPU the
+        back to back in a host buffer: one copy per storage. On a CPU the
         buffer is ready when this returns. On CUDA nothing waits: on a side
         stream, after the work queued so far (the step's forward), one batch
         per storage into device memory, then one copy into pinned host memory;
@@ -209,9 +262,8 @@ class CachePages:
         device-side gather alone, so no later forward writes a block before its
         bytes are read, and the host copy overlaps the next forward. The event
         returned marks the host buffer ready (the writer waits on it)."""
-        ids = np.asarray(blocks, dtype=np.int64).reshape(len(blocks), -1)
         size = self.payload[kind]
-        at = np.arange(len(blocks), dtype=np.int64) * size
+        at = [j * size for j in range(len(blocks))]
         cuda = self.device.type == "cuda"
         if cuda:
             compute = torch.cuda.current_stream(self.device)
@@ -222,8 +274,7 @@ class CachePages:
         # work of that stream, after the host copy below.
         with torch.cuda.stream(self._stream) if cuda else contextlib.nullcontext():
             stage = torch.empty(len(blocks) * size, dtype=torch.uint8, device=self.device)
-            for storage, batch in self.batches(kind, ids, at):
-                execute_batch(_reversed(batch), storage, stage)
+            self._copy([(kind, blocks, at)], stage, load=False)
             if not cuda:
                 return stage, None
             gathered = torch.cuda.Event()
@@ -241,30 +292,15 @@ class CachePages:
         source: torch.Tensor,
     ) -> None:
         """Write objects from ``source`` (a flat uint8 buffer) into their blocks,
-        each ``(kind, blocks, payload offset)``: ONE batch per storage for every
-        kind (a layer's KV and state pages share a storage in vLLM's
-        allocations: one check and one plan for a load), each checked whole
-        before a byte moves."""
+        each ``(kind, blocks, payload offset)``: ONE copy per storage for every
+        kind, checked whole before a byte moves."""
         if source.device != self.device:
             source = source.to(self.device)
-        merged: dict[int, tuple[torch.Tensor, list[CopyBatch]]] = {}
+        parts = []
         for kind in dict.fromkeys(k for k, _, _ in objects):  # in order: one plan every run
             mine = [(ids, at) for k, ids, at in objects if k == kind]
-            ids = np.asarray([i for i, _ in mine], dtype=np.int64).reshape(len(mine), -1)
-            at = np.asarray([a for _, a in mine], dtype=np.int64)
-            for storage, batch in self.batches(kind, ids, at):
-                key = storage.untyped_storage().data_ptr()
-                merged.setdefault(key, (storage, []))[1].append(batch)
-        for storage, batches in merged.values():
-            if len(batches) > 1:
-                batch = CopyBatch(
-                    np.concatenate([b.src for b in batches]),
-                    np.concatenate([b.dst for b in batches]),
-                    np.concatenate([b.length for b in batches]),
-                )
-            else:
-                (batch,) = batches
-            execute_batch(batch, source, storage)
+            parts.append((kind, [ids for ids, _ in mine], [at for _, at in mine]))
+        self._copy(parts, source, load=True)
 
     def place(
         self,
@@ -306,8 +342,13 @@ class CachePages:
             self.scatter(rows, torch.from_numpy(flat))
 
 
-def _reversed(batch: CopyBatch) -> CopyBatch:
-    return CopyBatch(batch.dst, batch.src, batch.length)
+def _batch(s: StorageSpans, blocks: np.ndarray, payload_at: np.ndarray) -> CopyBatch:
+    """Objects ``j`` (blocks ``blocks[j]``, payloads at ``payload_at[j]``) as the
+    (payload offset, storage offset, length) of every span ``s`` holds."""
+    src = payload_at[:, None] + s.payload[None, :]
+    dst = s.at[None, :] + blocks[:, s.group] * s.step[None, :]
+    length = np.broadcast_to(s.length[None, :], src.shape)
+    return CopyBatch(src.reshape(-1), dst.reshape(-1), length.reshape(-1))
 
 
 def cache_pages(
