@@ -17,10 +17,13 @@ Cluster (three primaries, a replica each): the in-memory catalogue lists
 every node; the probing path's ``EXISTS`` batch is one pipeline per node.
 
 Each request is looked up twice, as vLLM's scheduler asks a waiting request
-step after step: the first ask hashes the prompt's keys (once per request:
-its saves reuse them), the second is the lookup alone. For scale, the same
-prompt's block hashes as vLLM itself computes them for its prefix cache
-(``sha256``, its default, at the same block size).
+step after step: the first ask keys the prompt (once per request: its saves
+reuse them), the second is the lookup alone. Requests carry vLLM's own block
+hashes, as the engine makes them (``sha256``, its default, at the same block
+size); the in-memory side takes the keys of prefixes it met before from them
+(:class:`~kvarena.integrations.vllm.key_memo.KeyMemo`), as the connector does,
+and hashes the rest. For scale, the time vLLM's hashing of the same prompt
+takes (it is done before the scheduler asks).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from conftest import redis_binary
 
 from kvarena.integrations.vllm.catalogue import Catalogue
 from kvarena.integrations.vllm.groups import classify
+from kvarena.integrations.vllm.key_memo import trusted_hashes
 from kvarena.integrations.vllm.ranks import rank_dir, rank_names
 from kvarena.integrations.vllm.scheduler_side import SchedulerSide
 from kvarena.integrations.vllm.settings import ConnectorSettings
@@ -142,6 +146,7 @@ def main() -> None:
                 catalogue=Catalogue(settings, RANKS),
                 block_size=BS,
                 ranks=RANKS,
+                memo=trusted_hashes("sha256", BS, BS),
             ),
             "stat + EXISTS": SchedulerSide(
                 groups=groups(),
@@ -167,6 +172,7 @@ def main() -> None:
                     prefix[: args.tokens // 2] + tail,
                     SamplingParams(max_tokens=1),
                     None,
+                    block_hasher=hasher,
                 )
                 t0 = time.perf_counter()
                 hit, _ = side.matched(request, 0)
@@ -178,6 +184,7 @@ def main() -> None:
                 hits[label].add(hit)
                 side.finished(request)
                 if label == "in memory":
+                    request.block_hashes.clear()
                     t0 = time.perf_counter()
                     hasher(request)
                     vllm_hash.append(time.perf_counter() - t0)

@@ -104,3 +104,52 @@ def test_names_that_failed_their_checks_count_as_absent():
         skip=frozenset({object_name(ImageKind.KV_BLOCK, KEYS[2])}),
     )
     assert finds.kv_end == 2 and set(finds.state) == {2}
+
+
+class _Counted(list):
+    """Keys that remember the deepest one asked for (what a chain would hash)."""
+
+    deepest = -1
+
+    def __getitem__(self, i):
+        self.deepest = max(self.deepest, i)
+        return super().__getitem__(i)
+
+
+@given(
+    held=st.integers(0, 78),
+    known=st.integers(0, 79),
+    window=st.sampled_from([1, 4, 32]),
+    limit=st.integers(0, 79),
+)
+def test_windows_reach_the_keys_known_and_hash_little_past_a_miss(held, known, window, limit):
+    """Blocks ``0..held-1`` in the tiers: the answer is the same whatever the
+    windows; the first window reaches the keys had without hashing, and no key
+    is asked past the window that meets the miss."""
+    stack = _stack(set(range(held)), set())
+    keys = _Counted(KEYS)
+    finds = locate_in_tiers(
+        stack,
+        keys,
+        kv_end=0,
+        limit=limit,
+        has_kv=True,
+        has_state=False,
+        device_kv=None,
+        device_image=None,
+        window=window,
+        known=known,
+    )
+    end = min(held, limit)
+    assert finds.kv_end == end and set(finds.kv) == set(range(end))
+    # the windows as specified: the first to max(known, window) blocks, then
+    # doubling from each window's end, the last the one that misses
+    full, size, stop, deepest = 0, window, max(known, window), -1
+    while full < limit:
+        top = min(limit, stop)
+        deepest = top - 1
+        if end < top:
+            break
+        full, size = top, size * 2
+        stop = full + size
+    assert keys.deepest == deepest

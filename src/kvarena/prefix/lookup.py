@@ -84,13 +84,18 @@ def locate_in_tiers(
     device_image: Callable[[int], bool] | None,
     skip: Set[str] = frozenset(),
     names: Names | None = None,
+    window: int = 32,
+    known: int = 0,
 ) -> TierFinds:
     """Extend the device's KV run (``kv_end`` blocks) with blocks the tiers
     hold, then find the boundaries up to it whose image a tier holds.
 
-    KV is probed in windows that double while every block is found (32, 64,
-    128...): a prompt that misses costs one small probe per tier, not one name
-    per block of the prompt; a long hit costs log2(its length) probes. Names in
+    KV is probed in windows that double while every block is found (``window``
+    blocks first: 32, 64, 128...): a prompt that misses costs one small probe
+    per tier, not one name per block of the prompt; a long hit costs log2(its
+    length) probes. The first ``known`` keys cost no hashing (a caller that
+    remembers them): the first window reaches to them at least, so a window
+    past them hashes no more than a miss there needs. Names in
     ``skip`` (objects that failed their checks) count as absent. ``device_kv``
     and ``device_image`` None: the device holds nothing past ``kv_end`` (an
     engine's scheduler, whose device cache vLLM has already matched).
@@ -105,9 +110,9 @@ def locate_in_tiers(
     tier_kv: dict[int, int] = {}
     tier_state: dict[int, int] = {}
     if has_kv:
-        window = 32
+        stop = max(known, full + window)
         while full < limit:
-            todo = range(full, min(limit, full + window))
+            todo = range(full, min(limit, stop))
             wanted = (
                 list(todo) if device_kv is None else [i for i in todo if not device_kv(keys[i])]
             )
@@ -125,6 +130,7 @@ def locate_in_tiers(
             if full < start + len(todo):
                 break  # a gap: the run ends here
             window *= 2
+            stop = full + window
     for i in [i for i in tier_kv if i >= full]:
         del tier_kv[i]
     top = full if has_kv else limit

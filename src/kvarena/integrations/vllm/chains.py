@@ -1,10 +1,12 @@
 """A request's prefix keys, hashed as far as they are asked for.
 
 The scheduler keys a request once: the saves of every later step and every
-lookup of it read the same chain. A lookup probes in windows (32 blocks, then
-64, 128...), so a prompt that misses at its first window is hashed for 32
-blocks, not for its whole length; the chain grows as the request does and is
-never rehashed.
+lookup of it read the same chain. The keys of a prefix some request was keyed
+for before are recalled by vLLM's own block hashes (:mod:`.key_memo`), not
+hashed again; past them a lookup probes in small windows that double
+(:data:`WINDOW`), so a prompt that misses there is hashed for a few blocks,
+not for its whole length; the chain grows as the request does and is never
+rehashed.
 """
 
 from __future__ import annotations
@@ -15,7 +17,13 @@ import numpy as np
 
 from ...prefix.keys import block_keys, tail_key
 from ...tiers.image import ImageKind, object_name
+from .key_memo import Chain, KeyMemo
 from .records import BlockCopy
+
+WINDOW = 4
+"""A lookup's first window past the keys had without hashing (:meth:`RequestKeys.known`),
+doubling from there: the scheduler's catalogue answers from memory, so small
+probes cost less than hashing blocks past a miss."""
 
 CHUNK = 32
 """Blocks hashed at a time: a window's worth, so a probe hashes in few calls."""
@@ -25,12 +33,23 @@ class RequestKeys:
     """The chained keys of one request's full blocks (``keys[i]``: block ``i``'s),
     and of a partial block after them (:meth:`tail`)."""
 
-    def __init__(self, root: bytes, request: Any, block_size: int, extra: tuple[object, ...]):
+    def __init__(
+        self,
+        root: bytes,
+        request: Any,
+        block_size: int,
+        extra: tuple[object, ...],
+        memo: KeyMemo | None = None,
+    ):
+        """``memo``: keys of prefixes met before, by vLLM's block hashes."""
         self._root, self._request, self._bs, self._extra = root, request, block_size, extra
         self.block_size = block_size
         self._keys: list[bytes] = []
         self._names: dict[ImageKind, list[str]] = {kind: [] for kind in ImageKind}
         self._tails: dict[tuple[int, int], bytes] = {}
+        self._memo = memo
+        # what the memo's entries point into: this request's own lists
+        self._chain = Chain(self._keys, self._names[ImageKind.KV_BLOCK])
 
     def _tokens(self, start: int, stop: int) -> np.ndarray:
         return np.fromiter(
@@ -41,8 +60,35 @@ class RequestKeys:
         have, bs = len(self._keys), self._bs
         if blocks <= have:
             return
+        have = self.known(blocks)
+        if blocks <= have:
+            return
         parent = self._keys[-1] if self._keys else self._root
-        self._keys.extend(block_keys(parent, self._tokens(have * bs, blocks * bs), bs, self._extra))
+        new = block_keys(parent, self._tokens(have * bs, blocks * bs), bs, self._extra)
+        self._keys.extend(new)
+        if self._memo is None:
+            return
+        names = self._names[ImageKind.KV_BLOCK]  # in step with the keys where it is
+        if len(names) == have:  # made now: a lookup asks for them next, a recall copies them
+            names.extend(object_name(ImageKind.KV_BLOCK, k) for k in new)
+        self._memo.learn(self._extra, self._chain, self._request.block_hashes, have)
+
+    def known(self, blocks: int) -> int:
+        """How many of the first ``blocks`` keys are had without hashing: those
+        hashed, then those the memo recalls by vLLM's hashes (taken now)."""
+        have = len(self._keys)
+        if self._memo is None or have >= blocks:
+            return have
+        hashes = getattr(self._request, "block_hashes", ())
+        recalled = self._memo.recall(self._extra, hashes, have, blocks)
+        if recalled is None:
+            return have
+        chain, upto = recalled
+        names = self._names[ImageKind.KV_BLOCK]
+        if len(names) == have and len(chain.names) >= upto:
+            names.extend(chain.names[have:upto])
+        self._keys.extend(chain.keys[have:upto])
+        return upto
 
     def __getitem__(self, i: int) -> bytes:
         try:

@@ -35,11 +35,12 @@ from .catalogue import Catalogue
 from .events import TierEvents
 from .groups import Group, classify, namespace_json
 from .joins import Joins
+from .key_memo import engine_memo, hash_block_size
 from .metrics import KvarenaPromMetrics, KvarenaStats
 from .pd_channel import Hello
 from .pd_scheduler import PdScheduler
 from .pd_worker import PdWorker
-from .ranks import rank_tier_specs
+from .ranks import rank_tier_specs, tp_rank
 from .records import HelloMeta, StepPlan
 from .scheduler_side import SchedulerSide
 from .settings import ConnectorConfigError, ConnectorSettings, check_failure_policy
@@ -119,16 +120,9 @@ def _events(
         kv_groups=kinds("kv"),
         state_groups=kinds("state"),
         block_size=block_size,
-        hash_block_size=int(getattr(kv_cache_config, "hash_block_size", None) or block_size),
+        hash_block_size=hash_block_size(kv_cache_config, block_size),
         ranks=ranks,
     )
-
-
-def _tp_rank() -> int:
-    """This worker's tensor-parallel rank (vLLM has set up its groups by now)."""
-    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-    return int(get_tensor_model_parallel_rank())
 
 
 class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
@@ -145,7 +139,7 @@ class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
         self._hands_off = settings.disaggregated and kv_role != "kv_consumer"
         check_failure_policy(getattr(self._kv_transfer_config, "kv_load_failure_policy", None))
         worker = role != KVConnectorRole.SCHEDULER
-        rank = _tp_rank() if worker else None
+        rank = tp_rank() if worker else None
         groups, namespace, block_size, ranks = _identity(
             vllm_config, kv_cache_config, settings, rank
         )
@@ -173,6 +167,7 @@ class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
                 block_size=block_size,
                 ranks=ranks,
                 events=_events(vllm_config, kv_cache_config, settings, groups, block_size, ranks),
+                memo=engine_memo(vllm_config, kv_cache_config, block_size),
             )
             if settings.disaggregated:
                 self._pd = PdScheduler(

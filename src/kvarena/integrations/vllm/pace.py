@@ -39,6 +39,11 @@ KEPT = 64
 IDLE_S = 1.0
 """An interval longer than this is the engine waiting for work, not a step."""
 
+LOADS_IN_FLIGHT = 64
+"""Loads at most not yet reported done, per engine: past it a lookup that would
+hit answers "ask again" (vLLM keeps the request waiting and asks next step)
+rather than promise a load that would wait behind the others."""
+
 
 def copy_line(loads: list[tuple[int, float]]) -> tuple[float, float]:
     """``(fixed seconds, seconds per byte)`` of loads ``(bytes, seconds)``: Tukey's

@@ -46,6 +46,13 @@ copies its rank's (half the cost of making one; a lookup at TP 8 derives seven
 keys a block it has not met)."""
 
 
+def tp_rank() -> int:
+    """This worker's tensor-parallel rank (vLLM has set up its groups by now)."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
 def rank_dir(directory: str, rank: int, ranks: int) -> str:
     """Rank ``rank``'s directory of a disk tier: one process owns a disk directory,
     so each rank's worker writes its own below the configured one."""

@@ -25,10 +25,11 @@ from ...tiers.image import ImageKind, object_name
 from ...tiers.stack import tier_labels
 from .asked import AskedBefore
 from .catalogue import Catalogue
-from .chains import RequestKeys, cacheable, request_extra, saved_tail
+from .chains import WINDOW, RequestKeys, cacheable, request_extra, saved_tail
 from .events import TierEvents
 from .groups import Group
-from .pace import LoadPace
+from .key_memo import KeyMemo
+from .pace import LOADS_IN_FLIGHT, LoadPace
 from .ranks import AllRanks
 from .records import BlockCopy, Load, StepPlan, WorkerReport
 from .telemetry import Telemetry
@@ -49,12 +50,6 @@ class Found:
     part: bool = False  # KV blocks alone: a prefill engine's read brings the rest
 
 
-LOADS_IN_FLIGHT = 64
-"""Loads at most not yet reported done, per engine: past it a lookup that would
-hit answers "ask again" (vLLM keeps the request waiting and asks next step)
-rather than promise a load that would wait behind the others."""
-
-
 class SchedulerSide:
     def __init__(
         self,
@@ -65,6 +60,7 @@ class SchedulerSide:
         block_size: int,
         ranks: int = 1,
         events: TierEvents | None = None,
+        memo: KeyMemo | None = None,
     ) -> None:
         """``namespace``: the engine's (all ranks'); ``ranks``: its tensor-parallel size;
         ``events``: the KV events book, where vLLM publishes them."""
@@ -80,6 +76,7 @@ class SchedulerSide:
         self.asked = AskedBefore(catalogue, self._objects)  # waiting requests' last lookups
         self._requests: dict[str, Any] = {}
         self._keys: dict[str, RequestKeys] = {}
+        self._memo = memo  # keys by vLLM's block hashes (None: each request hashed here)
         self._found: dict[str, Found] = {}
         # KV blocks below this are in the tiers (loaded from them, or planned to be saved)
         self._saved_upto: dict[str, int] = {}
@@ -99,7 +96,8 @@ class SchedulerSide:
         """The request's keys (hashed as far as asked, never rehashed)."""
         chain = self._keys.get(request.request_id)
         if chain is None:
-            chain = RequestKeys(self.root, request, self.block_size, request_extra(request))
+            extra, bs = request_extra(request), self.block_size
+            chain = RequestKeys(self.root, request, bs, extra, self._memo)
             self._keys[request.request_id] = chain
         return chain
 
@@ -135,6 +133,8 @@ class SchedulerSide:
             device_image=None,
             skip=self._failed,
             names=keys.names,
+            window=WINDOW,
+            known=keys.known(limit),
         )
         if known:
             finds = dataclasses.replace(finds, kv={**known, **finds.kv})
