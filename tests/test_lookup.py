@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -153,3 +154,22 @@ def test_windows_reach_the_keys_known_and_hash_little_past_a_miss(held, known, w
         full, size = top, size * 2
         stop = full + size
     assert keys.deepest == deepest
+
+
+@pytest.mark.parametrize(("window", "known"), [(0, 0), (-4, 0), (4, -1), (2.5, 0)])
+def test_a_window_or_known_count_out_of_range_is_refused(window, known):
+    from kvarena.errors import InvalidValueError
+
+    with pytest.raises(InvalidValueError, match=r"window|known"):
+        locate_in_tiers(
+            _stack({0}, set()),
+            KEYS,
+            kv_end=0,
+            limit=4,
+            has_kv=True,
+            has_state=False,
+            device_kv=None,
+            device_image=None,
+            window=window,
+            known=known,
+        )

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
 from typing import Protocol
 
+from ..checks import check_count
 from ..tiers.image import ImageKind, object_name
 
 
@@ -106,6 +107,8 @@ def locate_in_tiers(
             return names(kind, at[0], at[-1] + 1)
         return [object_name(kind, keys[i]) for i in at]
 
+    window = check_count(window, "locate_in_tiers: window (blocks)", lo=1)
+    known = check_count(known, "locate_in_tiers: known (keys)")
     full = kv_end
     tier_kv: dict[int, int] = {}
     tier_state: dict[int, int] = {}
