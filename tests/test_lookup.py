@@ -107,6 +107,22 @@ def test_names_that_failed_their_checks_count_as_absent():
     assert finds.kv_end == 2 and set(finds.state) == {2}
 
 
+def _kv_walk(stack, keys, limit, window, known):
+    """The tier walk over KV alone, nothing on the device, with these windows."""
+    return locate_in_tiers(
+        stack,
+        keys,
+        kv_end=0,
+        limit=limit,
+        has_kv=True,
+        has_state=False,
+        device_kv=None,
+        device_image=None,
+        window=window,
+        known=known,
+    )
+
+
 class _Counted(list):
     """Keys that remember the deepest one asked for (what a chain would hash)."""
 
@@ -127,20 +143,8 @@ def test_windows_reach_the_keys_known_and_hash_little_past_a_miss(held, known, w
     """Blocks ``0..held-1`` in the tiers: the answer is the same whatever the
     windows; the first window reaches the keys had without hashing, and no key
     is asked past the window that meets the miss."""
-    stack = _stack(set(range(held)), set())
     keys = _Counted(KEYS)
-    finds = locate_in_tiers(
-        stack,
-        keys,
-        kv_end=0,
-        limit=limit,
-        has_kv=True,
-        has_state=False,
-        device_kv=None,
-        device_image=None,
-        window=window,
-        known=known,
-    )
+    finds = _kv_walk(_stack(set(range(held)), set()), keys, limit, window, known)
     end = min(held, limit)
     assert finds.kv_end == end and set(finds.kv) == set(range(end))
     # the windows as specified: the first to max(known, window) blocks, then
@@ -161,15 +165,4 @@ def test_a_window_or_known_count_out_of_range_is_refused(window, known):
     from kvarena.errors import InvalidValueError
 
     with pytest.raises(InvalidValueError, match=r"window|known"):
-        locate_in_tiers(
-            _stack({0}, set()),
-            KEYS,
-            kv_end=0,
-            limit=4,
-            has_kv=True,
-            has_state=False,
-            device_kv=None,
-            device_image=None,
-            window=window,
-            known=known,
-        )
+        _kv_walk(_stack({0}, set()), KEYS, 4, window, known)

@@ -159,9 +159,12 @@ def test_a_load_of_both_kinds_is_one_batch_per_storage_and_a_wrong_size_is_refus
     owned_pages_only(target, caches, groups, kc.num_blocks, layout)
 
 
-def test_a_payload_lent_by_the_host_tier_is_copied_straight_from_its_allocation():
+@pytest.mark.parametrize("which", ["grids", "batch"])
+def test_a_payload_lent_by_the_host_tier_is_copied_straight_from_its_allocation(
+    which, monkeypatch
+):
     """Views into the host tier's allocation are read there (offsets into it), the
-    rest staged: both land exactly in their blocks."""
+    rest staged: both land exactly in their blocks, by either road."""
     from kvarena.tiers import HostTier, TierObject
 
     kc, caches = allocation("LBHNC", padded=True)
@@ -178,7 +181,9 @@ def test_a_payload_lent_by_the_host_tier_is_copied_straight_from_its_allocation(
     with host.borrow(["a"]) as (lent,):
         assert lent is not None
         rest = [memoryview(stage[j * size : (j + 1) * size].tobytes()) for j in (1, 2)]
+        calls = road(monkeypatch, which)
         into.place({"kv": (objs, [lent, *rest])}, host.buffer)
+    assert calls[which] == 2 and sum(calls.values()) == 2  # from the arena, from the staging
     for name in groups[0].layers:
         for b in OWNED[0]:
             assert page(target[name], b) == page(caches[name], b)

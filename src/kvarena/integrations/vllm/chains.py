@@ -26,7 +26,8 @@ doubling from there: the scheduler's catalogue answers from memory, so small
 probes cost less than hashing blocks past a miss."""
 
 CHUNK = 32
-"""Blocks hashed at a time: a window's worth, so a probe hashes in few calls."""
+"""Blocks hashed at a time where one key is asked for by index (a save's block):
+a request's later saves then find theirs hashed."""
 
 
 class RequestKeys:
