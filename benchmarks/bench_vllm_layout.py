@@ -16,11 +16,11 @@ joins a storage's kinds into one batch for the copy engine), ``ranges`` (the con
 the engine coalesces them), and the load's time as a speed beside a copy of
 the same bytes as one contiguous range from host memory into the cache's
 (the physical limit), the two alternating round by round. The load reads the
-objects where a host tier holds them (lent in place, as ``fetch_checked``
-lends them), so no staging copy is in it. A save's time is not shown: it
-gathers into a new host buffer (handed to the writer thread), and what the
-allocator hands back for it (pages touched before, or a fresh mapping) moves
-it more than the layout does. The images' bytes are the same in every layout
+objects where a host tier holds them (lent in place by their offsets in its
+allocation, as ``fetch_checked`` lends them), so no staging copy is in it. A
+save's time is not shown: it gathers into a new host buffer (handed to the
+writer thread), and what the allocator hands back for it (pages touched
+before, or a fresh mapping) moves it more than the layout does. The images' bytes are the same in every layout
 (``tests/test_vllm_layouts.py``).
 
 On vLLM's CPU platform the engine itself runs ``LBHNC`` only (its attention
@@ -113,7 +113,10 @@ def measure(
     pages = allocate(layout, blocks, padded, device)
     kv = [[b] for b in range(3, 3 + full)]  # the request's blocks (attention group)
     state = [[blocks - 2, blocks - 3, blocks - 4]]  # its state at the last boundary, per group
-    saved = {"kv": pages.gather("kv", kv)[0].numpy(), "state": pages.gather("state", state)[0].numpy()}
+    saved = {
+        "kv": pages.gather("kv", kv)[0].numpy(),
+        "state": pages.gather("state", state)[0].numpy(),
+    }
     size = pages.payload
     nbytes = size["kv"] * full + size["state"]
     # the objects where a host tier holds them, lent in place as a load reads them
@@ -122,13 +125,20 @@ def measure(
     for kind, rows in saved.items():
         n = size[kind]
         host.put_many(
-            [TierObject(name, (rows[j * n : (j + 1) * n].tobytes(),), n) for j, name in enumerate(names[kind])]
+            [
+                TierObject(name, (rows[j * n : (j + 1) * n].tobytes(),), n)
+                for j, name in enumerate(names[kind])
+            ]
         )
 
     def load() -> None:
-        with host.borrow(names["kv"] + names["state"]) as lent:
-            parts = {"kv": (kv, lent[:full]), "state": (state, lent[full:])}
-            pages.place(parts, host.buffer)  # type: ignore[arg-type]
+        with host.lend(names["kv"] + names["state"]) as lent:
+            views, starts = [x[0] for x in lent], [x[1] for x in lent]  # type: ignore[index]
+            parts = {
+                "kv": (kv, views[:full], starts[:full]),
+                "state": (state, views[full:], starts[full:]),
+            }
+            pages.place(parts, host.buffer)
 
     # The limit: the same bytes as one range, from the host tier's allocation into
     # the cache's own (the pages the load reads and writes: a fresh buffer's

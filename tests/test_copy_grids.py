@@ -5,13 +5,15 @@ the same rows (one rule, two representations), and what it accepts must land
 byte for byte as the rows say, nothing else written.
 """
 
+from unittest import mock
+
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvarena.copy import CopyBatch, CopyBoundsError, execute_grids, validate_batch
+from kvarena.copy import CopyBatch, CopyBoundsError, execute_grids, validate, validate_batch
 from kvarena.copy.validate import checked_grids
 from kvarena.errors import Error
 
@@ -42,13 +44,19 @@ grid = st.tuples(
 
 
 @settings(max_examples=300, deadline=None)
-@given(grids=st.lists(grid, max_size=4), same=st.booleans(), shift=st.sampled_from([0, 8]))
+@given(
+    grids=st.lists(grid, max_size=4),
+    same=st.booleans(),
+    shift=st.sampled_from([0, 8]),
+    numpy_check=st.booleans(),
+)
 def test_grids_are_accepted_exactly_where_their_rows_are_and_land_byte_for_byte(
-    grids, same, shift
+    grids, same, shift, numpy_check
 ):
     """Random grids (overlapping, out of bounds or fine), between two buffers or
     within one storage: refused exactly where the rows as a batch are, writing
-    nothing then; else every row lands and nothing else changes."""
+    nothing then; else every row lands and nothing else changes. The checks
+    on Python ints (a few ranges) and with numpy (many) alike."""
     rows = rows_of(grids)
     batch = CopyBatch(
         np.array([r[0] for r in rows], dtype=np.int64),
@@ -68,16 +76,19 @@ def test_grids_are_accepted_exactly_where_their_rows_are_and_land_byte_for_byte(
         legal = True
     except CopyBoundsError:
         legal = False
+    in_python = 0 if numpy_check else validate.RANGES_IN_PYTHON
     if not legal:
-        with pytest.raises(CopyBoundsError):
-            execute_grids(grids, src, dst)
+        with mock.patch.object(validate, "RANGES_IN_PYTHON", in_python):
+            with pytest.raises(CopyBoundsError):
+                execute_grids(grids, src, dst)
         assert torch.equal(storage, before[0]) and torch.equal(dst, before[1])
         return
     expect = dst.clone()
     source = src.clone()  # rows never read what they write: the source as it was
     for s, d, n in rows:
         expect[d : d + n] = source[s : s + n]
-    stats = execute_grids(grids, src, dst)
+    with mock.patch.object(validate, "RANGES_IN_PYTHON", in_python):
+        stats = execute_grids(grids, src, dst)
     assert torch.equal(dst, expect)
     assert stats.nbytes == sum(r[2] for r in rows)
     if not same:
@@ -109,7 +120,9 @@ def test_grids_of_two_devices_or_wider_buffers_are_refused():
     with pytest.raises(Error, match=r"uint8|byte"):
         execute_grids([(0, 0, 1, 8, 0, 0, 1, 0, 0)], src.view(torch.int64), src)
     with pytest.raises(Error, match="one device"):
-        execute_grids([(0, 0, 1, 8, 0, 0, 1, 0, 0)], src, torch.zeros(64, dtype=torch.uint8, device="meta"))
+        execute_grids(
+            [(0, 0, 1, 8, 0, 0, 1, 0, 0)], src, torch.zeros(64, dtype=torch.uint8, device="meta")
+        )
 
 
 def test_one_call_a_grid_and_words_as_wide_as_every_number_allows(monkeypatch):
@@ -123,9 +136,13 @@ def test_one_call_a_grid_and_words_as_wide_as_every_number_allows(monkeypatch):
     )
     src = torch.from_numpy(np.random.default_rng(1).integers(0, 256, 8192, dtype=np.uint8))
     dst = torch.zeros(8192, dtype=torch.uint8)
-    stats = execute_grids([(0, 0, 6, 64, 64, 128, 4, 384, 1024), (3000, 5003, 3, 5, 7, 9, 1, 0, 0)], src, dst)
+    stats = execute_grids(
+        [(0, 0, 6, 64, 64, 128, 4, 384, 1024), (3000, 5003, 3, 5, 7, 9, 1, 0, 0)], src, dst
+    )
     assert stats.ops == 2 and stats.spans == 27 and calls == [1, 1]
-    for s, d, n in rows_of([(0, 0, 6, 64, 64, 128, 4, 384, 1024), (3000, 5003, 3, 5, 7, 9, 1, 0, 0)]):
+    for s, d, n in rows_of(
+        [(0, 0, 6, 64, 64, 128, 4, 384, 1024), (3000, 5003, 3, 5, 7, 9, 1, 0, 0)]
+    ):
         assert torch.equal(dst[d : d + n], src[s : s + n])
     calls.clear()
     execute_grids([(0, 0, 6, 64, 64, 128, 4, 384, 1024)], src, dst)

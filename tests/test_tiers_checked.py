@@ -42,7 +42,9 @@ def test_the_span_rule():
     kv, state = EXPECT.kv(_key(1), 3), EXPECT.state(_key(1), 3)
     assert (kv.start, kv.end, kv.payload_bytes) == (48, 64, 64)
     assert (state.start, state.end, state.payload_bytes) == (0, 48, 96)
-    header = read_header(_bytes(EXPECT.encode(ImageKind.STATE, _key(1), 3, [memoryview(b"s" * 96)])))
+    header = read_header(
+        _bytes(EXPECT.encode(ImageKind.STATE, _key(1), 3, [memoryview(b"s" * 96)]))
+    )
     assert (header.start, header.end) == (0, 48)  # the saver encodes what a load expects
 
 
@@ -68,7 +70,10 @@ def test_a_failing_object_is_dropped_and_taken_from_the_tier_below(stack):
     good, foreign = _kv(1, 7), _kv(1, 9, OTHER)
     disk.put_many(disk.stored([good]))
     host.put_many([foreign])  # same name, another namespace: fails its checks
-    wanted = [(good.name, EXPECT.kv(_key(1), 1)), (object_name(ImageKind.KV_BLOCK, _key(2)), EXPECT.kv(_key(2), 2))]
+    wanted = [
+        (good.name, EXPECT.kv(_key(1), 1)),
+        (object_name(ImageKind.KV_BLOCK, _key(2)), EXPECT.kv(_key(2), 2)),
+    ]
     for held in (None, contextlib.ExitStack()):
         with held or contextlib.nullcontext():
             got = fetch_checked(stack, wanted, held=held)
@@ -77,12 +82,35 @@ def test_a_failing_object_is_dropped_and_taken_from_the_tier_below(stack):
         if held is not None:  # the host's copy was dropped by the first fetch
             assert got.rejected == []
             continue
-        assert [(r.label, r.name, r.reason) for r in got.rejected] == [("host", good.name, "namespace")]
+        assert [(r.label, r.name, r.reason) for r in got.rejected] == [
+            ("host", good.name, "namespace")
+        ]
         # what each tier was asked took, and the stored bytes it returned
         assert got.read_bytes == {"host": foreign.stored_bytes, "disk": good.stored_bytes}
         assert set(got.seconds) == {"host", "disk"}
         assert got.dropped_hosted == [good.name]
         assert host.contains_many([good.name]) == [False]
+
+
+def test_what_the_host_tier_lends_in_place_is_named_by_its_offset(stack):
+    """A held fetch says where in the host tier's allocation each payload it
+    lent lies (its level and offset): those bytes are the payload's exactly;
+    what a lower tier served, or a fetch not held, is not lent."""
+    host, disk = stack.tiers
+    objects = [_kv(i, 10 + i) for i in range(3)]
+    host.put_many(objects[:2])
+    disk.put_many(disk.stored(objects[2:]))
+    wanted = [(o.name, EXPECT.kv(_key(i), i)) for i, o in enumerate(objects)]
+    with contextlib.ExitStack() as held:
+        got = fetch_checked(stack, wanted, held=held)
+        for j in (0, 1):
+            assert got.lent[j] is not None and got.lent[j][0] == 0
+            at = got.lent[j][1]
+            payload = bytes(got.payloads[j])
+            assert payload == bytes([10 + j]) * 64
+            assert bytes(host.buffer[at : at + len(payload)].numpy()) == payload
+        assert got.lent[2] is None and bytes(got.payloads[2]) == bytes([12]) * 64
+    assert fetch_checked(stack, wanted).lent == [None, None, None]
 
 
 def test_first_skips_the_tiers_above_where_an_object_was_found(stack):

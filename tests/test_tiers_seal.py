@@ -106,6 +106,8 @@ def test_host_holds_unsealed_and_disk_seals_what_it_is_handed(tmp_path):
 
 
 def test_borrow_reads_in_place_under_the_lock_and_copies_a_split_object(tmp_path):
+    """Views of one-run objects, copies of split ones, None for a miss; ``lend``
+    names where each view starts in the tier's buffer, counted as gets."""
     import threading
 
     from kvarena.tiers import TierObject
@@ -131,6 +133,19 @@ def test_borrow_reads_in_place_under_the_lock_and_copies_a_split_object(tmp_path
         other.start()
         other.join()
         assert taken == [False]  # no put can reuse the frames while they are borrowed
+    before = host.metrics.to_dict()
+    with host.lend(names) as lent:  # the same views, each with where it starts
+        assert lent[2] is None and lent[1] is not None and lent[1][1] is None  # a copy
+        for (view, at), want in zip((lent[0], lent[3]), ("o0", "o2"), strict=True):
+            assert at == host._frames[want][0] * 4096
+            assert bytes(host.buffer[at : at + len(view)].numpy()) == bytes(view)
+    after = host.metrics.to_dict()
+    assert {k: after[k] - before[k] for k in ("gets", "hits", "misses", "get_bytes")} == {
+        "gets": 4,
+        "hits": 3,
+        "misses": 1,
+        "get_bytes": 16000,
+    }
     host.check_books()
 
 

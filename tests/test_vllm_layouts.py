@@ -79,7 +79,9 @@ def road(monkeypatch, which: str) -> dict[str, int]:
     import kvarena.integrations.vllm.tensors as tensors
 
     calls = {"grids": 0, "batch": 0}
-    monkeypatch.setattr(tensors, "worth_grids", lambda found, nbytes: which == "grids" and bool(found))
+    monkeypatch.setattr(
+        tensors, "worth_grids", lambda found, nbytes: which == "grids" and bool(found)
+    )
     for name, real in (("grids", tensors.execute_grids), ("batch", tensors.execute_batch)):
 
         def spy(*args, real=real, name=name):
@@ -111,7 +113,9 @@ def test_objects_gather_each_layers_page_in_group_order_and_scatter_exactly(
         objs = objects(groups, kind)[:: -1 if reverse else 1]
         # as few ranges as the bytes allow: in block-major layouts a group's block
         # is one range (padded state pages leave gaps), in layer-major one per layer
-        assert ranges(pages, kind, objs[0]) == oracle_ranges(caches, groups, kind, objs[0], kc.num_blocks)
+        assert ranges(pages, kind, objs[0]) == oracle_ranges(
+            caches, groups, kind, objs[0], kc.num_blocks
+        )
         if layout == "BLHNC":
             assert ranges(pages, "kv", objects(groups, "kv")[0]) == 1
         stage = pages.gather(kind, objs)[0]  # one batch per storage
@@ -119,9 +123,12 @@ def test_objects_gather_each_layers_page_in_group_order_and_scatter_exactly(
         assert stage.numel() == len(objs) * size
         mine = [g for g in groups if g.kind == kind]
         for j, ids in enumerate(objs):
-            want = b"".join(page(caches[n], b) for g, b in zip(mine, ids, strict=True) for n in g.layers)
+            want = b"".join(
+                page(caches[n], b) for g, b in zip(mine, ids, strict=True) for n in g.layers
+            )
             assert bytes(stage[j * size : (j + 1) * size].numpy()) == want
-        into.place({kind: (objs, [memoryview(stage.numpy())[j * size : (j + 1) * size] for j in range(len(objs))])}, None)
+        views = [memoryview(stage.numpy())[j * size : (j + 1) * size] for j in range(len(objs))]
+        into.place({kind: (objs, views, [None] * len(objs))}, None)
     owned_pages_only(target, caches, groups, kc.num_blocks, layout)
     assert calls[which] == 4 and sum(calls.values()) == 4  # a gather and a place a kind
 
@@ -145,11 +152,13 @@ def test_a_load_of_both_kinds_is_one_batch_per_storage_and_a_wrong_size_is_refus
         objs = objects(groups, kind)
         stage = pages.gather(kind, objs)[0].numpy()
         size = pages.payload[kind]
-        parts[kind] = (objs, [memoryview(stage[j * size : (j + 1) * size]) for j in range(len(objs))])
+        views = [memoryview(stage[j * size : (j + 1) * size]) for j in range(len(objs))]
+        parts[kind] = (objs, views, [None] * len(objs))
     _, target = allocation(layout, padded=True)
     into = cache_pages(target, groups, num_blocks=kc.num_blocks)
     before = {n: t.clone() for n, t in target.items()}
-    bad = {**parts, "state": (parts["state"][0], [memoryview(bytes(len(parts["state"][1][0]) - 1))])}
+    short = memoryview(bytes(len(parts["state"][1][0]) - 1))
+    bad = {**parts, "state": (parts["state"][0], [short], [None])}
     with pytest.raises(InvalidValueError, match="state payload of"):
         into.place(bad, None)
     assert all(torch.equal(target[n], before[n]) for n in target)
@@ -160,11 +169,9 @@ def test_a_load_of_both_kinds_is_one_batch_per_storage_and_a_wrong_size_is_refus
 
 
 @pytest.mark.parametrize("which", ["grids", "batch"])
-def test_a_payload_lent_by_the_host_tier_is_copied_straight_from_its_allocation(
-    which, monkeypatch
-):
-    """Views into the host tier's allocation are read there (offsets into it), the
-    rest staged: both land exactly in their blocks, by either road."""
+def test_a_payload_lent_by_the_host_tier_is_copied_straight_from_its_allocation(which, monkeypatch):
+    """What the host tier lends in place is read there (by the offset it lends
+    it at), the rest staged: both land exactly in their blocks, by either road."""
     from kvarena.tiers import HostTier, TierObject
 
     kc, caches = allocation("LBHNC", padded=True)
@@ -175,14 +182,15 @@ def test_a_payload_lent_by_the_host_tier_is_copied_straight_from_its_allocation(
     size = pages.payload["kv"]
     stage = pages.gather("kv", objs)[0].numpy()
     host = HostTier(8 * size, frame_bytes=size)
-    host.put_many([TierObject("a", (stage[:size].tobytes(),), size)])
     _, target = allocation("LBHNC", padded=True)
     into = cache_pages(target, groups, num_blocks=kc.num_blocks)
-    with host.borrow(["a"]) as (lent,):
-        assert lent is not None
+    host.put_many([TierObject("pad", (bytes(size // 2),), size // 2)])  # "a" not at 0
+    host.put_many([TierObject("a", (stage[:size].tobytes(),), size)])
+    with host.lend(["a"]) as (lent,):
+        assert lent is not None and lent[1] == size  # the second frame
         rest = [memoryview(stage[j * size : (j + 1) * size].tobytes()) for j in (1, 2)]
         calls = road(monkeypatch, which)
-        into.place({"kv": (objs, [lent, *rest])}, host.buffer)
+        into.place({"kv": (objs, [lent[0], *rest], [lent[1], None, None])}, host.buffer)
     assert calls[which] == 2 and sum(calls.values()) == 2  # from the arena, from the staging
     for name in groups[0].layers:
         for b in OWNED[0]:

@@ -234,7 +234,9 @@ def test_block_bytes_round_trip_exactly(kv_first, blocks, inner, dtype, data):
         assert bytes(row) == bytes(want)
     dst = torch.zeros_like(src)
     out = CachePages({"state": [[LayerPages.of("l", dst, num_blocks=blocks, group=group)]]})
-    out.place({"state": ([[b] for b in ids], [memoryview(row) for row in rows])}, None)
+    out.place(
+        {"state": ([[b] for b in ids], [memoryview(row) for row in rows], [None] * len(ids))}, None
+    )
     for b in range(blocks):
         got, want = (dst[:, b], src[:, b]) if kv_first else (dst[b], src[b])
         expect = want if b in ids else torch.zeros_like(want)
@@ -278,6 +280,7 @@ def test_an_engine_with_a_bad_config_is_refused_at_start(tmp_path):
             block_size=32,
             kv_transfer_config=config,
         )
+
     bad = KVTransferConfig(
         kv_connector="KvarenaConnector",
         kv_connector_module_path="kvarena.integrations.vllm",

@@ -43,7 +43,9 @@ def object_span(
             )
         return index * block_size, index * block_size + (tokens or block_size)
     if tokens is not None:
-        raise InvalidValueError(f"a state image is taken at a block boundary, not {tokens} tokens in")
+        raise InvalidValueError(
+            f"a state image is taken at a block boundary, not {tokens} tokens in"
+        )
     return 0, index * block_size
 
 
@@ -134,9 +136,12 @@ class Fetched:
     objects deleted for failing their checks; ``dropped_hosted`` those of them
     deleted from a host tier (a catalogue of its names must forget them);
     ``seconds`` and ``read_bytes`` what each tier asked (by label) took: its
-    reads and the checks of what it returned, and the stored bytes it returned."""
+    reads and the checks of what it returned, and the stored bytes it returned;
+    ``lent[i]``: where a host tier lent payload ``i`` in place, its level and
+    where the payload starts in that tier's ``buffer`` (None elsewhere)."""
 
     payloads: list[memoryview | None]
+    lent: list[tuple[int, int] | None]
     failed: list[str] = field(default_factory=list)
     rejected: list[Rejected] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
@@ -181,6 +186,7 @@ def fetch_checked(
             f"{len(wanted)} objects, got {start[:8]}"
         )
     out: list[memoryview | None] = [None] * len(wanted)
+    lent: list[tuple[int, int] | None] = [None] * len(wanted)
     rejected: list[Rejected] = []
     left = list(range(len(wanted)))
     seconds: dict[str, float] = {}
@@ -193,22 +199,30 @@ def fetch_checked(
             continue
         label, began = stack.labels[level], time.perf_counter()
         names = [wanted[j][0] for j in asking]
+        starts: Sequence[int | None]
         if held is not None and isinstance(tier, HostTier):
-            got: Sequence[object] = held.enter_context(tier.borrow(names))
+            pairs = held.enter_context(tier.lend(names))
+            got: Sequence[object] = [p[0] if p is not None else None for p in pairs]
+            starts = [p[1] if p is not None else None for p in pairs]
         else:
             got = stack.fetch(level, names)
+            starts = [None] * len(names)
         served, bad = set(), []
-        for j, data in zip(asking, got, strict=True):
+        for j, data, at in zip(asking, got, starts, strict=True):
             if data is None:
                 continue
             read_bytes[label] = read_bytes.get(label, 0) + len(data)  # type: ignore[arg-type]
             name, exp = wanted[j]
             try:
-                out[j] = decode(data, exp, trusted=tier.trusted)  # type: ignore[arg-type]
+                payload = out[j] = decode(data, exp, trusted=tier.trusted)  # type: ignore[arg-type]
                 served.add(j)
+                if at is not None:  # decode's payload is the image's tail, in place
+                    lent[j] = (level, at + len(data) - len(payload))  # type: ignore[arg-type]
             except ImageMismatch as exc:
                 rejected.append(
-                    Rejected(label=stack.labels[level], name=name, reason=exc.reason, detail=str(exc))
+                    Rejected(
+                        label=stack.labels[level], name=name, reason=exc.reason, detail=str(exc)
+                    )
                 )
                 bad.append(name)
         if bad:
@@ -217,6 +231,7 @@ def fetch_checked(
         left = [j for j in left if j not in served]
     return Fetched(
         payloads=out,
+        lent=lent,
         failed=[wanted[j][0] for j in left],
         rejected=rejected,
         seconds=seconds,

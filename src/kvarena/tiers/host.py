@@ -51,7 +51,11 @@ class HostTier(IndexedTier):
     kind = "host"
 
     def __init__(
-        self, capacity_bytes: int, *, frame_bytes: int = DEFAULT_FRAME_BYTES, pin_memory: bool = False
+        self,
+        capacity_bytes: int,
+        *,
+        frame_bytes: int = DEFAULT_FRAME_BYTES,
+        pin_memory: bool = False,
     ) -> None:
         capacity = check_bytes(capacity_bytes, "host tier: capacity_bytes", lo=1)
         frame = check_bytes(frame_bytes, "host tier: frame_bytes", lo=MIN_FRAME_BYTES)
@@ -77,6 +81,7 @@ class HostTier(IndexedTier):
         else:
             self._buf = aligned_zeros(frames * frame, 4096, torch.device("cpu"))
         self._mv = memoryview(self._buf.numpy()).cast("B")  # type: ignore[arg-type]
+        self._view = self._mv.toreadonly()  # what is lent: no caller writes the frames
         self._free = FreeIds(range(frames))
         self._frames: dict[str, list[int]] = {}
         self._stored: dict[str, int] = {}
@@ -196,23 +201,42 @@ class HostTier(IndexedTier):
         inside the ``with`` block, which holds the tier's lock: no put can
         reuse the frames while the caller copies out of them. The one-copy read
         (host memory straight into a device tensor) of the loaders' hot path."""
+        with self.lend(names) as lent:
+            yield [x[0] if x is not None else None for x in lent]
+
+    @contextlib.contextmanager
+    def lend(self, names: Sequence[str]) -> Iterator[list[tuple[memoryview, int | None] | None]]:
+        """:meth:`borrow`, each view with where it starts in :attr:`buffer` (None
+        for a copy): a caller copying out of the buffer by offsets (a load's
+        grids) takes them from here instead of asking each view its address."""
         with self._lock:
-            out: list[memoryview | None] = []
+            index, frames_of, stored, view, fb = (
+                self._index,
+                self._frames,
+                self._stored,
+                self._view,
+                self.frame_bytes,
+            )
+            out: list[tuple[memoryview, int | None] | None] = []
+            got = 0
             for name in names:
-                self.metrics.gets += 1
-                if name not in self._index:
-                    self.metrics.misses += 1
+                logical = index.get(name)
+                if logical is None:
                     out.append(None)
                     continue
-                runs = _runs(self._frames[name])
-                n = self._stored[name]
-                if len(runs) == 1:
-                    start = runs[0][0] * self.frame_bytes
-                    view = self._mv[start : start + n].toreadonly()
+                frames, n = frames_of[name], stored[name]
+                if frames and frames[-1] - frames[0] == len(frames) - 1:  # one run (sorted)
+                    start = frames[0] * fb
+                    out.append((view[start : start + n], start))
                 else:
-                    view = self._read(name)
-                self._hit(name)
-                out.append(view)
+                    out.append((self._read(name), None))
+                index.move_to_end(name)  # IndexedTier._hit, inline: counts summed below
+                got += logical
+            hits = sum(x is not None for x in out)
+            self.metrics.gets += len(out)
+            self.metrics.hits += hits
+            self.metrics.misses += len(out) - hits
+            self.metrics.get_bytes += got
             yield out
 
     @synchronized

@@ -304,32 +304,32 @@ class CachePages:
 
     def place(
         self,
-        objects: Mapping[str, tuple[Sequence[Sequence[int]], Sequence[memoryview]]],
+        objects: Mapping[
+            str, tuple[Sequence[Sequence[int]], Sequence[memoryview], Sequence[int | None]]
+        ],
         arena: torch.Tensor | None,
     ) -> None:
         """Copy checked payloads into their blocks, ``objects`` by kind as (blocks,
-        payloads): those a host tier lends in place (views into ``arena``, its
-        one allocation) straight from it, the rest staged once, back to back;
-        one batch per storage each (:meth:`scatter`). On a device the payloads
-        are staged (one copy to the device), never the whole arena. A payload
-        of another size than its kind's is refused before a byte moves."""
+        payloads, where each payload starts in ``arena``, a host tier's one
+        allocation, where that tier lent it in place: :meth:`HostTier.lend`):
+        those lent straight from the arena, the rest (None) staged once, back to
+        back; one batch per storage each (:meth:`scatter`). On a device the
+        payloads are staged (one copy to the device), never the whole arena. A
+        payload of another size than its kind's is refused before a byte moves."""
         lent: list[tuple[str, Sequence[int], int]] = []
         staged: list[tuple[str, Sequence[int], memoryview]] = []
         if self.device.type != "cpu":
             arena = None
-        base = arena.data_ptr() if arena is not None else 0
-        end = base + (arena.numel() if arena is not None else 0)
-        for kind, (blocks, payloads) in objects.items():
+        for kind, (blocks, payloads, starts) in objects.items():
             size = self.payload[kind]
-            for ids, p in zip(blocks, payloads, strict=True):
+            for ids, p, at in zip(blocks, payloads, starts, strict=True):
                 if len(p) != size:
                     raise InvalidValueError(
                         f"kvarena connector: a {kind} payload of {len(p):,} B for blocks "
                         f"{list(ids)}; this cache's {kind} objects hold {size:,} B"
                     )
-                at = np.frombuffer(p, dtype=np.uint8).__array_interface__["data"][0] if size else 0
-                if arena is not None and base <= at and at + size <= end:
-                    lent.append((kind, ids, at - base))
+                if arena is not None and at is not None:
+                    lent.append((kind, ids, at))
                 else:
                     staged.append((kind, ids, p))
         if lent:

@@ -76,8 +76,9 @@ class WorkerSide:
         )
         self.tiers = tiers
         self.pages: CachePages | None = None  # vLLM's tensors as spans, once registered
-        hosts = [t for t in tiers.tiers if isinstance(t, HostTier)]
-        self._arena = hosts[0].buffer if hosts else None  # where borrowed payloads lie
+        hosts = [(level, t) for level, t in enumerate(tiers.tiers) if isinstance(t, HostTier)]
+        # where payloads lent in place lie: the first host tier's level and buffer
+        self._arena = (hosts[0][0], hosts[0][1].buffer) if hosts else None
         self._errors: set[int] = set()
         self._received: set[str] = set()  # requests whose load ran (or failed) this step
         self._failed_requests: set[str] = set()
@@ -189,7 +190,7 @@ class WorkerSide:
         checks and copy, what the scheduler paces loads in the step by)."""
         if not job.in_step:  # vLLM waits for word of it
             self._received.add(job.request)
-        self._apply(job, wanted, payloads)
+        self._apply(job, wanted, payloads, got.lent)
         seconds = got.seconds
         host = self.tiers.labels[0] if self.tiers.tiers else None
         if began is not None and host is not None and set(got.read_bytes) == {host}:
@@ -216,19 +217,24 @@ class WorkerSide:
         job: Load,
         wanted: list[tuple[ImageKind, BlockCopy]],
         payloads: list[memoryview | None],
+        lent: list[tuple[int, int] | None],
     ) -> None:
+        """Copy a load's payloads into its blocks (those the arena's tier lent in
+        place by their offsets in it), or fail the load if any is missing."""
         missing = sum(p is None for p in payloads)
         why = f"{missing} of {len(payloads)} objects missing or failing their checks"
         if not missing:
+            level, arena = self._arena if self._arena is not None else (-1, None)
             try:
-                parts: dict[str, tuple[list, list]] = {}
-                for (kind, copy), p in zip(wanted, payloads, strict=True):
+                parts: dict[str, tuple[list, list, list]] = {}
+                for (kind, copy), p, where in zip(wanted, payloads, lent, strict=True):
                     name = "kv" if kind is ImageKind.KV_BLOCK else "state"
-                    part = parts.setdefault(name, ([], []))
+                    part = parts.setdefault(name, ([], [], []))
                     part[0].append(copy.blocks)
                     part[1].append(p)
+                    part[2].append(where[1] if where is not None and where[0] == level else None)
                 assert self.pages is not None
-                self.pages.place(parts, self._arena)
+                self.pages.place(parts, arena)
             except Error as exc:  # a batch refused before a byte moved: recompute
                 why = f"its copy was refused ({exc})"
             else:
