@@ -46,13 +46,15 @@ lock:
 	done
 	rm -rf .venv-lock .venv-lock-vllm
 
-# The suite: ruff, the main venv's tests, then the vLLM tests in their own venv.
+# The suite: ruff, the main venv's tests, then the vLLM tests in their own venv
+# (two workers at most, a module's tests on one: each holds engines of its own).
 # $(1): the main venv, $(2): the vLLM venv.
 define suite
 	$(1)/bin/ruff check src tests benchmarks examples tools
 	$(1)/bin/mkdocs build --strict --quiet --site-dir build/site
 	$(1)/bin/python -m pytest -q -n auto --maxprocesses 4 --durations=15
-	$(2)/bin/python -m pytest -q -p no:cacheprovider --durations=15 $(wildcard tests/test_vllm_*.py)
+	$(2)/bin/python -m pytest -q -p no:cacheprovider -n auto --maxprocesses 2 --dist loadscope \
+	  --durations=15 $(wildcard tests/test_vllm_*.py)
 endef
 
 demo: $(STAMP)
