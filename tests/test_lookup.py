@@ -141,21 +141,24 @@ class _Counted(list):
 )
 def test_windows_reach_the_keys_known_and_hash_little_past_a_miss(held, known, window, limit):
     """Blocks ``0..held-1`` in the tiers: the answer is the same whatever the
-    windows; the first window reaches the keys had without hashing, and no key
-    is asked past the window that meets the miss."""
+    windows; the first window reaches the keys had without hashing, the next
+    starts over small, and no key is asked past the window that meets the
+    miss."""
     keys = _Counted(KEYS)
     finds = _kv_walk(_stack(set(range(held)), set()), keys, limit, window, known)
     end = min(held, limit)
     assert finds.kv_end == end and set(finds.kv) == set(range(end))
-    # the windows as specified: the first to max(known, window) blocks, then
-    # doubling from each window's end, the last the one that misses
+    # the windows as specified: the first to max(known, window) blocks; past
+    # the known keys starting over at `window`, else doubling from each
+    # window's end; the last the one that misses
     full, size, stop, deepest = 0, window, max(known, window), -1
+    stretched = known > window
     while full < limit:
         top = min(limit, stop)
         deepest = top - 1
         if end < top:
             break
-        full, size = top, size * 2
+        full, size, stretched = top, size if stretched else size * 2, False
         stop = full + size
     assert keys.deepest == deepest
 

@@ -95,8 +95,9 @@ def locate_in_tiers(
     blocks first: 32, 64, 128...): a prompt that misses costs one small probe
     per tier, not one name per block of the prompt; a long hit costs log2(its
     length) probes. The first ``known`` keys cost no hashing (a caller that
-    remembers them): the first window reaches to them at least, so a window
-    past them hashes no more than a miss there needs. Names in
+    remembers them): the first window reaches to them at least, and the
+    windows past them start over at ``window`` blocks, so a miss there (where
+    what the caller remembers ends, most often) hashes ``window`` keys. Names in
     ``skip`` (objects that failed their checks) count as absent. ``device_kv``
     and ``device_image`` None: the device holds nothing past ``kv_end`` (an
     engine's scheduler, whose device cache vLLM has already matched).
@@ -114,6 +115,7 @@ def locate_in_tiers(
     tier_state: dict[int, int] = {}
     if has_kv:
         stop = max(known, full + window)
+        past_known = stop > full + window  # the first window stretched to the known keys
         while full < limit:
             todo = range(full, min(limit, stop))
             wanted = (
@@ -132,7 +134,10 @@ def locate_in_tiers(
                     full += 1
             if full < start + len(todo):
                 break  # a gap: the run ends here
-            window *= 2
+            if past_known:  # past the known keys the windows start over, small
+                past_known = False
+            else:
+                window *= 2
             stop = full + window
     for i in [i for i in tier_kv if i >= full]:
         del tier_kv[i]
