@@ -187,13 +187,14 @@ def checked_grids(grids: Sequence[Grid], src_buf: torch.Tensor, dst_buf: torch.T
     return nbytes
 
 
-RANGES_IN_PYTHON = 4096
+RANGES_IN_PYTHON = 128
 """Byte ranges up to which a grid set's overlap checks run on Python ints.
 A load's grids are a few dozen ranges once the rows that abut are joined
-(28 blocks x 12 layers of ``LBHNC`` are 12 ranges); checked with numpy
-(some fifteen calls) they cost ~200 µs right after the copy of 54 MB before
-them left the caches cold, on Python ints ~50 µs. Past this many, numpy's
-per-row speed wins."""
+(28 blocks x 12 layers of ``LBHNC`` are 12 ranges, its state 36 more);
+checked with numpy they cost ~200 µs right after the 54 MB copy before them
+left the caches cold, on Python ints ~50 µs. Warm, numpy's fixed cost
+(~16 µs) wins past ~64 ranges, and at 1,024 it is 23 µs against 209: the
+bound sits where a cold check still gains (2-core development machine)."""
 
 
 Ranges = tuple[int, int, int, int, int, int]
