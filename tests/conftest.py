@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -122,3 +123,20 @@ def vllm_in_process():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         yield
+
+
+@pytest.fixture(autouse=True)
+def vllm_groups_released(request):
+    """After a test that built engines in this process, vLLM's process-wide
+    parallel groups are gone, as a fresh process has them: an engine refused
+    at start (a test of a bad setting) leaves them made for its model, and the
+    next engine reuses them as they are — a MoE model then finds no expert
+    group (a failure that depends on which test ran before it on a worker)."""
+    yield
+    if "vllm_in_process" not in request.fixturenames or "vllm" not in sys.modules:
+        return
+    from vllm.distributed import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+        parallel_state.destroy_distributed_environment()
