@@ -128,15 +128,19 @@ def vllm_in_process():
 @pytest.fixture(autouse=True)
 def vllm_groups_released(request):
     """After a test that built engines in this process, vLLM's process-wide
-    parallel groups are gone, as a fresh process has them: an engine refused
-    at start (a test of a bad setting) leaves them made for its model, and the
-    next engine reuses them as they are — a MoE model then finds no expert
-    group (a failure that depends on which test ran before it on a worker)."""
+    state is as a fresh process has it: its parallel groups gone (an engine
+    refused at start, a test of a bad setting, leaves them made for its model,
+    and the next engine reuses them as they are — a MoE model then finds no
+    expert group) and its environment read anew (an engine caches it when it
+    starts). Otherwise a test's outcome depends on which ran before it on a
+    worker."""
     yield
     if "vllm_in_process" not in request.fixturenames or "vllm" not in sys.modules:
         return
+    from vllm import envs
     from vllm.distributed import parallel_state
 
+    envs.disable_envs_cache()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
         parallel_state.destroy_distributed_environment()
