@@ -16,7 +16,9 @@ python=${PYTHON:-python3}
 rm -rf "$dir"
 "$python" -m venv "$dir"
 py="$dir/bin/python"
-pip=("$py" -m pip install --quiet --disable-pip-version-check)
+# --no-compile: byte-compiling every installed file (torch's and vLLM's thousands)
+# takes longer than Python compiling the modules a run imports, once, as it imports them.
+pip=("$py" -m pip install --quiet --disable-pip-version-check --no-compile)
 if [ -n "$lock" ]; then
   "${pip[@]}" "$(grep -E '^pip==' "$lock")"
   "${pip[@]}" "$TORCH"
