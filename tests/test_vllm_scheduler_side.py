@@ -12,6 +12,8 @@ pytest.importorskip("vllm")
 
 import torch
 from vllm import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import (
     CachedRequestData,
     KVConnectorBlockState,
@@ -28,6 +30,7 @@ from vllm.v1.request import Request
 
 from kvarena.integrations.vllm.catalogue import Catalogue
 from kvarena.integrations.vllm.groups import classify
+from kvarena.integrations.vllm.key_memo import trusted_hashes
 from kvarena.integrations.vllm.records import WorkerReport
 from kvarena.integrations.vllm.scheduler_side import SchedulerSide
 from kvarena.integrations.vllm.settings import ConnectorSettings
@@ -60,16 +63,28 @@ def _groups(*kinds: str):
     )
 
 
-def _side(*kinds: str) -> SchedulerSide:
+def _side(*kinds: str, memo: bool = False) -> SchedulerSide:
+    """``memo``: keys recalled by vLLM's block hashes (the requests must carry them)."""
     settings = ConnectorSettings.parse({"tiers": ["host:1GiB"]})
     return SchedulerSide(
-        groups=_groups(*kinds), namespace=NS, catalogue=Catalogue(settings), block_size=BS
+        groups=_groups(*kinds),
+        namespace=NS,
+        catalogue=Catalogue(settings),
+        block_size=BS,
+        memo=trusted_hashes("sha256", BS, BS) if memo else None,
     )
 
 
-def _request(rid: str, n: int, seed: int = 0) -> Request:
-    tokens = [(seed * 7919 + i * 31) % 1000 + 1 for i in range(n)]
-    return Request(rid, tokens, SamplingParams(max_tokens=4), None)
+def _request(rid: str, n: int, seed: int = 0, tail: int = 0) -> Request:
+    """``n`` tokens of ``seed``'s prompt; with ``tail``, its last ``tail`` tokens
+    the request's own (``rid``'s), as vLLM hashes them (sha256) for ``_side(memo=True)``."""
+    tokens = [(seed * 7919 + i * 31) % 1000 + 1 for i in range(n - tail)]
+    tokens += [(hash(rid) + i) % 1000 + 1 for i in range(tail)]
+    if not tail:
+        return Request(rid, tokens, SamplingParams(max_tokens=4), None)
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BS, sha256)
+    return Request(rid, tokens, SamplingParams(max_tokens=4), None, block_hasher=hasher)
 
 
 def _blocks(rid: str, groups: int, n: int = 16) -> tuple[list[int], ...]:
@@ -192,7 +207,10 @@ def test_nothing_is_planned_for_a_request_vllm_holds_whole():
     side = _side("kv")
     r = _request("r6", 40)
     side.catalogue.hosted(
-        [object_name(ImageKind.KV_BLOCK, k) for k in block_keys(key_root(NS), torch.tensor(r.all_token_ids).numpy(), BS)],
+        [
+            object_name(ImageKind.KV_BLOCK, k)
+            for k in block_keys(key_root(NS), torch.tensor(r.all_token_ids).numpy(), BS)
+        ],
         [],
     )
     assert side.matched(r, 32) == (0, False)  # vLLM's own cache already reaches the limit
@@ -241,6 +259,42 @@ def test_a_request_asked_again_is_looked_up_from_where_its_run_ended():
     assert side.matched(r, 0) == (30 * BS, True)
     side.reported(WorkerReport(failed=[names[3]]))  # a load of block 3 failed
     assert side.matched(r, 0) == (3 * BS, True)
+
+
+def test_a_run_another_request_found_holds_for_a_first_ask_over_the_same_prefix():
+    """Requests sharing a prefix (their keys recalled by vLLM's hashes): the
+    first ask of the next one starts where the last one's run over that prefix
+    ended, asking nothing of the run; a block of it leaving a tier (even if
+    back since), or a failed load, makes the next request's first ask walk the
+    run again."""
+    side = _side("kv", memo=True)
+    shared = 16 * 20
+    first = _request("r0", shared + 16 * 10 + 1, tail=16 * 10 + 1)
+    keys = block_keys(key_root(NS), torch.tensor(first.all_token_ids).numpy(), BS)
+    names = [object_name(ImageKind.KV_BLOCK, k) for k in keys]
+    side.catalogue.hosted(names[:20], [])
+    asked: list[str] = []
+    real = side.catalogue.locate
+    side.catalogue.locate = lambda n: (asked.extend(n), real(n))[1]
+    assert side.matched(first, 0) == (20 * BS, True)
+    assert names[0] in asked  # the first request walks its run
+    side.finished(first)
+    for i, change in enumerate(("none", "evicted", "restored", "none", "failed")):
+        if change == "evicted":
+            side.catalogue.hosted([], [names[7]])
+        elif change == "restored":
+            side.catalogue.hosted([names[7]], [])
+        elif change == "failed":
+            side.reported(WorkerReport(failed=[names[3]]))
+        r = _request(f"r{i + 1}", shared + 16 * 10 + 1, tail=16 * 10 + 1)
+        asked.clear()
+        want = {"evicted": 7, "failed": 3}.get(change, 20)
+        assert side.matched(r, 0) == (want * BS, True), change
+        walked = names[0] in asked
+        assert walked == (change != "none"), (change, asked[:3])
+        # the levels cover every block the request loads from (vLLM holding some)
+        assert side.matched(r, 16 * 2) == ((want - 2) * BS, True)
+        side.finished(r)
 
 
 def test_a_part_hit_takes_whole_kv_blocks_alone_for_a_read_to_finish():

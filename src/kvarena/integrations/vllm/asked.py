@@ -7,16 +7,28 @@ that fail: where none of that touched the request's run of blocks, the run
 found last time still holds, and the next lookup starts where it ended. A
 stale answer would cost a failed load and a recompute, never a wrong token;
 this one is exact.
+
+Runs are also remembered by the prefix they cover, for the first ask of
+another request: requests that share a system prompt or a document recall
+its keys by vLLM's hashes (:mod:`.key_memo`), and where the deepest recalled
+block ends a run found before, that run holds for them too (keys are
+chained: the name of a run's last block names every block before it). So a
+first ask over a long shared prefix costs a few lookups, not one per block.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
 from ...prefix.lookup import TierFinds
 from ...tiers.image import ImageKind
 from .chains import RequestKeys
+
+RUNS_KEPT = 1 << 12
+"""Runs remembered by the prefix they cover (those met most lately)."""
 
 
 class _Catalogue(Protocol):
@@ -42,12 +54,15 @@ class _Asked:
 
 
 class AskedBefore:
-    """Each waiting request's last lookup, and whether it still holds."""
+    """Each waiting request's last lookup, the runs found lately by the prefix
+    they cover, and whether they still hold."""
 
     def __init__(self, catalogue: _Catalogue, objects: _Objects) -> None:
         """``objects``: how a lookup asks (maps a rank's name to its prefix object)."""
         self.catalogue, self.objects = catalogue, objects
         self._asked: dict[str, _Asked] = {}
+        # by the name of the run's last KV block; a run's ``local`` is where it began
+        self._runs: OrderedDict[str, _Asked] = OrderedDict()
         self._failed = 0  # names ever reported failed
 
     def failed(self, names: int) -> None:
@@ -55,15 +70,19 @@ class AskedBefore:
         self._failed += names
 
     def start(
-        self, rid: str, keys: RequestKeys, local: int, limit: int
+        self, rid: str, keys: RequestKeys, local: int, limit: int, known: int
     ) -> tuple[int, dict[int, int], int]:
         """Where the lookup of ``rid`` may start, the levels of the blocks below
         it, and the catalogue's removals so far (read before the lookup, for
-        :meth:`found`): the end of its last run, where nothing of it has left
-        the books since and no load has failed; else ``local``."""
+        :meth:`found`): the end of its last run, or else of a run another
+        request found ending at the request's ``known``-th block (its keys had
+        without hashing), where nothing of it has left the books since and no
+        load has failed; else ``local``."""
         now = self.catalogue.removals()
         asked = self._asked.get(rid)
-        if asked is None or asked.local != local or asked.failed != self._failed:
+        if asked is None or asked.local != local:
+            asked = self._run(keys, local, known)
+        if asked is None or asked.failed != self._failed:
             return local, {}, now
         gone, _ = self.catalogue.gone(asked.since)
         if gone is None:
@@ -76,11 +95,41 @@ class AskedBefore:
         kv = asked.kv if end == asked.kv_end else {i: x for i, x in asked.kv.items() if i < end}
         return end, kv, now
 
-    def found(self, rid: str, local: int, finds: TierFinds, since: int) -> None:
-        """Remember what the lookup of ``rid`` found (``since``: :meth:`start`'s)."""
-        self._asked[rid] = _Asked(
+    def _run(self, keys: RequestKeys, local: int, known: int) -> _Asked | None:
+        """The run remembered as ending at block ``known`` (a prefix of the
+        request's), where it began at or below ``local``: its levels then cover
+        every block the request lacks (a lookup reads them from ``local`` on)."""
+        if known <= local:
+            return None
+        name = keys.names(ImageKind.KV_BLOCK, known - 1, known)[0]
+        run = self._runs.get(name)
+        if run is None or run.local > local:
+            return None
+        self._runs.move_to_end(name)
+        return run
+
+    def found(self, rid: str, keys: RequestKeys, local: int, finds: TierFinds, since: int) -> None:
+        """Remember what the lookup of ``rid`` found (``since``: :meth:`start`'s),
+        and its run by the prefix it covers."""
+        asked = _Asked(
             local=local, kv_end=finds.kv_end, kv=finds.kv, since=since, failed=self._failed
         )
+        self._asked[rid] = asked
+        if finds.kv_end > local:
+            end, low, kv = finds.kv_end, local, finds.kv
+            while low and low - 1 in kv:  # levels had from a run that began lower
+                low -= 1
+            name = keys.names(ImageKind.KV_BLOCK, end - 1, end)[0]
+            kept = self._runs.get(name)
+            if kept is None or kept.local >= low or not self._untouched(kept):
+                self._runs[name] = asked if low == local else dataclasses.replace(asked, local=low)
+            self._runs.move_to_end(name)
+            if len(self._runs) > RUNS_KEPT:
+                self._runs.popitem(last=False)
+
+    def _untouched(self, asked: _Asked) -> bool:
+        """Whether nothing at all has left the books nor failed since ``asked``."""
+        return asked.failed == self._failed and self.catalogue.gone(asked.since)[0] == []
 
     def forget(self, rid: str) -> None:
         self._asked.pop(rid, None)

@@ -30,6 +30,10 @@ CHUNK = 32
 a request's later saves then find theirs hashed."""
 
 
+_KINDS = tuple(ImageKind)
+"""The kinds, listed once (iterating an enum runs Python code: a request's first ask is cold)."""
+
+
 class RequestKeys:
     """The chained keys of one request's full blocks (``keys[i]``: block ``i``'s),
     and of a partial block after them (:meth:`tail`)."""
@@ -46,7 +50,7 @@ class RequestKeys:
         self._root, self._request, self._bs, self._extra = root, request, block_size, extra
         self.block_size = block_size
         self._keys: list[bytes] = []
-        self._names: dict[ImageKind, list[str]] = {kind: [] for kind in ImageKind}
+        self._names: dict[ImageKind, list[str]] = {kind: [] for kind in _KINDS}
         self._tails: dict[tuple[int, int], bytes] = {}
         self._memo = memo
         # what the memo's entries point into: this request's own lists

@@ -121,7 +121,8 @@ class SchedulerSide:
             return 0, False
         self.telemetry.looked_up()
         keys = self._chain(request)
-        start, known, since = self.asked.start(request.request_id, keys, local, limit)
+        had = keys.known(limit)
+        start, known, since = self.asked.start(request.request_id, keys, local, limit, had)
         finds = locate_in_tiers(
             self._objects,
             keys,
@@ -134,11 +135,12 @@ class SchedulerSide:
             skip=self._failed,
             names=keys.names,
             window=WINDOW,
-            known=keys.known(limit),
+            known=had,
         )
-        if known:
-            finds = dataclasses.replace(finds, kv={**known, **finds.kv})
-        self.asked.found(request.request_id, local, finds, since)
+        if known:  # the levels below ``start`` (shared, never changed: a copy where joined)
+            kv = {**known, **finds.kv} if finds.kv else known
+            finds = TierFinds(kv_end=finds.kv_end, kv=kv, state=finds.state)
+        self.asked.found(request.request_id, keys, local, finds, since)
         point = (
             finds.kv_end
             if part
