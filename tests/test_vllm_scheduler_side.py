@@ -28,6 +28,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.request import Request
 
+from kvarena.integrations.vllm import asked as asked_module
 from kvarena.integrations.vllm.catalogue import Catalogue
 from kvarena.integrations.vllm.groups import classify
 from kvarena.integrations.vllm.key_memo import trusted_hashes
@@ -295,6 +296,33 @@ def test_a_run_another_request_found_holds_for_a_first_ask_over_the_same_prefix(
         # the levels cover every block the request loads from (vLLM holding some)
         assert side.matched(r, 16 * 2) == ((want - 2) * BS, True)
         side.finished(r)
+
+
+def test_the_runs_remembered_span_a_bounded_number_of_blocks(monkeypatch):
+    """Past ``RUN_BLOCKS_KEPT`` blocks the runs met first are forgotten first: a
+    request over a forgotten prefix walks its run, one over a kept prefix does not."""
+    monkeypatch.setattr(asked_module, "RUN_BLOCKS_KEPT", 45)
+    side = _side("kv", memo=True)
+    asked: list[str] = []
+    heads = []
+    for seed in range(3):  # three prefixes of 20 blocks, each held whole
+        r = _request(f"a{seed}", 16 * 25 + 1, seed=seed + 1, tail=16 * 5 + 1)
+        keys = block_keys(key_root(NS), torch.tensor(r.all_token_ids).numpy(), BS)
+        names = [object_name(ImageKind.KV_BLOCK, k) for k in keys]
+        side.catalogue.hosted(names[:20], [])
+        heads.append(names[0])
+        assert side.matched(r, 0) == (20 * BS, True)
+        side.finished(r)
+    assert side.asked._run_blocks == 40  # the first run forgotten (60 > 45)
+    real = side.catalogue.locate
+    side.catalogue.locate = lambda n: (asked.extend(n), real(n))[1]
+    for seed, walks in ((2, False), (0, True)):
+        r = _request(f"b{seed}", 16 * 25 + 1, seed=seed + 1, tail=16 * 5 + 1)
+        asked.clear()
+        assert side.matched(r, 0) == (20 * BS, True)
+        assert (heads[seed] in asked) == walks, seed
+        side.finished(r)
+    assert side.asked._run_blocks <= 45
 
 
 def test_a_part_hit_takes_whole_kv_blocks_alone_for_a_read_to_finish():

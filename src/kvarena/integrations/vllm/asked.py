@@ -27,8 +27,10 @@ from ...prefix.lookup import TierFinds
 from ...tiers.image import ImageKind
 from .chains import RequestKeys
 
-RUNS_KEPT = 1 << 12
-"""Runs remembered by the prefix they cover (those met most lately)."""
+RUN_BLOCKS_KEPT = 1 << 18
+"""Blocks the runs remembered by the prefix they cover may span together (a
+level each; those met most lately kept): a few tens of MB at most, however
+long the prompts."""
 
 
 class _Catalogue(Protocol):
@@ -63,6 +65,7 @@ class AskedBefore:
         self._asked: dict[str, _Asked] = {}
         # by the name of the run's last KV block; a run's ``local`` is where it began
         self._runs: OrderedDict[str, _Asked] = OrderedDict()
+        self._run_blocks = 0  # blocks the remembered runs span
         self._failed = 0  # names ever reported failed
 
     def failed(self, names: int) -> None:
@@ -122,10 +125,15 @@ class AskedBefore:
             name = keys.names(ImageKind.KV_BLOCK, end - 1, end)[0]
             kept = self._runs.get(name)
             if kept is None or kept.local >= low or not self._untouched(kept):
-                self._runs[name] = asked if low == local else dataclasses.replace(asked, local=low)
+                run = asked if low == local else dataclasses.replace(asked, local=low)
+                self._run_blocks += run.kv_end - run.local
+                if kept is not None:
+                    self._run_blocks -= kept.kv_end - kept.local
+                self._runs[name] = run
             self._runs.move_to_end(name)
-            if len(self._runs) > RUNS_KEPT:
-                self._runs.popitem(last=False)
+            while self._run_blocks > RUN_BLOCKS_KEPT and len(self._runs) > 1:
+                _, old = self._runs.popitem(last=False)
+                self._run_blocks -= old.kv_end - old.local
 
     def _untouched(self, asked: _Asked) -> bool:
         """Whether nothing at all has left the books nor failed since ``asked``."""
