@@ -1,6 +1,6 @@
 """The scheduler's lookup per request at TP 8 with a host, a disk and a Redis tier.
 
-.venv-vllm/bin/python benchmarks/bench_vllm_lookup.py [--requests 200] [--tokens 4096] [--held 20000] [--cluster]
+.venv-vllm/bin/python benchmarks/bench_vllm_lookup.py [--requests 200] [--tokens 4096] [--held 20000] [--cluster] [--hybrid]
 
 vLLM's scheduler is one thread: a lookup's time is every request's. The
 connector's scheduler side answers ``get_num_new_matched_tokens`` (the
@@ -15,6 +15,9 @@ shared prefix family, and each request misses past its first half: the
 lookup probes every block it could use. ``--cluster``: the store a Redis
 Cluster (three primaries, a replica each): the in-memory catalogue lists
 every node; the probing path's ``EXISTS`` batch is one pipeline per node.
+``--hybrid``: a model with a state group beside the attention one (a Mamba
+state in ``align`` mode), the state held at the shared half's end: each
+lookup also finds the deepest boundary with a state image.
 
 Each request is looked up twice, as vLLM's scheduler asks a waiting request
 step after step: the first ask keys the prompt (once per request: its saves
@@ -40,7 +43,12 @@ import torch
 from vllm import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+)
 from vllm.v1.request import Request
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -88,10 +96,21 @@ class ProbingCatalogue(Catalogue):
         return super()._probe(kind)
 
 
-def groups():
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=128, dtype=torch.bfloat16)
+def groups(hybrid: bool):
+    specs = [FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=128, dtype=torch.bfloat16)]
+    if hybrid:
+        specs.append(
+            MambaSpec(
+                block_size=BS,
+                shapes=((3, 1024), (4, 128, 128)),
+                dtypes=(torch.bfloat16, torch.bfloat16),
+                mamba_cache_mode="align",
+            )
+        )
     config = KVCacheConfig(
-        num_blocks=4096, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)]
+        num_blocks=4096,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec([f"layer.{i}"], s) for i, s in enumerate(specs)],
     )
     return classify(config)
 
@@ -105,6 +124,11 @@ def main() -> None:
         "--cluster",
         action="store_true",
         help="the store a Redis Cluster (three primaries, three replicas) instead of one Redis",
+    )
+    ap.add_argument(
+        "--hybrid",
+        action="store_true",
+        help="a state group beside the attention one, its image held at the shared half's end",
     )
     args = ap.parse_args()
     prefix = [(i * 7919) % 30000 + 1 for i in range(args.tokens)]
@@ -122,6 +146,8 @@ def main() -> None:
         store = RedisTier(spec.url, cluster=spec.cluster)
         # the request's first half in the tiers (every rank), the rest filler
         names = [object_name(ImageKind.KV_BLOCK, k) for k in keys]
+        if args.hybrid:
+            names.append(object_name(ImageKind.STATE, keys[-1]))
         filler = [object_name(ImageKind.KV_BLOCK, i.to_bytes(16, "big")) for i in range(args.held)]
         held = names + filler
         for i, name in enumerate(held):
@@ -141,7 +167,7 @@ def main() -> None:
         settings = ConnectorSettings.parse({"tiers": ["host:1GiB", f"disk:{disk}:1TiB", url]})
         sides = {
             "in memory": SchedulerSide(
-                groups=groups(),
+                groups=groups(args.hybrid),
                 namespace=NS,
                 catalogue=Catalogue(settings, RANKS),
                 block_size=BS,
@@ -149,7 +175,7 @@ def main() -> None:
                 memo=trusted_hashes("sha256", BS, BS),
             ),
             "stat + EXISTS": SchedulerSide(
-                groups=groups(),
+                groups=groups(args.hybrid),
                 namespace=NS,
                 catalogue=ProbingCatalogue(settings, RANKS, store, disk),
                 block_size=BS,
@@ -192,11 +218,12 @@ def main() -> None:
             side.catalogue.close()
         store.close()
         server.stop()
-    probes = RANKS * ((args.tokens - 1) // BS)
+    probes = RANKS * ((args.tokens - 1) // BS) * (2 if args.hybrid else 1)
     where = "a Redis Cluster of 3 primaries" if args.cluster else "one Redis"
+    model = "a hybrid (attention and a state)" if args.hybrid else "attention alone"
     print(
-        f"TP {RANKS}, {args.tokens:,}-token prompts (a hit of the first half), {args.held:,} objects per rank "
-        f"held in {where}; {probes:,} names a lookup may ask"
+        f"TP {RANKS}, {model}, {args.tokens:,}-token prompts (a hit of the first half), "
+        f"{args.held:,} objects per rank held in {where}; {probes:,} names a lookup may ask"
     )
 
     def p(ts: list[float], q: float) -> float:

@@ -63,11 +63,16 @@ def _stack(kv: set[int], state: set[int]) -> TierStack:
     device=st.integers(0, 70),
     tier_kv=st.sets(st.integers(0, 78), max_size=60),
     tier_state=st.sets(st.integers(1, 79), max_size=20),
+    device_images=st.sets(st.integers(1, 79), max_size=5),
     limit=st.integers(0, 79),
+    window=st.integers(1, 9),
 )
-def test_the_tier_walk_finds_exactly_what_the_tiers_hold(device, tier_kv, tier_state, limit):
+def test_the_tier_walk_finds_exactly_what_the_tiers_hold(
+    device, tier_kv, tier_state, device_images, limit, window
+):
     """The KV run extends through every block the device or a tier holds, stops at
-    the first gap, and every boundary up to it whose image a tier holds is found."""
+    the first gap, and the deepest boundary up to it whose image a tier holds is
+    found (none where the device holds one as deep)."""
     device = min(device, limit)
     stack = _stack(tier_kv, tier_state)
     on_device = set(KEYS[:device])
@@ -79,14 +84,20 @@ def test_the_tier_walk_finds_exactly_what_the_tiers_hold(device, tier_kv, tier_s
         has_kv=True,
         has_state=True,
         device_kv=lambda key: key in on_device,
-        device_image=lambda b: False,
+        device_image=lambda b: b in device_images,
+        window=window,
     )
     end = device
     while end < limit and end in tier_kv:
         end += 1
     assert finds.kv_end == end
     assert set(finds.kv) == set(range(device, end)) and set(finds.kv.values()) <= {0}
-    assert set(finds.state) == {b for b in tier_state if 1 <= b <= end}
+    deepest = max((b for b in tier_state | device_images if 1 <= b <= end), default=None)
+    want = {deepest} if deepest in tier_state and deepest not in device_images else set()
+    assert set(finds.state) == want
+    # the resume point: the deepest boundary an image is at, the tiers' or the device's
+    got = resume_point(end, True, lambda b: b in finds.state or b in device_images)
+    assert got == (deepest or 0)
 
 
 def test_names_that_failed_their_checks_count_as_absent():

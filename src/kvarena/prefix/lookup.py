@@ -66,7 +66,9 @@ class Locates(Protocol):
 @dataclass(frozen=True, kw_only=True)
 class TierFinds:
     """What the tiers add to the device's answer: the KV run's new end, the
-    tier serving each block the device lacks, and each boundary's image tier."""
+    tier serving each block the device lacks, and the deepest boundary up to
+    that end whose image a tier holds, where the device holds none as deep
+    (the only one a resume point can be: :func:`resume_point`)."""
 
     kv_end: int
     kv: dict[int, int]  # block index -> tier index
@@ -101,14 +103,19 @@ def locate_in_tiers(
     ``skip`` (objects that failed their checks) count as absent. ``device_kv``
     and ``device_image`` None: the device holds nothing past ``kv_end`` (an
     engine's scheduler, whose device cache vLLM has already matched).
-    ``names``: where the keys' object names are kept (else made here)."""
+    ``names``: where the keys' object names are kept (else made here).
+
+    Images are probed from the run's end down, in windows of the same sizes,
+    until one window holds an image (the device's or a tier's): only the
+    deepest is a resume point, and a prompt holding one near its run's end
+    (a turn's end, most often) costs a window, not a name per boundary."""
 
     def named(kind: ImageKind, at: list[int]) -> list[str]:
         if names is not None and at and at[-1] - at[0] == len(at) - 1:  # a run
             return names(kind, at[0], at[-1] + 1)
         return [object_name(kind, keys[i]) for i in at]
 
-    window = check_count(window, "locate_in_tiers: window (blocks)", lo=1)
+    window = first = check_count(window, "locate_in_tiers: window (blocks)", lo=1)
     known = check_count(known, "locate_in_tiers: known (keys)")
     full = kv_end
     tier_kv: dict[int, int] = {}
@@ -141,11 +148,26 @@ def locate_in_tiers(
             stop = full + window
     for i in [i for i in tier_kv if i >= full]:
         del tier_kv[i]
-    top = full if has_kv else limit
-    if has_state and top:
-        at = [b for b in range(1, top + 1) if device_image is None or not device_image(b)]
+    hi, size = (full if has_kv else limit) if has_state else 0, first
+    while hi >= 1:  # boundaries hi, hi - 1, ... down to the first with an image
+        lo = max(1, hi - size + 1)
+        # a device image ends the walk: boundaries below it need no probe
+        device = next(
+            (b for b in range(hi, lo - 1, -1) if device_image is not None and device_image(b)),
+            None,
+        )
+        at = list(range(lo if device is None else device + 1, hi + 1))
         asked = named(ImageKind.STATE, [b - 1 for b in at])
-        for b, name, where in zip(at, asked, tiers.locate(asked), strict=True):
-            if where is not None and name not in skip:
-                tier_state[b] = where
+        held = [
+            (b, where)
+            for b, name, where in zip(at, asked, tiers.locate(asked), strict=True)
+            if where is not None and name not in skip
+        ]
+        if held:
+            b, where = held[-1]
+            tier_state[b] = where
+            break
+        if device is not None:
+            break
+        hi, size = lo - 1, size * 2
     return TierFinds(kv_end=full, kv=tier_kv, state=tier_state)

@@ -111,10 +111,15 @@ class RequestKeys:
         return self._keys[:blocks]
 
     def names(self, kind: ImageKind, start: int, stop: int) -> list[str]:
-        """``kind``'s object names of blocks ``start`` to ``stop`` (made once)."""
+        """``kind``'s object names of blocks ``start`` to ``stop`` (made once from
+        the first block on; a window past the names made is named alone, not kept:
+        a state lookup probes boundaries from the run's end down)."""
         made = self._names[kind]
         if len(made) < stop:
-            made.extend(object_name(kind, k) for k in self.upto(stop)[len(made) :])
+            self._extend(stop)
+            if len(made) < start:
+                return [object_name(kind, k) for k in self._keys[start:stop]]
+            made.extend(object_name(kind, k) for k in self._keys[len(made) : stop])
         return made[start:stop]
 
     def tail(self, blocks: int, tokens: int) -> bytes:
