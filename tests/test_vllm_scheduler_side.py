@@ -7,6 +7,8 @@ Runs in the ``.venv-vllm`` environment; skipped where vLLM is not installed.
 from __future__ import annotations
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("vllm")
 
@@ -32,6 +34,7 @@ from kvarena.integrations.vllm import asked as asked_module
 from kvarena.integrations.vllm.catalogue import Catalogue
 from kvarena.integrations.vllm.groups import classify
 from kvarena.integrations.vllm.key_memo import trusted_hashes
+from kvarena.integrations.vllm.ranks import rank_names
 from kvarena.integrations.vllm.records import WorkerReport
 from kvarena.integrations.vllm.scheduler_side import SchedulerSide
 from kvarena.integrations.vllm.settings import ConnectorSettings
@@ -323,6 +326,129 @@ def test_the_runs_remembered_span_a_bounded_number_of_blocks(monkeypatch):
         assert (heads[seed] in asked) == walks, seed
         side.finished(r)
     assert side.asked._run_blocks <= 45
+
+
+_prompt_ops = st.lists(
+    st.one_of(
+        # a request over prefix p's first ``blocks`` blocks, vLLM holding ``local`` of
+        # them; kept (asked again later) or finished
+        st.tuples(
+            st.just("ask"),
+            st.integers(0, 1),
+            st.sampled_from([6, 12, 24]),
+            st.sampled_from([0, 2]),
+            st.booleans(),
+        ),
+        st.tuples(
+            st.sampled_from(["save", "evict", "fail"]), st.integers(0, 1), st.integers(0, 11)
+        ),
+        st.tuples(
+            st.sampled_from(["state", "unstate"]), st.integers(0, 1), st.sampled_from([3, 6, 12])
+        ),
+    ),
+    max_size=30,
+)
+
+
+def _levels(side: SchedulerSide, r: Request) -> tuple[list[int | None], int | None] | None:
+    """The tier levels a hit would load each block and its state from."""
+    found = side._found.get(r.request_id)
+    if found is None:
+        return None
+    point = found.resume_point
+    kv = [found.finds.kv.get(i) for i in range(found.local, point)]
+    return kv, found.finds.state.get(point)
+
+
+@settings(max_examples=60, deadline=None)
+@example(  # a run remembered, one of its blocks evicted: asked again and anew
+    ops=[
+        ("ask", 0, 24, 0, True),
+        ("evict", 0, 5),
+        ("ask", 0, 24, 0, True),
+        ("ask", 0, 24, 2, False),
+    ],
+    kinds=("kv", "state"),
+    ranks=2,
+    held=[24, 24, 24],
+    states=[{24}, set(), set()],
+)
+@example(  # a run found past blocks vLLM held, then asked from block 0
+    ops=[("ask", 1, 24, 2, False), ("ask", 1, 24, 0, False)],
+    kinds=("kv",),
+    ranks=1,
+    held=[0, 24, 0],
+    states=[set(), set(), set()],
+)
+@given(
+    ops=_prompt_ops,
+    kinds=st.sampled_from([("kv",), ("kv", "state")]),
+    ranks=st.sampled_from([1, 2]),
+    held=st.lists(st.sampled_from([0, 6, 24]), min_size=3, max_size=3),
+    states=st.lists(st.sets(st.sampled_from([3, 6, 12, 24]), max_size=3), min_size=3, max_size=3),
+)
+def test_every_answer_equals_a_lookup_from_scratch(ops, kinds, ranks, held, states):
+    """Requests over three shared prefixes, asked again and again while blocks and
+    states are saved, evicted (one rank's object is enough) and fail their loads:
+    every answer of a side that remembers (keys recalled by vLLM's hashes, runs
+    by request and by prefix, objects found whole on every rank, states probed
+    from the run's end down) equals the answer of a side made afresh over the
+    same books and the same failed objects. Prefix p starts with its first
+    ``held[p]`` blocks saved and its states at ``states[p]``."""
+    settings_ = ConnectorSettings.parse({"tiers": ["host:1GiB"]})
+    catalogue = Catalogue(settings_, ranks)
+
+    def made(memo: bool) -> SchedulerSide:
+        return SchedulerSide(
+            groups=_groups(*kinds),
+            namespace=NS,
+            catalogue=catalogue,
+            block_size=BS,
+            ranks=ranks,
+            memo=trusted_hashes("sha256", BS, BS) if memo else None,
+        )
+
+    side = made(memo=True)
+    bases = [_request(f"p{p}", 16 * 25, seed=p + 1) for p in range(3)]
+    keys = [block_keys(key_root(NS), torch.tensor(b.all_token_ids).numpy(), BS) for b in bases]
+    failed: set[str] = set()
+    live: dict[tuple[int, int], Request] = {}
+    start = [("save", p, i) for p in range(3) for i in range(held[p])]
+    start += [("state", p, b) for p in range(3) for b in sorted(states[p])]
+    for n, op in enumerate(start + ops):
+        what, p = op[0], op[1]
+        if what == "ask":
+            blocks, local, keep = op[2], op[3], op[4]
+            # prefix p's first blocks (the same tokens), then a tail of the request's own
+            r = live.get((p, blocks)) or _request(
+                f"r{n}", 16 * (blocks + 3) + 1, seed=p + 1, tail=16 * 3 + 1
+            )
+            fresh = made(memo=False)
+            fresh.reported(WorkerReport(failed=sorted(failed)))
+            computed = min(local, blocks) * BS
+            got = side.matched(r, computed)
+            assert got == fresh.matched(r, computed), (n, op, got)
+            assert _levels(side, r) == _levels(fresh, r), (n, op)
+            if keep:
+                live[(p, blocks)] = r
+            else:
+                side.finished(r)
+                live.pop((p, blocks), None)
+            continue
+        state = what in ("state", "unstate")
+        i = op[2]
+        name = object_name(
+            ImageKind.STATE if state else ImageKind.KV_BLOCK, keys[p][i - 1 if state else i]
+        )
+        every = rank_names(name, ranks)
+        if what in ("save", "state"):
+            side.reported(WorkerReport(host_added=every, saved=[name]))
+            failed.discard(name)
+        elif what in ("evict", "unstate"):
+            side.reported(WorkerReport(host_dropped=every[-1:]))  # one rank's object
+        else:
+            side.reported(WorkerReport(failed=[name]))
+            failed.add(name)
 
 
 def test_a_part_hit_takes_whole_kv_blocks_alone_for_a_read_to_finish():
