@@ -89,7 +89,7 @@ chromium:
 
 # The two venvs install side by side: pip waits on the disk and the index as much
 # as on a core (a fresh clone's two installs on 2 cores: 173 s one after the
-# other, 116 s side by side, 90 s side by side without byte-compiling: tools/venv.sh).
+# other, 116 s side by side).
 venvs:
 	$(MAKE) -j2 $(STAMP) $(VLLM_STAMP)
 
