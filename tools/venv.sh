@@ -17,9 +17,9 @@ rm -rf "$dir"
 "$python" -m venv "$dir"
 py="$dir/bin/python"
 # Byte-compiled at install (pip's default), not left to the first import: where
-# PYTHONDONTWRITEBYTECODE is set (CI images set it) nothing is compiled once for
-# all, and every process would compile torch, transformers and vLLM again: the
-# main suite took 8:49 instead of 6:02, its tests that start processes twice as long).
+# PYTHONDONTWRITEBYTECODE is set (this development machine sets it) nothing
+# compiled on import is kept, and every process would compile torch,
+# transformers and vLLM again: the main suite took 8:49 instead of 6:02.
 pip=("$py" -m pip install --quiet --disable-pip-version-check)
 if [ -n "$lock" ]; then
   "${pip[@]}" "$(grep -E '^pip==' "$lock")"
