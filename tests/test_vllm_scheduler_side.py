@@ -237,6 +237,18 @@ def test_past_the_loads_in_flight_a_hit_is_asked_again_and_a_miss_is_not(monkeyp
     assert side.matched(second, 0) == (79, True)
 
 
+def _spied(side: SchedulerSide, r: Request, held: int) -> tuple[list[str], list[str]]:
+    """``r``'s KV object names, its first ``held`` blocks put in the host tier, and
+    a list every name the catalogue is asked from now on is added to."""
+    keys = block_keys(key_root(NS), torch.tensor(r.all_token_ids).numpy(), BS)
+    names = [object_name(ImageKind.KV_BLOCK, k) for k in keys]
+    side.catalogue.hosted(names[:held], [])
+    asked: list[str] = []
+    real = side.catalogue.locate
+    side.catalogue.locate = lambda n: (asked.extend(n), real(n))[1]
+    return names, asked
+
+
 def test_a_request_asked_again_is_looked_up_from_where_its_run_ended():
     """vLLM asks a waiting request step after step: the second ask starts where
     the first run ended (the books only gained names since), finding what was
@@ -244,12 +256,7 @@ def test_a_request_asked_again_is_looked_up_from_where_its_run_ended():
     the next ask walk the run again and answer what holds now."""
     side = _side("kv")
     r = _request("r7", 16 * 40 + 1)
-    keys = block_keys(key_root(NS), torch.tensor(r.all_token_ids).numpy(), BS)
-    names = [object_name(ImageKind.KV_BLOCK, k) for k in keys]
-    side.catalogue.hosted(names[:20], [])
-    asked: list[str] = []
-    real = side.catalogue.locate
-    side.catalogue.locate = lambda n: (asked.extend(n), real(n))[1]
+    names, asked = _spied(side, r, 20)
     assert side.matched(r, 0) == (20 * BS, True)
     first = len(asked)
     side.catalogue.hosted(names[20:30], [])  # saved meanwhile
@@ -274,12 +281,7 @@ def test_a_run_another_request_found_holds_for_a_first_ask_over_the_same_prefix(
     side = _side("kv", memo=True)
     shared = 16 * 20
     first = _request("r0", shared + 16 * 10 + 1, tail=16 * 10 + 1)
-    keys = block_keys(key_root(NS), torch.tensor(first.all_token_ids).numpy(), BS)
-    names = [object_name(ImageKind.KV_BLOCK, k) for k in keys]
-    side.catalogue.hosted(names[:20], [])
-    asked: list[str] = []
-    real = side.catalogue.locate
-    side.catalogue.locate = lambda n: (asked.extend(n), real(n))[1]
+    names, asked = _spied(side, first, 20)
     assert side.matched(first, 0) == (20 * BS, True)
     assert names[0] in asked  # the first request walks its run
     side.finished(first)
