@@ -19,7 +19,7 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 
-from test_vllm_connector import (  # noqa: E402
+from vllm_offline import (  # noqa: E402
     PROMPT_BLOCKS,
     close,
     engine,
