@@ -69,9 +69,25 @@ if __name__ == "__main__":
     res_recv, res_send = ctx.Pipe(False)
     decode = ctx.Process(target=decode_main, args=(ep_send, ok_send))
     decode.start()
-    prefill = ctx.Process(target=prefill_main, args=(ep_recv.recv(), res_send))
-    prefill.start()
-    descriptors, ok = res_recv.recv(), ok_recv.recv()
+    prefill = None
+    # This process keeps no writing end of a pipe: a side that dies before it
+    # answers is an EOFError here, not a wait forever.
+    ep_send.close()
+    ok_send.close()
+    try:
+        prefill = ctx.Process(target=prefill_main, args=(ep_recv.recv(), res_send))
+        prefill.start()
+        res_send.close()
+        descriptors, ok = res_recv.recv(), ok_recv.recv()
+    except EOFError:
+        for side in (decode, prefill):
+            if side is not None:
+                side.kill()  # the one still waiting (a dead one keeps its code)
+                side.join()
+        codes = [side.exitcode if side is not None else "not started" for side in (prefill, decode)]
+        raise SystemExit(
+            f"a side died before it answered (prefill, decode exit codes: {codes})"
+        ) from None
     prefill.join(30)
     decode.join(30)
     print(f"shipped req-0 in {descriptors} descriptors; byte-exact on the decode side: {ok}")
