@@ -24,6 +24,7 @@ import pytest
 vllm = pytest.importorskip("vllm")
 
 from vllm_offline import (  # noqa: E402
+    CASES,
     PROMPT_BLOCKS,
     close,
     engine,
@@ -57,10 +58,6 @@ def store(tmp_path_factory):
         yield server
     finally:
         server.stop()
-
-
-# (model, block size: None lets vLLM unify pages; the tiny Qwen3-Next gets 256)
-CASES = [("llama", 32), ("qwen3_next", None)]
 
 
 @pytest.mark.parametrize(("kind", "block_size"), CASES)

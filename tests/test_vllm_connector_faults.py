@@ -15,6 +15,7 @@ import pytest
 vllm = pytest.importorskip("vllm")
 
 from vllm_offline import (  # noqa: E402
+    CASES,
     close,
     engine,
     generate,
@@ -31,9 +32,6 @@ pytestmark = pytest.mark.usefixtures("vllm_in_process")
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     return tiny_models(tmp_path_factory.mktemp("models"), ("llama", "qwen3_next"))
-
-
-CASES = [("llama", 32), ("qwen3_next", None)]  # (model, block size: None lets vLLM unify pages)
 
 
 @pytest.mark.parametrize(("kind", "block_size"), CASES)

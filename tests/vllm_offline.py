@@ -18,6 +18,11 @@ from kvarena.testing.vllm_engine import engine_args
 
 PROMPT_BLOCKS = (2, 4, 5)  # shared prefixes, in blocks of the model's attention block
 
+CASES = [("llama", 32), ("qwen3_next", None)]
+"""The connector's engine tests' models and block sizes: an attention-only model
+at a block size of its own, and a hybrid at vLLM's unified page (None: vLLM
+picks it; the tiny Qwen3-Next gets 256)."""
+
 
 def engine(model: Path, *, tiers=None, block_size=None, extra=None):
     from vllm import LLM
