@@ -1,6 +1,6 @@
 """The scheduler's lookup per request at TP 8 with a host, a disk and a Redis tier.
 
-.venv-vllm/bin/python benchmarks/bench_vllm_lookup.py [--requests 200] [--tokens 4096] [--held 20000] [--cluster] [--hybrid]
+.venv-vllm/bin/python benchmarks/bench_vllm_lookup.py [--requests 200] [--tokens 4096] [--held 20000] [--cluster] [--hybrid [--no-image]]
 
 vLLM's scheduler is one thread: a lookup's time is every request's. The
 connector's scheduler side answers ``get_num_new_matched_tokens`` (the
@@ -17,7 +17,10 @@ Cluster (three primaries, a replica each): the in-memory catalogue lists
 every node; the probing path's ``EXISTS`` batch is one pipeline per node.
 ``--hybrid``: a model with a state group beside the attention one (a Mamba
 state in ``align`` mode), the state held at the shared half's end: each
-lookup also finds the deepest boundary with a state image.
+lookup also finds the deepest boundary with a state image. ``--no-image``:
+the hybrid's state held nowhere (a KV run, no boundary to resume from: a hit
+of none); the first ask walks every boundary of the run, the second none
+(what it found is remembered while no image joins the books there).
 
 Each request is looked up twice, as vLLM's scheduler asks a waiting request
 step after step: the first ask keys the prompt (once per request: its saves
@@ -130,7 +133,14 @@ def main() -> None:
         action="store_true",
         help="a state group beside the attention one, its image held at the shared half's end",
     )
+    ap.add_argument(
+        "--no-image",
+        action="store_true",
+        help="with --hybrid: no state image held anywhere (every boundary walked)",
+    )
     args = ap.parse_args()
+    if args.no_image and not args.hybrid:
+        ap.error("--no-image is a hybrid's case: pass --hybrid too")
     prefix = [(i * 7919) % 30000 + 1 for i in range(args.tokens)]
     root = key_root(NS)
     keys = block_keys(root, torch.tensor(prefix[: args.tokens // 2]).numpy(), BS, ())
@@ -146,7 +156,7 @@ def main() -> None:
         store = RedisTier(spec.url, cluster=spec.cluster)
         # the request's first half in the tiers (every rank), the rest filler
         names = [object_name(ImageKind.KV_BLOCK, k) for k in keys]
-        if args.hybrid:
+        if args.hybrid and not args.no_image:
             names.append(object_name(ImageKind.STATE, keys[-1]))
         filler = [object_name(ImageKind.KV_BLOCK, i.to_bytes(16, "big")) for i in range(args.held)]
         held = names + filler
@@ -221,6 +231,8 @@ def main() -> None:
     probes = RANKS * ((args.tokens - 1) // BS) * (2 if args.hybrid else 1)
     where = "a Redis Cluster of 3 primaries" if args.cluster else "one Redis"
     model = "a hybrid (attention and a state)" if args.hybrid else "attention alone"
+    if args.no_image:
+        model += ", its state held nowhere"
     print(
         f"TP {RANKS}, {model}, {args.tokens:,}-token prompts (a hit of the first half), "
         f"{args.held:,} objects per rank held in {where}; {probes:,} names a lookup may ask"

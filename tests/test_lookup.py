@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvarena.prefix import locate_in_tiers, resume_point
+from kvarena.errors import InvalidValueError
+from kvarena.prefix import ImagesWalked, locate_in_tiers, resume_point
 from kvarena.tiers import TierStack
 from kvarena.tiers.host import HostTier
 from kvarena.tiers.image import ImageKind, encode
@@ -180,3 +181,77 @@ def test_a_window_or_known_count_out_of_range_is_refused(window, known):
 
     with pytest.raises(InvalidValueError, match=r"window|known"):
         _kv_walk(_stack({0}, set()), KEYS, 4, window, known)
+
+
+class _Asked:
+    """A stack that records every name asked of it."""
+
+    def __init__(self, stack: TierStack) -> None:
+        self.stack = stack
+        self.names: list[str] = []
+
+    def locate(self, names):
+        self.names.extend(names)
+        return self.stack.locate(names)
+
+
+def _state_walk(stack, kv_end, limit, walked=None):
+    return locate_in_tiers(
+        stack,
+        KEYS,
+        kv_end=kv_end,
+        limit=limit,
+        has_kv=True,
+        has_state=True,
+        device_kv=None,
+        device_image=None,
+        window=4,
+        walked=walked,
+    )
+
+
+@given(
+    tier_kv=st.sets(st.integers(0, 78), max_size=60),
+    before=st.sets(st.integers(1, 79), max_size=6),
+    joined=st.sets(st.integers(1, 79), max_size=4),
+    start=st.integers(0, 40),
+    limit=st.integers(0, 79),
+)
+def test_a_walk_remembered_answers_as_a_walk_from_scratch(tier_kv, before, joined, start, limit):
+    """A walk of the state images handed what an earlier walk found (ImagesWalked)
+    answers exactly as a walk from scratch, while the earlier walk still holds:
+    images joined since only above its top, or at or below the image it found
+    (a deeper run then walks only past the top); boundaries it covered are not
+    asked again."""
+    start = min(start, limit)
+    first = _state_walk(_stack(tier_kv, before), start, limit)
+    top, image = first.kv_end, max(first.state, default=0)
+    walked = ImagesWalked(top=top, image=image, level=first.state.get(image))
+    joined = {b for b in joined if b > top or b <= image}  # where the earlier walk still holds
+    stack = _Asked(_stack(tier_kv, before | joined))
+    again = _state_walk(stack, start, limit, walked)
+    assert again == _state_walk(_stack(tier_kv, before | joined), start, limit)
+    from kvarena.tiers.image import object_name
+
+    covered = {object_name(ImageKind.STATE, KEYS[b - 1]) for b in range(1, top + 1)}
+    assert not covered & set(stack.names)
+
+
+def test_a_walk_remembered_is_refused_where_it_cannot_hold():
+    stack = _stack(set(range(10)), {3})
+
+    def walk(**kw):
+        return locate_in_tiers(
+            stack, KEYS, kv_end=0, limit=10, has_kv=True, has_state=True, device_kv=None, **kw
+        )
+
+    for bad, what in (
+        (dict(walked=ImagesWalked(top=4, image=5, level=0), device_image=None), "boundary 5"),
+        (dict(walked=ImagesWalked(top=4, image=2), device_image=None), "tier None"),
+        (dict(walked=ImagesWalked(top=4, image=0, level=0), device_image=None), "tier 0"),
+        (dict(walked=ImagesWalked(top=-1, image=0), device_image=None), "-1"),
+        (dict(walked=ImagesWalked(top=4, image=0), device_image=lambda b: False), "device_image"),
+    ):
+        with pytest.raises(InvalidValueError, match=what):
+            walk(**bad)
+    assert set(walk(walked=ImagesWalked(top=4, image=3, level=0), device_image=None).state) == {3}

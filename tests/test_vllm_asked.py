@@ -96,6 +96,41 @@ def test_a_run_another_request_found_holds_for_a_first_ask_over_the_same_prefix(
         side.finished(r)
 
 
+def test_a_hybrid_request_asked_again_walks_no_boundary_it_walked_before():
+    """A waiting hybrid request whose run holds no state image: asked again, no
+    boundary its last walk covered is asked about again. An image of another
+    prefix joining the books changes nothing; one joining at a boundary of the
+    run is found at the next ask; the image found leaving the books makes the
+    next ask walk again."""
+    side = make_side("kv", "state")
+    r = make_request("h1", 16 * 40 + 1)
+    _, asked = _spied(side, r, 30)
+    keys = block_keys(key_root(NS), torch.tensor(r.all_token_ids).numpy(), BS)
+    images = [object_name(ImageKind.STATE, k) for k in keys]  # boundary b's: images[b - 1]
+
+    def states_asked() -> list[str]:
+        return [n for n in asked if n.startswith("st-")]
+
+    assert side.matched(r, 0) == (0, False)  # no image anywhere: no hit
+    assert images[29] in asked and images[0] in asked  # every boundary walked
+    asked.clear()
+    assert side.matched(r, 0) == (0, False) and not states_asked()
+    other = make_request("h2", 16 * 40 + 1, seed=5)
+    other_keys = block_keys(key_root(NS), torch.tensor(other.all_token_ids).numpy(), BS)
+    # another prefix's image, and a name no object has (a shared store lists what it holds)
+    side.catalogue.hosted([object_name(ImageKind.STATE, other_keys[9]), "st-not-hex"], [])
+    asked.clear()
+    assert side.matched(r, 0) == (0, False) and not states_asked()
+    side.catalogue.hosted([images[11]], [])  # an image at boundary 12 of the run
+    asked.clear()
+    assert side.matched(r, 0) == (12 * BS, True) and images[11] in asked
+    asked.clear()
+    assert side.matched(r, 0) == (12 * BS, True) and not states_asked()
+    side.catalogue.hosted([], [images[11]])  # gone again
+    asked.clear()
+    assert side.matched(r, 0) == (0, False) and images[0] in asked
+
+
 def test_the_runs_remembered_span_a_bounded_number_of_blocks(monkeypatch):
     """Past ``RUN_BLOCKS_KEPT`` blocks the runs met first are forgotten first: a
     request over a forgotten prefix walks its run, one over a kept prefix does not."""
@@ -138,7 +173,9 @@ _prompt_ops = st.lists(
             st.sampled_from(["save", "evict", "fail"]), st.integers(0, 1), st.integers(0, 11)
         ),
         st.tuples(
-            st.sampled_from(["state", "unstate"]), st.integers(0, 1), st.sampled_from([3, 6, 12])
+            st.sampled_from(["state", "unstate", "failstate"]),
+            st.integers(0, 1),
+            st.sampled_from([3, 6, 12, 24]),
         ),
     ),
     max_size=30,
@@ -167,6 +204,24 @@ def _levels(side: SchedulerSide, r: Request) -> tuple[list[int | None], int | No
     ranks=2,
     held=[24, 24, 24],
     states=[{24}, set(), set()],
+)
+@example(  # a walk that found no image, remembered while images join and leave
+    ops=[
+        ("ask", 0, 24, 0, True),
+        ("state", 1, 12),
+        ("ask", 0, 24, 0, True),
+        ("state", 0, 12),
+        ("ask", 0, 24, 0, True),
+        ("unstate", 0, 12),
+        ("ask", 0, 24, 0, True),
+        ("state", 0, 6),
+        ("failstate", 0, 6),
+        ("ask", 0, 24, 0, False),
+    ],
+    kinds=("kv", "state"),
+    ranks=2,
+    held=[24, 24, 0],
+    states=[set(), set(), set()],
 )
 @example(  # a run found past blocks vLLM held, then asked from block 0
     ops=[("ask", 1, 24, 2, False), ("ask", 1, 24, 0, False)],
@@ -230,7 +285,7 @@ def test_every_answer_equals_a_lookup_from_scratch(ops, kinds, ranks, held, stat
                 side.finished(r)
                 live.pop((p, blocks), None)
             continue
-        state = what in ("state", "unstate")
+        state = what in ("state", "unstate", "failstate")
         i = op[2]
         name = object_name(
             ImageKind.STATE if state else ImageKind.KV_BLOCK, keys[p][i - 1 if state else i]

@@ -2,7 +2,7 @@
 
 from .cache import PrefixCache
 from .keys import Namespace, block_keys, key_root
-from .lookup import TierFinds, locate_in_tiers, resume_point
+from .lookup import ImagesWalked, TierFinds, locate_in_tiers, resume_point
 from .policy import DEFAULT_POLICY, CheckpointPolicy
 from .records import (
     Admission,
@@ -20,6 +20,7 @@ __all__ = [
     "CheckpointPolicy",
     "Image",
     "ImageState",
+    "ImagesWalked",
     "Namespace",
     "PrefixCache",
     "PrefixHit",

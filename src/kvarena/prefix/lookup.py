@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..checks import check_count
+from ..errors import InvalidValueError
 from ..tiers.image import ImageKind, object_name
 
 
@@ -64,6 +65,20 @@ class Locates(Protocol):
 
 
 @dataclass(frozen=True, kw_only=True)
+class ImagesWalked:
+    """What an earlier walk of a prefix's boundaries found, for a caller that
+    knows no image has joined a tier there since and the one found is still
+    held: no image at boundaries ``image + 1`` to ``top``, and one at
+    ``image`` (0: none down to boundary 1), in tier ``level``. A waiting
+    hybrid request whose run holds no image is then asked again at the cost
+    of the boundaries past ``top``, not of one name per boundary."""
+
+    top: int
+    image: int
+    level: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class TierFinds:
     """What the tiers add to the device's answer: the KV run's new end, the
     tier serving each block the device lacks, and the deepest boundary up to
@@ -73,6 +88,7 @@ class TierFinds:
     kv_end: int
     kv: dict[int, int]  # block index -> tier index
     state: dict[int, int]  # resume point -> level of the tier holding its image
+    walked: ImagesWalked | None = None  # what the walk of the tiers' images covered
 
 
 def locate_in_tiers(
@@ -89,6 +105,7 @@ def locate_in_tiers(
     names: Names | None = None,
     window: int = 32,
     known: int = 0,
+    walked: ImagesWalked | None = None,
 ) -> TierFinds:
     """Extend the device's KV run (``kv_end`` blocks) with blocks the tiers
     hold, then find the boundaries up to it whose image a tier holds.
@@ -108,7 +125,11 @@ def locate_in_tiers(
     Images are probed from the run's end down, in windows of the same sizes,
     until one window holds an image (the device's or a tier's): only the
     deepest is a resume point, and a prompt holding one near its run's end
-    (a turn's end, most often) costs a window, not a name per boundary."""
+    (a turn's end, most often) costs a window, not a name per boundary.
+    ``walked``: what a walk of the same boundaries found before
+    (:class:`ImagesWalked`; a caller with no device images): the boundaries
+    it covers are not probed again. The answer's ``walked`` is this walk's,
+    for the next (None where no state is asked, or the device's images are)."""
 
     def named(kind: ImageKind, at: list[int]) -> list[str]:
         if names is not None and at and at[-1] - at[0] == len(at) - 1:  # a run
@@ -117,6 +138,8 @@ def locate_in_tiers(
 
     window = first = check_count(window, "locate_in_tiers: window (blocks)", lo=1)
     known = check_count(known, "locate_in_tiers: known (keys)")
+    if walked is not None:
+        _check_walked(walked, device_image)
     full = kv_end
     tier_kv: dict[int, int] = {}
     tier_state: dict[int, int] = {}
@@ -149,8 +172,11 @@ def locate_in_tiers(
     for i in [i for i in tier_kv if i >= full]:
         del tier_kv[i]
     hi, size = (full if has_kv else limit) if has_state else 0, first
-    while hi >= 1:  # boundaries hi, hi - 1, ... down to the first with an image
-        lo = max(1, hi - size + 1)
+    top, floor = hi, 0  # boundaries up to here are known from ``walked``
+    if walked is not None and walked.image <= hi:
+        floor = min(walked.top, hi)
+    while hi > floor:  # boundaries hi, hi - 1, ... down to the first with an image
+        lo = max(floor + 1, hi - size + 1)
         # a device image ends the walk: boundaries below it need no probe
         device = next(
             (b for b in range(hi, lo - 1, -1) if device_image is not None and device_image(b)),
@@ -170,4 +196,27 @@ def locate_in_tiers(
         if device is not None:
             break
         hi, size = lo - 1, size * 2
-    return TierFinds(kv_end=full, kv=tier_kv, state=tier_state)
+    else:  # no image above the floor: the walk before found the deepest
+        if floor and walked is not None and walked.level is not None:
+            tier_state[walked.image] = walked.level
+    now = None
+    if has_state and device_image is None:
+        image = max(tier_state, default=0)
+        now = ImagesWalked(top=top, image=image, level=tier_state.get(image))
+    return TierFinds(kv_end=full, kv=tier_kv, state=tier_state, walked=now)
+
+
+def _check_walked(walked: ImagesWalked, device_image: Callable[[int], bool] | None) -> None:
+    top = check_count(walked.top, "locate_in_tiers: walked.top (boundaries)")
+    image = check_count(walked.image, "locate_in_tiers: walked.image (boundary)")
+    if device_image is not None:
+        raise InvalidValueError(
+            "locate_in_tiers: walked (a walk of the tiers alone) with device_image; "
+            "pass one or the other"
+        )
+    if image > top or (image > 0) != (walked.level is not None):
+        raise InvalidValueError(
+            f"locate_in_tiers: walked found an image at boundary {image} of the {top} it "
+            f"walked, in tier {walked.level}: an image lies at or below the top, and has a "
+            "tier exactly where it is not 0"
+        )

@@ -23,8 +23,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
-from ...prefix.lookup import TierFinds
-from ...tiers.image import ImageKind
+from ...errors import InvalidValueError
+from ...prefix.lookup import ImagesWalked, TierFinds
+from ...tiers.image import ImageKind, parse_object_name
 from .chains import RequestKeys
 
 RUN_BLOCKS_KEPT = 1 << 18
@@ -38,20 +39,42 @@ class _Catalogue(Protocol):
 
     def removals(self) -> int: ...
 
+    def images(self, since: int) -> tuple[list[str] | None, int]: ...
+
+    def images_joined(self) -> int: ...
+
+
+def _key(name: str) -> bytes | None:
+    """The key a state image's name was made of (None: a name no tier object has,
+    as a shared store may list under its prefix)."""
+    try:
+        return parse_object_name(name)[1]
+    except InvalidValueError:
+        return None
+
 
 class _Objects(Protocol):
     def prefix_of(self, name: str) -> str: ...
 
 
 @dataclass(frozen=True, kw_only=True)
+class Since:
+    """The catalogue's counts read before a lookup: removals, and state images joined."""
+
+    removals: int
+    images: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class _Asked:
-    """What a request's last lookup found, with the catalogue's removals and the
+    """What a request's last lookup found, with the catalogue's counts and the
     failed loads counted then."""
 
     local: int
     kv_end: int
     kv: dict[int, int]  # the lookup's own (never changed after it)
-    since: int
+    walked: ImagesWalked | None  # its walk of the state images (None: no state groups)
+    since: Since
     failed: int
 
 
@@ -74,29 +97,46 @@ class AskedBefore:
 
     def start(
         self, rid: str, keys: RequestKeys, local: int, limit: int, known: int
-    ) -> tuple[int, dict[int, int], int]:
+    ) -> tuple[int, dict[int, int], ImagesWalked | None, Since]:
         """Where the lookup of ``rid`` may start, the levels of the blocks below
-        it, and the catalogue's removals so far (read before the lookup, for
-        :meth:`found`): the end of its last run, or else of a run another
-        request found ending at the request's ``known``-th block (its keys had
-        without hashing), where nothing of it has left the books since and no
-        load has failed; else ``local``."""
-        now = self.catalogue.removals()
+        it, what its walk of the state images may skip, and the catalogue's
+        counts now (read before the lookup, for :meth:`found`): the end of its
+        last run, or else of a run another request found ending at the
+        request's ``known``-th block (its keys had without hashing), where
+        nothing of it has left the books since and no load has failed; else
+        ``local``. The run's walk holds where no image has joined the books at a
+        boundary it found none at, and the image it found is still held."""
+        now = Since(removals=self.catalogue.removals(), images=self.catalogue.images_joined())
         asked = self._asked.get(rid)
         if asked is None or asked.local != local:
             asked = self._run(keys, local, known)
         if asked is None or asked.failed != self._failed:
-            return local, {}, now
-        gone, _ = self.catalogue.gone(asked.since)
+            return local, {}, None, now
+        gone, _ = self.catalogue.gone(asked.since.removals)
         if gone is None:
-            return local, {}, now
+            return local, {}, None, now
         end = min(asked.kv_end, limit)
+        walked = asked.walked
         if gone:
             mine = set(keys.names(ImageKind.KV_BLOCK, local, end))
+            if walked is not None and walked.image:  # the image the walk found
+                mine.update(keys.names(ImageKind.STATE, walked.image - 1, walked.image))
             if any(self.objects.prefix_of(name) in mine for name in gone):
-                return local, {}, now
+                return local, {}, None, now
+        if walked is not None and not self._no_image_joined(keys, walked, asked.since.images):
+            walked = None
         kv = asked.kv if end == asked.kv_end else {i: x for i, x in asked.kv.items() if i < end}
-        return end, kv, now
+        return end, kv, walked, now
+
+    def _no_image_joined(self, keys: RequestKeys, walked: ImagesWalked, since: int) -> bool:
+        """Whether no state image has joined the books, since the catalogue had
+        ``since``, at a boundary where ``walked`` found none (boundary ``b``'s
+        image is keyed by block ``b - 1``'s key)."""
+        joined, _ = self.catalogue.images(since)
+        if not joined:
+            return joined is not None
+        empty = set(keys.upto(walked.top)[walked.image : walked.top])
+        return not any(_key(self.objects.prefix_of(name)) in empty for name in joined)
 
     def _run(self, keys: RequestKeys, local: int, known: int) -> _Asked | None:
         """The run remembered as ending at block ``known`` (a prefix of the
@@ -111,11 +151,18 @@ class AskedBefore:
         self._runs.move_to_end(name)
         return run
 
-    def found(self, rid: str, keys: RequestKeys, local: int, finds: TierFinds, since: int) -> None:
+    def found(
+        self, rid: str, keys: RequestKeys, local: int, finds: TierFinds, since: Since
+    ) -> None:
         """Remember what the lookup of ``rid`` found (``since``: :meth:`start`'s),
-        and its run by the prefix it covers."""
+        its walk of the state images with it, and its run by the prefix it covers."""
         asked = _Asked(
-            local=local, kv_end=finds.kv_end, kv=finds.kv, since=since, failed=self._failed
+            local=local,
+            kv_end=finds.kv_end,
+            kv=finds.kv,
+            walked=finds.walked,
+            since=since,
+            failed=self._failed,
         )
         self._asked[rid] = asked
         if finds.kv_end > local:
@@ -137,7 +184,7 @@ class AskedBefore:
 
     def _untouched(self, asked: _Asked) -> bool:
         """Whether nothing at all has left the books nor failed since ``asked``."""
-        return asked.failed == self._failed and self.catalogue.gone(asked.since)[0] == []
+        return asked.failed == self._failed and self.catalogue.gone(asked.since.removals)[0] == []
 
     def forget(self, rid: str) -> None:
         self._asked.pop(rid, None)

@@ -28,12 +28,16 @@ from collections.abc import Callable, Iterable, Sequence
 
 from ...tiers import RedisTier
 from ...tiers.disk import SUFFIX, object_entries
+from ...tiers.image import ImageKind, object_name
 from ...tiers.stack import first_holders
 from .ranks import rank_dir
 from .settings import ConnectorSettings
 
 GONE_KEPT = 1 << 20
-"""Names removed from the books that a reader may yet ask about (:meth:`Catalogue.gone`)."""
+"""Names removed from the books, and state images' names added to them, that a
+reader may yet ask about (:meth:`Catalogue.gone`, :meth:`Catalogue.images`)."""
+
+_STATE = object_name(ImageKind.STATE, b"")  # what every state image's name begins with
 
 RESCAN_S = 10.0
 """How often the shared store is listed again: what other engines saved is
@@ -46,6 +50,15 @@ def _disk_names(directory: str) -> set[str]:
         return {e.name[: -len(SUFFIX)] for e in object_entries(directory)}
     except OSError:
         return set()  # unreadable: the worker's own tier will say so
+
+
+def _after(log: deque[str], total: int, since: int) -> tuple[list[str] | None, int]:
+    """The entries of ``log`` (``total`` ever appended) after the first ``since``,
+    None where some of them have left it; and ``total``."""
+    new = total - since
+    if new > len(log):
+        return None, total
+    return [log[-k] for k in range(new, 0, -1)], total  # near the end: fast
 
 
 class Catalogue:
@@ -66,6 +79,9 @@ class Catalogue:
         # every name removed from a book, in order, and how many ever were
         self._gone: deque[str] = deque(maxlen=GONE_KEPT)
         self._gone_total = 0
+        # every state image's name that joined a book, in order, and how many ever did
+        self._images: deque[str] = deque(maxlen=GONE_KEPT)
+        self._images_total = 0
         for spec in settings.tiers:
             if spec.kind == "disk":
                 assert spec.directory is not None
@@ -91,6 +107,7 @@ class Catalogue:
         added = list(added)
         with self._lock:
             book = self._held[kind]  # the lister may have swapped it
+            self._joined(n for n in added if n.startswith(_STATE) and n not in book)
             book.update(added)
             for name in dropped:
                 if name in book:
@@ -115,14 +132,36 @@ class Catalogue:
             return  # unreachable: keep what is known (loads that miss recompute)
         with self._lock:
             new = set(listed) | self._written
-            for name in self._held["redis"] - new:
+            old = self._held["redis"]
+            for name in old - new:
                 self._forget(name)
+            self._joined(new - old)
             self._held["redis"] = new
 
     def _forget(self, name: str) -> None:
         """Log a name removed from a book (under the lock)."""
         self._gone.append(name)
         self._gone_total += 1
+
+    def _joined(self, names: Iterable[str]) -> None:
+        """Log the state images among names new to a book (under the lock)."""
+        for name in names:
+            if name.startswith(_STATE):
+                self._images.append(name)
+                self._images_total += 1
+
+    def images_joined(self) -> int:
+        """How many state images' names have joined a book so far."""
+        with self._lock:
+            return self._images_total
+
+    def images(self, since: int) -> tuple[list[str] | None, int]:
+        """The state images' names that joined any book after the first ``since``
+        did (None: more than :data:`GONE_KEPT` ago, no longer known), and the
+        count to ask from next. What a reader that remembers where it found no
+        image needs to forget."""
+        with self._lock:
+            return _after(self._images, self._images_total, since)
 
     def removals(self) -> int:
         """How many names have been removed from the books so far."""
@@ -134,11 +173,7 @@ class Catalogue:
         more than :data:`GONE_KEPT` ago, no longer known), and the count to ask
         from next. What a reader that remembers answers needs to forget."""
         with self._lock:
-            total = self._gone_total
-            new = total - since
-            if new > len(self._gone):
-                return None, total
-            return [self._gone[-k] for k in range(new, 0, -1)], total  # near the end: fast
+            return _after(self._gone, self._gone_total, since)
 
     def _list_loop(self, every: float) -> None:
         while not self._stop.wait(every):

@@ -122,7 +122,7 @@ class SchedulerSide:
         self.telemetry.looked_up()
         keys = self._chain(request)
         had = keys.known(limit)
-        start, known, since = self.asked.start(request.request_id, keys, local, limit, had)
+        start, known, walked, since = self.asked.start(request.request_id, keys, local, limit, had)
         finds = locate_in_tiers(
             self._objects,
             keys,
@@ -136,10 +136,11 @@ class SchedulerSide:
             names=keys.names,
             window=WINDOW,
             known=had,
+            walked=walked,
         )
         if known:  # the levels below ``start`` (shared, never changed: a copy where joined)
             kv = {**known, **finds.kv} if finds.kv else known
-            finds = TierFinds(kv_end=finds.kv_end, kv=kv, state=finds.state)
+            finds = dataclasses.replace(finds, kv=kv)
         self.asked.found(request.request_id, keys, local, finds, since)
         point = (
             finds.kv_end
