@@ -20,6 +20,7 @@ from vllm.v1.request import Request
 from vllm_scheduler import BS, NS, make_groups, make_request, make_side
 
 from kvarena.integrations.vllm import asked as asked_module
+from kvarena.integrations.vllm import catalogue as catalogue_module
 from kvarena.integrations.vllm.catalogue import Catalogue
 from kvarena.integrations.vllm.key_memo import trusted_hashes
 from kvarena.integrations.vllm.ranks import rank_names
@@ -129,6 +130,23 @@ def test_a_hybrid_request_asked_again_walks_no_boundary_it_walked_before():
     side.catalogue.hosted([], [images[11]])  # gone again
     asked.clear()
     assert side.matched(r, 0) == (0, False) and images[0] in asked
+
+
+def test_a_walk_remembered_further_back_than_the_images_kept_is_walked_again(monkeypatch):
+    """The catalogue keeps the last ``IMAGES_KEPT`` images that joined its books: a
+    walk remembered from before them cannot know where they joined, so the
+    next ask walks again (and answers as before)."""
+    monkeypatch.setattr(catalogue_module, "IMAGES_KEPT", 2)
+    side = make_side("kv", "state")
+    r = make_request("h1", 16 * 40 + 1)
+    _, asked = _spied(side, r, 30)
+    assert side.matched(r, 0) == (0, False)
+    side.catalogue.hosted(["st-01", "st-02"], [])  # images of no boundary of the run
+    asked.clear()
+    assert side.matched(r, 0) == (0, False) and not [n for n in asked if n.startswith("st-")]
+    side.catalogue.hosted(["st-03", "st-04", "st-05"], [])  # more than are kept
+    asked.clear()
+    assert side.matched(r, 0) == (0, False) and [n for n in asked if n.startswith("st-")]
 
 
 def test_the_runs_remembered_span_a_bounded_number_of_blocks(monkeypatch):

@@ -34,8 +34,12 @@ from .ranks import rank_dir
 from .settings import ConnectorSettings
 
 GONE_KEPT = 1 << 20
-"""Names removed from the books, and state images' names added to them, that a
-reader may yet ask about (:meth:`Catalogue.gone`, :meth:`Catalogue.images`)."""
+"""Names removed from the books that a reader may yet ask about (:meth:`Catalogue.gone`)."""
+
+IMAGES_KEPT = 1 << 16
+"""State images' names added to the books that a reader may yet ask about
+(:meth:`Catalogue.images`): a waiting request is asked again a step later,
+when a step's saves have joined; a reader further behind walks again."""
 
 _STATE = object_name(ImageKind.STATE, b"")  # what every state image's name begins with
 
@@ -80,7 +84,7 @@ class Catalogue:
         self._gone: deque[str] = deque(maxlen=GONE_KEPT)
         self._gone_total = 0
         # every state image's name that joined a book, in order, and how many ever did
-        self._images: deque[str] = deque(maxlen=GONE_KEPT)
+        self._images: deque[str] = deque(maxlen=IMAGES_KEPT)
         self._images_total = 0
         for spec in settings.tiers:
             if spec.kind == "disk":
@@ -157,7 +161,7 @@ class Catalogue:
 
     def images(self, since: int) -> tuple[list[str] | None, int]:
         """The state images' names that joined any book after the first ``since``
-        did (None: more than :data:`GONE_KEPT` ago, no longer known), and the
+        did (None: more than :data:`IMAGES_KEPT` ago, no longer known), and the
         count to ask from next. What a reader that remembers where it found no
         image needs to forget."""
         with self._lock:
