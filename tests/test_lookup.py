@@ -119,20 +119,26 @@ def test_names_that_failed_their_checks_count_as_absent():
     assert finds.kv_end == 2 and set(finds.state) == {2}
 
 
-def _kv_walk(stack, keys, limit, window, known):
-    """The tier walk over KV alone, nothing on the device, with these windows."""
+def _walk(stack, keys, *, limit, kv_end=0, has_state=False, window=4, known=0, walked=None):
+    """The tier walk, nothing on the device (a scheduler's)."""
     return locate_in_tiers(
         stack,
         keys,
-        kv_end=0,
+        kv_end=kv_end,
         limit=limit,
         has_kv=True,
-        has_state=False,
+        has_state=has_state,
         device_kv=None,
         device_image=None,
         window=window,
         known=known,
+        walked=walked,
     )
+
+
+def _kv_walk(stack, keys, limit, window, known):
+    """The tier walk over KV alone, with these windows."""
+    return _walk(stack, keys, limit=limit, window=window, known=known)
 
 
 class _Counted(list):
@@ -196,18 +202,7 @@ class _Asked:
 
 
 def _state_walk(stack, kv_end, limit, walked=None):
-    return locate_in_tiers(
-        stack,
-        KEYS,
-        kv_end=kv_end,
-        limit=limit,
-        has_kv=True,
-        has_state=True,
-        device_kv=None,
-        device_image=None,
-        window=4,
-        walked=walked,
-    )
+    return _walk(stack, KEYS, kv_end=kv_end, limit=limit, has_state=True, walked=walked)
 
 
 @given(
