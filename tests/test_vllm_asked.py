@@ -241,6 +241,19 @@ def _levels(side: SchedulerSide, r: Request) -> tuple[list[int | None], int | No
     held=[24, 24, 0],
     states=[set(), set(), set()],
 )
+@example(  # an image that failed its load, saved again while a walk skipping it is remembered
+    ops=[
+        ("ask", 0, 24, 0, True),
+        ("failstate", 0, 12),
+        ("ask", 0, 24, 0, True),
+        ("state", 0, 12),
+        ("ask", 0, 24, 0, True),
+    ],
+    kinds=("kv", "state"),
+    ranks=1,
+    held=[24, 0, 0],
+    states=[{12}, set(), set()],
+)
 @example(  # a run found past blocks vLLM held, then asked from block 0
     ops=[("ask", 1, 24, 2, False), ("ask", 1, 24, 0, False)],
     kinds=("kv",),

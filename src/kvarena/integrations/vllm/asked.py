@@ -92,7 +92,8 @@ class AskedBefore:
         self._failed = 0  # names ever reported failed
 
     def failed(self, names: int) -> None:
-        """Loads failed: every remembered lookup is walked again."""
+        """``names`` failed their loads, or had failed and are saved again (a
+        remembered walk skipped them): every remembered lookup is walked again."""
         self._failed += names
 
     def start(

@@ -380,7 +380,7 @@ class SchedulerSide:
             for label, name in report.dropped:  # the connector names each kind once
                 self.catalogue.reported(label, (), [name])
             self._failed.update(report.failed)
-            self.asked.failed(len(report.failed))
+            self.asked.failed(len(report.failed) + len(self._failed.intersection(report.saved)))
             self._failed.difference_update(report.saved)
 
     def loaded(self, requests: set[str]) -> None:
