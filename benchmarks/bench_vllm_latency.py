@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _delay_proxy import ProxyProcess
+from _host import host
 
 BLOCK = {"llama": 32, "qwen3_next": None}  # qwen3_next: vLLM's unified block (256)
 EVERY = 3  # steps between arrivals
@@ -329,6 +330,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows, indent=2))
         return
+    print(host())
     print(
         f"{args.decoding} decoding, {args.arrivals} arrivals of {args.prompt:,} tokens, "
         f"one every {EVERY} steps"

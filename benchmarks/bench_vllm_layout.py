@@ -41,6 +41,7 @@ import torch
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _host import host
 from _timing import side_by_side
 from vllm.config import VllmConfig
 from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
@@ -91,6 +92,7 @@ def main() -> None:
     device = torch.device(args.device)
     full = args.tokens // BLOCK
     blocks = 2 * full + 8
+    print(host())
     print(
         f"Qwen3-Next-80B-A3B TP 8 as vLLM lays it out: a {args.tokens:,}-token request = "
         f"{full} KV blocks of {BLOCK} tokens x 12 layers + 1 state x 36 layers; {device}"

@@ -56,6 +56,7 @@ from vllm.v1.request import Request
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from _host import host
 from conftest import redis_binary
 
 from kvarena.integrations.vllm.catalogue import Catalogue
@@ -233,6 +234,7 @@ def main() -> None:
     model = "a hybrid (attention and a state)" if args.hybrid else "attention alone"
     if args.no_image:
         model += ", its state held nowhere"
+    print(host())
     print(
         f"TP {RANKS}, {model}, {args.tokens:,}-token prompts (a hit of the first half), "
         f"{args.held:,} objects per rank held in {where}; {probes:,} names a lookup may ask"

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 import httpx
+from _host import host
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC, QUESTION, OUT = 1024, 64, 16
@@ -281,8 +282,9 @@ def main() -> None:
         rows += r
         notes += n
     if args.json:
-        print(json.dumps({"rows": rows, "notes": notes}, indent=2))
+        print(json.dumps({"host": host(), "rows": rows, "notes": notes}, indent=2))
         return
+    print(host())
     print(
         f"{args.docs} documents x {args.questions} questions, {DOC + QUESTION:,}-token prompts, "
         f"{OUT} tokens out; pass 2 after each engine's device cache was reset"
