@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -68,14 +69,14 @@ class Since:
 @dataclass(frozen=True, kw_only=True)
 class _Asked:
     """What a request's last lookup found, with the catalogue's counts and the
-    failed loads counted then."""
+    changes to the names skipped counted then."""
 
     local: int
     kv_end: int
     kv: dict[int, int]  # the lookup's own (never changed after it)
     walked: ImagesWalked | None  # its walk of the state images (None: no state groups)
     since: Since
-    failed: int
+    skips: int
 
 
 class AskedBefore:
@@ -89,12 +90,22 @@ class AskedBefore:
         # by the name of the run's last KV block; a run's ``local`` is where it began
         self._runs: OrderedDict[str, _Asked] = OrderedDict()
         self._run_blocks = 0  # blocks the remembered runs span
-        self._failed = 0  # names ever reported failed
+        # prefix objects a load could not use (on any rank): lookups skip them until
+        # they are saved again; and how often that set has changed
+        self.skip: set[str] = set()
+        self._skips = 0
 
-    def failed(self, names: int) -> None:
-        """``names`` failed their loads, or had failed and are saved again (a
-        remembered walk skipped them): every remembered lookup is walked again."""
-        self._failed += names
+    def reported(self, failed: Iterable[str], saved: Iterable[str]) -> None:
+        """A worker's report: names whose loads failed, and names saved. Where the
+        names skipped change (a failure, or a failed name saved again: a
+        remembered walk skipped it), every remembered lookup is walked again."""
+        before = len(self.skip)
+        self.skip.update(failed)
+        grown = len(self.skip) - before
+        if self.skip:
+            self.skip.difference_update(saved)
+        if grown or len(self.skip) != before:
+            self._skips += 1
 
     def start(
         self, rid: str, keys: RequestKeys, local: int, limit: int, known: int
@@ -111,7 +122,7 @@ class AskedBefore:
         asked = self._asked.get(rid)
         if asked is None or asked.local != local:
             asked = self._run(keys, local, known)
-        if asked is None or asked.failed != self._failed:
+        if asked is None or asked.skips != self._skips:
             return local, {}, None, now
         gone, _ = self.catalogue.gone(asked.since.removals)
         if gone is None:
@@ -163,7 +174,7 @@ class AskedBefore:
             kv=finds.kv,
             walked=finds.walked,
             since=since,
-            failed=self._failed,
+            skips=self._skips,
         )
         self._asked[rid] = asked
         if finds.kv_end > local:
@@ -185,7 +196,7 @@ class AskedBefore:
 
     def _untouched(self, asked: _Asked) -> bool:
         """Whether nothing at all has left the books nor failed since ``asked``."""
-        return asked.failed == self._failed and self.catalogue.gone(asked.since.removals)[0] == []
+        return asked.skips == self._skips and self.catalogue.gone(asked.since.removals)[0] == []
 
     def forget(self, rid: str) -> None:
         self._asked.pop(rid, None)

@@ -70,8 +70,6 @@ class SchedulerSide:
         self.block_size = block_size
         self.root = key_root(namespace)
         self.catalogue = catalogue
-        # prefix objects a load could not use (on any rank), until saved again
-        self._failed: set[str] = set()
         self._objects = AllRanks(catalogue, ranks)  # what a lookup asks
         self.asked = AskedBefore(catalogue, self._objects)  # waiting requests' last lookups
         self._requests: dict[str, Any] = {}
@@ -132,7 +130,7 @@ class SchedulerSide:
             has_state=bool(self.state_groups),
             device_kv=None,
             device_image=None,
-            skip=self._failed,
+            skip=self.asked.skip,
             names=keys.names,
             window=WINDOW,
             known=had,
@@ -148,7 +146,7 @@ class SchedulerSide:
             else resume_point(finds.kv_end, bool(self.state_groups), lambda b: b in finds.state)
         )
         tail, rows = (
-            saved_tail(self._objects, request, keys, limit, self._failed)
+            saved_tail(self._objects, request, keys, limit, self.asked.skip)
             if tails and point == limit
             else (None, 0)
         )
@@ -379,9 +377,7 @@ class SchedulerSide:
             self.catalogue.written(report.written)
             for label, name in report.dropped:  # the connector names each kind once
                 self.catalogue.reported(label, (), [name])
-            self._failed.update(report.failed)
-            self.asked.failed(len(report.failed) + len(self._failed.intersection(report.saved)))
-            self._failed.difference_update(report.saved)
+            self.asked.reported(report.failed, report.saved)
 
     def loaded(self, requests: set[str]) -> None:
         """vLLM's word that these requests' loads are done (or failed)."""
