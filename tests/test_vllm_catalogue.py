@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("vllm")
 
@@ -74,3 +76,103 @@ def test_the_store_is_listed_at_start_and_again_and_never_asked_by_a_lookup(redi
     finally:
         catalogue.close()
         other.close()
+
+
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["put", "evict", "wrote", "dropped", "relist"]),
+        st.integers(0, 7),
+        # for a relisting: what happens while it lists, before and after the scan
+        st.lists(
+            st.tuples(st.sampled_from(["put", "evict", "wrote", "dropped"]), st.integers(0, 7)),
+            max_size=3,
+        ),
+        st.lists(
+            st.tuples(st.sampled_from(["put", "evict", "wrote", "dropped"]), st.integers(0, 7)),
+            max_size=3,
+        ),
+    ),
+    max_size=14,
+)
+_BOTH = [*NAMES[:4], *(object_name(ImageKind.STATE, bytes([i]) * 16) for i in range(4))]
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(ops=_OPS, chunk=st.integers(1, 3))
+def test_a_relisting_brings_the_book_to_the_store_but_for_reports_made_while_it_ran(
+    redis_server, ops, chunk
+):
+    """Against a model: after a listing, a name is in the store's book as the
+    listing has it, unless this engine reported it (put or dropped) after the
+    listing began, where the last report decides; between listings the reports
+    alone change the book. Every name that leaves the book is logged gone,
+    every state image that joins it logged joined. Any slice size."""
+    from kvarena.tiers import TierObject
+    from kvarena.tiers.spec import TierSpec
+
+    url = f"redis://127.0.0.1:{redis_server.port}"
+    store = TierSpec.parse(url).open()
+    store.client.flushall()
+    catalogue = Catalogue(
+        ConnectorSettings.parse({"tiers": ["host:1GiB", url]}), rescan_s=3600, list_chunk=chunk
+    )
+    book: set[str] = set()
+    recent: dict[str, bool] = {}  # reported since the listing under way began: held?
+
+    def do(op: str, i: int) -> None:
+        name = _BOTH[i]
+        if op == "put":  # another engine's write
+            store.put_many([TierObject(name, (b"x",), 1)])
+        elif op == "evict":  # the store's server evicts
+            store.delete_many([name])
+        elif op == "wrote":  # this engine's write-through
+            store.put_many([TierObject(name, (b"x",), 1)])
+            catalogue.written([name])
+            book.add(name)
+            recent[name] = True
+        else:  # a worker found it gone
+            catalogue.reported("redis", [], [name])
+            book.discard(name)
+            recent[name] = False
+
+    real = catalogue._redis.names
+    try:
+        for op, i, during, after in ops:
+            if op != "relist":
+                do(op, i)
+                continue
+            listing: list[set[str]] = []
+
+            def names(during=during, after=after, listing=listing):
+                recent.clear()
+                for o, j in during:
+                    do(o, j)
+                got = real()
+                listing.append(set(got))
+                for o, j in after:  # the store and the reports move on after the scan
+                    do(o, j)
+                return got
+
+            catalogue._redis.names = names
+            was, gone0, images0 = set(book), catalogue.removals(), catalogue.images_joined()
+            catalogue._relist()
+            book = {n for n in listing[0] if n not in recent} | {n for n, h in recent.items() if h}
+            gone, _ = catalogue.gone(gone0)
+            joined, _ = catalogue.images(images0)
+            assert set(gone) >= {n for n in was - book}
+            assert set(joined) >= {n for n in book - was if n.startswith("st-")}
+            recent.clear()
+        assert catalogue.locate(_BOTH) == [1 if n in book else None for n in _BOTH]
+    finally:
+        catalogue.close()
+        store.close()
+
+
+@pytest.mark.parametrize("chunk", [0, -3, 2.5, True, "4096"])
+def test_a_slice_size_that_is_not_a_positive_count_is_refused(chunk):
+    from kvarena.errors import InvalidValueError
+
+    with pytest.raises(InvalidValueError, match="list_chunk"):
+        Catalogue(ConnectorSettings.parse({"tiers": ["host:1GiB"]}), list_chunk=chunk)

@@ -318,15 +318,19 @@ class RedisTier(Tier):
     def names(self) -> list[str] | None:
         """Every object name the store holds under this tier's prefix (``SCAN``, in
         batches: a store many engines share is listed whole), or None when it
-        cannot be reached."""
+        cannot be reached. Each batch is decoded as it arrives, so a caller on a
+        thread of its own hands the interpreter back at every round trip."""
+        cut = len(self.prefix)
         try:
-            keys = list(self._client.scan_iter(match=self.prefix + "*", count=1000))
+            names = [
+                (k.decode(errors="replace") if isinstance(k, bytes) else str(k))[cut:]
+                for k in self._client.scan_iter(match=self.prefix + "*", count=1000)
+            ]
         except self._errors as exc:
             self._failed("scan", exc)
             return None
         self._worked()
-        cut = len(self.prefix)
-        return [(k.decode(errors="replace") if isinstance(k, bytes) else str(k))[cut:] for k in keys]
+        return names
 
     @synchronized
     def delete_many(self, names: Sequence[str]) -> int:
