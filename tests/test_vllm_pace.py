@@ -61,6 +61,9 @@ def test_while_none_runs_loads_fit_what_the_asynchronous_way_waits():
     assert pace.fits(41 * MIB, idle=True) is None  # 41 ms > the 40 ms wait
     pace.waited(0.0)  # nothing measured by a wait of nothing
     assert pace.wait_s() == pytest.approx(0.04)
+    for w in (0.1, 0.2):  # the estimate follows what is measured next
+        pace.waited(w)
+    assert pace.wait_s() == pytest.approx(0.05)
 
 
 def test_the_copy_time_is_a_fixed_cost_and_a_bandwidth():
@@ -91,7 +94,8 @@ def test_idle_gaps_are_not_steps_and_estimates_forget_old_measures():
     pace.stepped(IDLE_S + 5.2, busy=False)  # a step after the engine was idle: no interval
     assert pace.step_s() is None
     steps(pace, KEPT, 0.5, IDLE_S + 6)  # slow steps
-    steps(pace, KEPT + 1, 0.001, 100)  # then fast ones only
+    assert pace.step_s() == pytest.approx(0.5)
+    steps(pace, KEPT + 1, 0.001, 100)  # then fast ones only: the estimate follows
     assert pace.step_s() == pytest.approx(0.001)
     pace.loaded(0, 1.0)  # nothing measured by an empty or instant load
     pace.loaded(100, 0.0)

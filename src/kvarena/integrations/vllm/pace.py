@@ -74,6 +74,9 @@ class LoadPace:
         self._loads: deque[tuple[int, float]] = deque(maxlen=KEPT)  # one rank's
         self._line: tuple[float, float] | None = None  # fitted to _loads, None: stale
         self._waits: deque[float] = deque(maxlen=KEPT)
+        # the medians of _steps and _waits, None: stale (a lookup asks them, a step adds)
+        self._step_s: float | None = None
+        self._wait_s: float | None = None
         self._spent = 0.0  # predicted copy seconds of the loads put in this step
 
     def stepped(self, now: float, *, busy: bool) -> None:
@@ -81,6 +84,7 @@ class LoadPace:
         continues requests the step before scheduled."""
         if busy and self._last is not None and 0 < now - self._last <= IDLE_S:
             self._steps.append(now - self._last)
+            self._step_s = None
         self._last = now
         self._spent = 0.0
 
@@ -94,12 +98,17 @@ class LoadPace:
         """An asynchronous load was reported done ``seconds`` after its lookup."""
         if seconds > 0:
             self._waits.append(seconds)
+            self._wait_s = None
 
     def step_s(self) -> float | None:
-        return statistics.median(self._steps) if self._steps else None
+        if self._step_s is None and self._steps:
+            self._step_s = statistics.median(self._steps)
+        return self._step_s
 
     def wait_s(self) -> float | None:
-        return statistics.median(self._waits) if self._waits else None
+        if self._wait_s is None and self._waits:
+            self._wait_s = statistics.median(self._waits)
+        return self._wait_s
 
     def copy_s(self, nbytes: int) -> float | None:
         """The predicted seconds of one rank's host load of ``nbytes``."""
