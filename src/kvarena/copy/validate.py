@@ -9,6 +9,7 @@ A refused batch writes nothing.
 from __future__ import annotations
 
 import bisect
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -148,7 +149,11 @@ def checked_grids(grids: Sequence[Grid], src_buf: torch.Tensor, dst_buf: torch.T
     live, nbytes = [], 0
     for grid in grids:
         s0, d0, count, n, ss, ds, outer, os_, od = grid
-        if not all(isinstance(v, (int, np.integer)) for v in grid) or min(grid) < 0:
+        try:
+            negative = min(map(operator.index, grid)) < 0  # C-level: a float or a str raises
+        except TypeError:
+            negative = True
+        if negative:
             raise CopyBoundsError(
                 f"copy grid {grid}: offsets, counts, lengths and steps are non-negative "
                 "integers (no strided view steps backward)"

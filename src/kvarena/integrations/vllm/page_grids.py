@@ -17,7 +17,6 @@ planned from the blocks alone, with no search over its 372 spans.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -103,10 +102,11 @@ def _even(values: Sequence[int]) -> int | None:
     """The step of numbers that advance by one step, never backward; else None."""
     if len(values) < 2:
         return 0
-    step = values[1] - values[0]
-    if step < 0 or any(b - a != step for a, b in itertools.pairwise(values)):
+    first, step = values[0], values[1] - values[0]
+    if step < 0:
         return None
-    return step
+    even = [first] * len(values) if step == 0 else range(first, first + step * len(values), step)
+    return step if list(values) == list(even) else None
 
 
 def worth_grids(found: list[Grid], nbytes: int) -> bool:

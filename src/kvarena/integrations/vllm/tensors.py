@@ -183,6 +183,15 @@ class CachePages:
         self._bytes = {
             kind: [int(s.length.sum()) for s in spans] for kind, spans in self._spans.items()
         }
+        # asked on every copy: read from torch once, here
+        self._storage_keys = {
+            kind: [s.storage.untyped_storage().data_ptr() for s in spans]
+            for kind, spans in self._spans.items()
+        }
+        self._device = next(
+            (s.storage.device for spans in self._spans.values() for s in spans),
+            torch.device("cpu"),
+        )
 
     def spans(self, kind: str) -> list[StorageSpans]:
         """Every span of ``kind``'s objects, one record per storage (what a
@@ -191,10 +200,7 @@ class CachePages:
 
     @property
     def device(self) -> torch.device:
-        for spans in self._spans.values():
-            for s in spans:
-                return s.storage.device
-        return torch.device("cpu")
+        return self._device
 
     def batches(
         self, kind: str, blocks: np.ndarray, payload_at: np.ndarray
@@ -219,8 +225,8 @@ class CachePages:
         call; else as a described batch the copy engine plans."""
         merged: dict[int, tuple[torch.Tensor, list[tuple[str, int, Any, Any]]]] = {}
         for kind, ids, at in parts:  # in the order given: one plan every run
-            for i, s in enumerate(self._spans[kind]):
-                key = s.storage.untyped_storage().data_ptr()
+            spans, keys = self._spans[kind], self._storage_keys[kind]
+            for i, (s, key) in enumerate(zip(spans, keys, strict=True)):
                 merged.setdefault(key, (s.storage, []))[1].append((kind, i, ids, at))
         for storage, items in merged.values():
             if self.device.type == "cpu":
