@@ -126,7 +126,11 @@ def main() -> None:
                 times = steps(catalogue, names, args.seconds)
                 stop.set()
                 thread.join()
+                held = catalogue.locate(names)
                 catalogue.close()
+                if held != [1] * len(names):  # the book, listed again and again, is the store's
+                    missing = held.count(None)
+                    sys.exit(f"{label}: {missing:,} of {len(names):,} stored names not in the book")
                 print(row(label, times, relist))
         finally:
             server.stop()
