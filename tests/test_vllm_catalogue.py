@@ -199,3 +199,44 @@ def test_the_listing_benchmark_runs_and_keeps_every_stored_name(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line.split()[0] for line in out.stdout.splitlines()[-3:]]
     assert rows == ["no", "one", "slices"], out.stdout
+
+
+def test_a_listing_that_fails_part_way_is_logged_and_the_next_finds_every_change(
+    redis_server, monkeypatch, caplog
+):
+    """A fault in the lister's thread (here its comparison raising after taking
+    in part of a listing) costs stale answers until the next listing, never the
+    lister: the next listing brings the book to the store again, names the
+    failed one took in and names that left alike."""
+    from kvarena.integrations.vllm import catalogue as module
+    from kvarena.tiers import TierObject
+    from kvarena.tiers.spec import TierSpec
+
+    url = f"redis://127.0.0.1:{redis_server.port}"
+    store = TierSpec.parse(url).open()
+    store.put_many([TierObject(n, (b"x",), 1) for n in NAMES[:3]])
+    catalogue = Catalogue(ConnectorSettings.parse({"tiers": ["host:1GiB", url]}), rescan_s=3600)
+    real = module._compare
+
+    def fails(seen, listing, listed, size):
+        real(seen, listing, listed[:1], size)  # the first name taken in, then a fault
+        raise RuntimeError("a fault part way")
+
+    try:
+        store.put_many([TierObject(n, (b"x",), 1) for n in NAMES[3:5]])
+        store.delete_many([NAMES[0]])
+        monkeypatch.setattr(module, "_compare", fails)
+        catalogue._stop.set()  # the background lister stopped: the loop runs here,
+        catalogue._lister.join()  # one listing, then stops
+        catalogue._stop.clear()
+        waits = iter([False, True])
+        monkeypatch.setattr(catalogue._stop, "wait", lambda _s: next(waits))
+        catalogue._list_loop(0)
+        assert "listing the shared store failed" in caplog.text
+        assert catalogue.locate(NAMES[:5]) == [1, 1, 1, None, None]  # stale, as before
+        monkeypatch.setattr(module, "_compare", real)
+        catalogue._relist()
+        assert catalogue.locate(NAMES[:6]) == [None, 1, 1, 1, 1, None]
+    finally:
+        catalogue.close()
+        store.close()

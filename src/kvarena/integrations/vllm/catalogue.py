@@ -33,6 +33,7 @@ token, and never a wait on the step.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -45,6 +46,8 @@ from ...tiers.image import ImageKind, object_name
 from ...tiers.stack import first_holders
 from .ranks import rank_dir
 from .settings import ConnectorSettings
+
+log = logging.getLogger("vllm.kvarena")
 
 GONE_KEPT = 1 << 20
 """Names removed from the books that a reader may yet ask about (:meth:`Catalogue.gone`)."""
@@ -281,7 +284,18 @@ class Catalogue:
 
     def _list_loop(self, every: float) -> None:
         while not self._stop.wait(every):
-            self._relist()
+            try:
+                self._relist()
+            except Exception:  # a fault part way: lookups answer from what is known
+                log.exception("kvarena: listing the shared store failed; the next starts over")
+                self._start_over()
+
+    def _start_over(self) -> None:
+        """After a listing that failed part way (its comparison half done, its
+        changes half applied): the lister takes the book as its last listing,
+        so the next listing finds every change against what lookups answer."""
+        with self._lock:
+            self._seen = dict.fromkeys(self._held["redis"], 0)  # no listing's number
 
     # -- lookups ---------------------------------------------------------------------
     def locate(self, names: Sequence[str]) -> list[int | None]:
