@@ -178,27 +178,24 @@ def test_a_slice_size_that_is_not_a_positive_count_is_refused(chunk):
         Catalogue(ConnectorSettings.parse({"tiers": ["host:1GiB"]}), list_chunk=chunk)
 
 
-def test_the_listing_benchmark_runs_and_keeps_every_stored_name(tmp_path):
+def test_the_listing_benchmark_runs_and_keeps_every_stored_name(monkeypatch, capsys):
     """``benchmarks/bench_vllm_catalogue.py``'s small case: every row runs, and
     after listings back to back beside the asks the book holds every name the
     store does (the benchmark exits non-zero otherwise)."""
-    import subprocess
     import sys
     from pathlib import Path
 
     from conftest import redis_binary
 
     redis_binary()  # skips where redis-server is missing (fails under CI)
-    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_vllm_catalogue.py"
-    out = subprocess.run(
-        [sys.executable, str(bench), "--names", "5000", "--seconds", "0.3"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    rows = [line.split()[0] for line in out.stdout.splitlines()[-3:]]
-    assert rows == ["no", "one", "slices"], out.stdout
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    monkeypatch.delitem(sys.modules, "bench_vllm_catalogue", raising=False)
+    import bench_vllm_catalogue
+
+    monkeypatch.setattr(sys, "argv", ["bench", "--names", "5000", "--seconds", "0.3"])
+    bench_vllm_catalogue.main()
+    rows = [line.split()[0] for line in capsys.readouterr().out.splitlines()[-3:]]
+    assert rows == ["no", "one", "slices"]
 
 
 def test_a_listing_that_fails_part_way_is_logged_and_the_next_finds_every_change(
