@@ -78,19 +78,16 @@ def test_the_store_is_listed_at_start_and_again_and_never_asked_by_a_lookup(redi
         other.close()
 
 
+_MOVES = st.lists(
+    st.tuples(st.sampled_from(["put", "evict", "wrote", "dropped"]), st.integers(0, 7)),
+    max_size=3,
+)
 _OPS = st.lists(
     st.tuples(
         st.sampled_from(["put", "evict", "wrote", "dropped", "relist"]),
         st.integers(0, 7),
-        # for a relisting: what happens while it lists, before and after the scan
-        st.lists(
-            st.tuples(st.sampled_from(["put", "evict", "wrote", "dropped"]), st.integers(0, 7)),
-            max_size=3,
-        ),
-        st.lists(
-            st.tuples(st.sampled_from(["put", "evict", "wrote", "dropped"]), st.integers(0, 7)),
-            max_size=3,
-        ),
+        _MOVES,  # for a relisting: what happens while it lists, before the scan...
+        _MOVES,  # ...and after it
     ),
     max_size=14,
 )
