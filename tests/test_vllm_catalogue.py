@@ -191,8 +191,8 @@ def test_the_listing_benchmark_runs_and_keeps_every_stored_name(monkeypatch, cap
 
     monkeypatch.setattr(sys, "argv", ["bench", "--names", "5000", "--seconds", "0.3"])
     bench_vllm_catalogue.main()
-    rows = [line.split()[0] for line in capsys.readouterr().out.splitlines()[-3:]]
-    assert rows == ["no", "one", "slices"]
+    rows = [line.split()[0] for line in capsys.readouterr().out.splitlines()[-4:]]
+    assert rows == ["no", "one", "slices", "slices,"]
 
 
 def test_a_listing_that_fails_part_way_is_logged_and_the_next_finds_every_change(
@@ -234,3 +234,22 @@ def test_a_listing_that_fails_part_way_is_logged_and_the_next_finds_every_change
     finally:
         catalogue.close()
         store.close()
+
+
+def test_a_listing_in_the_background_sleeps_three_times_what_each_slice_worked(monkeypatch):
+    """``LIST_DUTY``: between slices the lister sleeps so that its work is a
+    quarter of the time (a fake clock: no test waits on a real one); a listing
+    asked directly (at start, before any step) only hands the interpreter back."""
+    from kvarena.integrations.vllm import catalogue as module
+
+    clock, slept = [100.0], []
+    monkeypatch.setattr(module.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(module.time, "sleep", lambda s: (slept.append(s), clock.__setitem__(0, clock[0] + s)))
+    paced, direct = module._Pace(module.LIST_DUTY), module._Pace(None)
+    for worked in (0.002, 0.0005, 0.0):
+        clock[0] += worked
+        paced()
+        direct()
+    assert module.LIST_DUTY == 0.25
+    assert slept[0::2] == pytest.approx([0.006, 0.0015, 0.0])
+    assert slept[1::2] == [0.0, 0.0, 0.0]

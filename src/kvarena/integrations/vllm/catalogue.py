@@ -77,12 +77,31 @@ def _slices(names: Sequence[str], size: int) -> Iterator[Sequence[str]]:
         yield names[i : i + size]
 
 
-def _let_others_run() -> None:
-    time.sleep(0)  # releases the interpreter's lock: a waiting thread takes it now
+LIST_DUTY = 0.25
+"""The share of the time a listing in the background works: between slices the
+lister sleeps three times as long as the slice took, so that the scheduler
+(and, in one process, the forward's Python between torch's calls) finds the
+interpreter free three times in four. A million names: ~1.8 s of work spread
+over ~7 s, within the 10 s between listings."""
+
+
+class _Pace:
+    """Between slices: the interpreter handed back (a waiting thread takes it
+    now), and where ``duty`` is given, a sleep that keeps the work to that
+    share of the time."""
+
+    def __init__(self, duty: float | None) -> None:
+        self._rest = 1 / duty - 1 if duty else 0.0
+        self._since = time.perf_counter()
+
+    def __call__(self) -> None:
+        worked = time.perf_counter() - self._since
+        time.sleep(worked * self._rest)  # sleep(0) releases the interpreter's lock too
+        self._since = time.perf_counter()
 
 
 def _compare(
-    seen: dict[str, int], listing: int, listed: list[str], size: int
+    seen: dict[str, int], listing: int, listed: list[str], size: int, pace: _Pace
 ) -> tuple[list[str], list[str]]:
     """Bring ``seen`` (each name with the number of the listing it was last in) to
     listing number ``listing``; its names new to ``seen`` and the names it
@@ -93,20 +112,20 @@ def _compare(
     for part in _slices(listed, size):
         joined.extend(itertools.filterfalse(seen.__contains__, part))
         seen.update(zip(part, itertools.repeat(listing)))
-        _let_others_run()
+        pace()
     left: list[str] = []
     names, numbers = iter(seen), iter(seen.values())  # no tuple a name: nothing for the GC
     for _ in range(0, len(seen), size):
         stale = map(listing.__ne__, itertools.islice(numbers, size))
         left.extend(itertools.compress(itertools.islice(names, size), stale))
-        _let_others_run()
+        pace()
     for part in _slices(left, size):
         for name in part:
             del seen[name]
-        _let_others_run()
+        pace()
     while listed:
         del listed[-size:]
-        _let_others_run()
+        pace()
     return joined, left
 
 
@@ -206,7 +225,7 @@ class Catalogue:
             self.reported(kind, names, ())
 
     # -- the shared store's listing --------------------------------------------------
-    def _relist(self) -> None:
+    def _relist(self, duty: float | None = None) -> None:
         """List the store and bring its book to the listing, except for the names
         this engine reported while the listing ran (the reports are newer).
         Names reported before it began are checked against it (a write evicted
@@ -220,10 +239,11 @@ class Catalogue:
                 self._touched |= before  # still to be checked by a listing
             return
         self._listings += 1
-        joined, left = _compare(self._seen, self._listings, listed, self._chunk)
-        self._apply(joined, [*left, *before])
+        pace = _Pace(duty)
+        joined, left = _compare(self._seen, self._listings, listed, self._chunk, pace)
+        self._apply(joined, [*left, *before], pace)
 
-    def _apply(self, joined: list[str], doubtful: list[str]) -> None:
+    def _apply(self, joined: list[str], doubtful: list[str], pace: _Pace) -> None:
         """Bring the store's book to the last listing for the names that joined it and the
         ``doubtful`` ones (that left it, or that reports changed before it was
         taken), a slice at a time under the lock; names reported since it began
@@ -243,7 +263,7 @@ class Catalogue:
                         book.discard(name)
                         self._forget(name)
                 self._joined(fresh)
-            _let_others_run()
+            pace()
 
     def _forget(self, name: str) -> None:
         """Log a name removed from a book (under the lock)."""
@@ -285,7 +305,7 @@ class Catalogue:
     def _list_loop(self, every: float) -> None:
         while not self._stop.wait(every):
             try:
-                self._relist()
+                self._relist(LIST_DUTY)
             except Exception:  # a fault part way: lookups answer from what is known
                 log.exception("kvarena: listing the shared store failed; the next starts over")
                 self._start_over()
