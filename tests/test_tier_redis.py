@@ -9,6 +9,7 @@ import pytest
 from test_replay import SMALL, synthetic_lines
 from test_tier_prefix import compute, make, prompts
 
+from kvarena.errors import InvalidValueError
 from kvarena.prefix import CheckpointPolicy
 from kvarena.replay import ReplayConfig, parse_trace, replay
 from kvarena.tiers import ImageKind, RedisTier, TierStack, TierWarning, encode, parse_tier
@@ -124,6 +125,7 @@ def test_the_same_code_runs_on_a_redis_cluster(tmp_path):
         assert sum(counts) == 19 and sum(1 for c in counts if c) >= 2
         # listed whole, every node's keys (what an engine's catalogue lists)
         assert sorted(tier.names() or []) == sorted(names[5:])
+        assert sorted(tier.names(0.25) or []) == sorted(names[5:])  # resting between batches
         # Two caches over the cluster: what one drained, the other hits.
         ps = prompts(6)
         first = make(TierStack([parse_tier(cluster.url)]))
@@ -193,3 +195,20 @@ def test_a_cluster_resharded_while_serving_costs_at_most_misses(tmp_path):
         assert [bytes(g) for g in got] == [want[n] for n in names]
         assert hits > 0
         tier.close()
+
+
+def test_a_listing_that_rests_between_batches_lists_every_name(redis_server, monkeypatch):
+    """``names(duty)``: the same names, over many ``SCAN`` batches, with a rest
+    after each batch of them (counted, not timed)."""
+    from kvarena.tiers import duty
+
+    tier = parse_tier(f"redis://127.0.0.1:{redis_server.port}")
+    tier.client.mset({f"{tier.prefix}kv-{i:05d}": b"x" for i in range(2500)})
+    tier.client.set("other:kv-x", b"x")  # another prefix: not this tier's
+    rests = []
+    monkeypatch.setattr(duty.time, "sleep", rests.append)
+    assert sorted(tier.names(0.25) or []) == [f"kv-{i:05d}" for i in range(2500)]
+    assert len(rests) == 2  # after the 1,000th and the 2,000th name
+    assert tier.names() is not None and len(rests) == 4
+    with pytest.raises(InvalidValueError, match="duty"):
+        tier.names(2.0)

@@ -142,11 +142,11 @@ def test_a_relisting_brings_the_book_to_the_store_but_for_reports_made_while_it_
                 continue
             listing: list[set[str]] = []
 
-            def names(during=during, after=after, listing=listing):
+            def names(duty=None, during=during, after=after, listing=listing):
                 recent.clear()
                 for o, j in during:
                     do(o, j)
-                got = real()
+                got = real(duty)
                 listing.append(set(got))
                 for o, j in after:  # the store and the reports move on after the scan
                     do(o, j)
@@ -236,20 +236,17 @@ def test_a_listing_that_fails_part_way_is_logged_and_the_next_finds_every_change
         store.close()
 
 
-def test_a_listing_in_the_background_sleeps_three_times_what_each_slice_worked(monkeypatch):
-    """``LIST_DUTY``: between slices the lister sleeps so that its work is a
-    quarter of the time (a fake clock: no test waits on a real one); a listing
-    asked directly (at start, before any step) only hands the interpreter back."""
+def test_a_listing_in_the_background_keeps_to_its_share_of_the_time(monkeypatch):
+    """The lister's loop lists at ``LIST_DUTY`` (its comparison and the store's
+    ``SCAN`` rest between slices, :class:`~kvarena.tiers.duty.DutyCycle`); a
+    listing at start does not rest beyond handing the interpreter over."""
     from kvarena.integrations.vllm import catalogue as module
 
-    clock, slept = [100.0], []
-    monkeypatch.setattr(module.time, "perf_counter", lambda: clock[0])
-    monkeypatch.setattr(module.time, "sleep", lambda s: (slept.append(s), clock.__setitem__(0, clock[0] + s)))
-    paced, direct = module._Pace(module.LIST_DUTY), module._Pace(None)
-    for worked in (0.002, 0.0005, 0.0):
-        clock[0] += worked
-        paced()
-        direct()
-    assert module.LIST_DUTY == 0.25
-    assert slept[0::2] == pytest.approx([0.006, 0.0015, 0.0])
-    assert slept[1::2] == [0.0, 0.0, 0.0]
+    settings = ConnectorSettings.parse({"tiers": ["host:1GiB"]})
+    catalogue = Catalogue(settings)
+    asked: list[float | None] = []
+    monkeypatch.setattr(catalogue, "_relist", asked.append)
+    waits = iter([False, True])
+    monkeypatch.setattr(catalogue._stop, "wait", lambda _s: next(waits))
+    catalogue._list_loop(0)
+    assert asked == [module.LIST_DUTY] and module.LIST_DUTY == 0.25

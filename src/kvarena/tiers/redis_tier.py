@@ -26,6 +26,7 @@ from ..checks import check_timeout
 from ..errors import InvalidValueError
 from ..locking import synchronized
 from .base import Tier, TierError
+from .duty import DutyCycle
 from .image import TierObject, logical_bytes
 
 DEFAULT_PREFIX = "kvarena:"
@@ -34,6 +35,7 @@ INLINE_BYTES = 64 << 10
 are sent from where they lie."""
 _OK = (b"OK", "OK", True)
 _NONE = object()
+_SCAN_COUNT = 1000  # keys a SCAN asks for a round trip
 BATCH_BYTES = 64 << 20
 """Bytes per put pipeline: large enough to amortise the round trip, small
 enough that the reused scratch buffer stays modest."""
@@ -315,17 +317,21 @@ class RedisTier(Tier):
         return self._client
 
     @synchronized
-    def names(self) -> list[str] | None:
+    def names(self, duty: float | None = None) -> list[str] | None:
         """Every object name the store holds under this tier's prefix (``SCAN``, in
         batches: a store many engines share is listed whole), or None when it
         cannot be reached. Each batch is decoded as it arrives, so a caller on a
-        thread of its own hands the interpreter back at every round trip."""
+        thread of its own hands the interpreter back at every round trip;
+        ``duty``: the share of the time the listing works, resting between
+        batches (:class:`~kvarena.tiers.duty.DutyCycle`)."""
         cut = len(self.prefix)
+        cycle = DutyCycle(duty)
+        names: list[str] = []
         try:
-            names = [
-                (k.decode(errors="replace") if isinstance(k, bytes) else str(k))[cut:]
-                for k in self._client.scan_iter(match=self.prefix + "*", count=1000)
-            ]
+            for k in self._client.scan_iter(match=self.prefix + "*", count=_SCAN_COUNT):
+                names.append((k.decode(errors="replace") if isinstance(k, bytes) else str(k))[cut:])
+                if len(names) % _SCAN_COUNT == 0:
+                    cycle.rest()
         except self._errors as exc:
             self._failed("scan", exc)
             return None

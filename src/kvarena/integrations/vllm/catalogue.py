@@ -35,13 +35,13 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from ...errors import InvalidValueError
 from ...tiers import RedisTier
 from ...tiers.disk import SUFFIX, object_entries
+from ...tiers.duty import DutyCycle
 from ...tiers.image import ImageKind, object_name
 from ...tiers.stack import first_holders
 from .ranks import rank_dir
@@ -81,51 +81,37 @@ LIST_DUTY = 0.25
 """The share of the time a listing in the background works: between slices the
 lister sleeps three times as long as the slice took, so that the scheduler
 (and, in one process, the forward's Python between torch's calls) finds the
-interpreter free three times in four. A million names: ~1.8 s of work spread
-over ~7 s, within the 10 s between listings."""
-
-
-class _Pace:
-    """Between slices: the interpreter handed back (a waiting thread takes it
-    now), and where ``duty`` is given, a sleep that keeps the work to that
-    share of the time."""
-
-    def __init__(self, duty: float | None) -> None:
-        self._rest = 1 / duty - 1 if duty else 0.0
-        self._since = time.perf_counter()
-
-    def __call__(self) -> None:
-        worked = time.perf_counter() - self._since
-        time.sleep(worked * self._rest)  # sleep(0) releases the interpreter's lock too
-        self._since = time.perf_counter()
+interpreter free three times in four; the store's ``SCAN`` rests so between
+batches too (:meth:`~kvarena.tiers.RedisTier.names`), which spreads the
+load each engine's listing puts on a store a fleet shares."""
 
 
 def _compare(
-    seen: dict[str, int], listing: int, listed: list[str], size: int, pace: _Pace
+    seen: dict[str, int], listing: int, listed: list[str], size: int, pace: DutyCycle
 ) -> tuple[list[str], list[str]]:
     """Bring ``seen`` (each name with the number of the listing it was last in) to
     listing number ``listing``; its names new to ``seen`` and the names it
-    lacks, which leave ``seen``. ``size`` names a call, the interpreter handed
-    back between calls; ``listed`` is emptied the same way (its strings freed
+    lacks, which leave ``seen``. ``size`` names a call, ``pace`` resting
+    between calls; ``listed`` is emptied the same way (its strings freed
     a slice at a time). A name listed twice (``SCAN`` may) is harmless."""
     joined: list[str] = []
     for part in _slices(listed, size):
         joined.extend(itertools.filterfalse(seen.__contains__, part))
         seen.update(zip(part, itertools.repeat(listing)))
-        pace()
+        pace.rest()
     left: list[str] = []
     names, numbers = iter(seen), iter(seen.values())  # no tuple a name: nothing for the GC
     for _ in range(0, len(seen), size):
         stale = map(listing.__ne__, itertools.islice(numbers, size))
         left.extend(itertools.compress(itertools.islice(names, size), stale))
-        pace()
+        pace.rest()
     for part in _slices(left, size):
         for name in part:
             del seen[name]
-        pace()
+        pace.rest()
     while listed:
         del listed[-size:]
-        pace()
+        pace.rest()
     return joined, left
 
 
@@ -233,17 +219,17 @@ class Catalogue:
         assert self._redis is not None
         with self._lock:
             before, self._touched = self._touched, set()
-        listed = self._redis.names()
+        listed = self._redis.names(duty)
         if listed is None:  # unreachable: keep what is known (loads that miss recompute)
             with self._lock:
                 self._touched |= before  # still to be checked by a listing
             return
         self._listings += 1
-        pace = _Pace(duty)
+        pace = DutyCycle(duty)
         joined, left = _compare(self._seen, self._listings, listed, self._chunk, pace)
         self._apply(joined, [*left, *before], pace)
 
-    def _apply(self, joined: list[str], doubtful: list[str], pace: _Pace) -> None:
+    def _apply(self, joined: list[str], doubtful: list[str], pace: DutyCycle) -> None:
         """Bring the store's book to the last listing for the names that joined it and the
         ``doubtful`` ones (that left it, or that reports changed before it was
         taken), a slice at a time under the lock; names reported since it began
@@ -263,7 +249,7 @@ class Catalogue:
                         book.discard(name)
                         self._forget(name)
                 self._joined(fresh)
-            pace()
+            pace.rest()
 
     def _forget(self, name: str) -> None:
         """Log a name removed from a book (under the lock)."""
