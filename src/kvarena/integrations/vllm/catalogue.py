@@ -19,8 +19,9 @@ lister shares the interpreter's lock with the scheduler: one set built from
 a million fresh strings holds it ~0.2 s, each set difference ~0.1 s. So the
 lister never works on a whole listing in one call: it compares each
 listing with its last in slices of :data:`LIST_CHUNK` names, letting the
-other threads run between them (no set of the whole listing is built, none
-freed in one call), and applies to the book only what changed, slice by
+other threads run between them — in the background resting three times as
+long as each slice took, its ``SCAN`` too (:data:`LIST_DUTY`) — (no set of
+the whole listing is built, none freed in one call), and applies to the book only what changed, slice by
 slice under the books' lock. (The store's replies are parsed by hiredis:
 redis-py's own, in Python, held the lock for every reply it parsed.)
 
@@ -60,8 +61,10 @@ when a step's saves have joined; a reader further behind walks again."""
 _STATE = object_name(ImageKind.STATE, b"")  # what every state image's name begins with
 
 RESCAN_S = 10.0
-"""How often the shared store is listed again: what other engines saved is
-found within this long, what its server evicted is forgotten within it."""
+"""How long the lister waits between listings of the shared store: what other
+engines saved is found within this long plus a listing (paced,
+:data:`LIST_DUTY`: 17 s at a million names on the 2-core development machine
+in a slow hour), what its server evicted forgotten within it."""
 
 LIST_CHUNK = 1024
 """Names the lister handles per call before it hands the interpreter back.
