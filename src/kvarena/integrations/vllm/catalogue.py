@@ -19,10 +19,11 @@ lister shares the interpreter's lock with the scheduler: one set built from
 a million fresh strings holds it ~0.2 s, each set difference ~0.1 s. So the
 lister never works on a whole listing in one call: it compares each
 listing with its last in slices of :data:`LIST_CHUNK` names, letting the
-other threads run between them — in the background resting three times as
-long as each slice took, its ``SCAN`` too (:data:`LIST_DUTY`) — (no set of
-the whole listing is built, none freed in one call), and applies to the book only what changed, slice by
-slice under the books' lock. (The store's replies are parsed by hiredis:
+other threads run between them (no set of the whole listing is built, none
+freed in one call), and applies to the book only what changed, slice by
+slice under the books' lock. In the background it also rests between
+slices, and between its ``SCAN``'s batches, three times as long as each
+took (:data:`LIST_DUTY`). (The store's replies are parsed by hiredis:
 redis-py's own, in Python, held the lock for every reply it parsed.)
 
 A name listed but gone by load time (evicted by another engine, a disk
@@ -74,12 +75,6 @@ scheduler step's p99 1.1 ms and max 2.7 ms at 1,024 (at 256 the same, the
 listing 20% slower; at 2,048 1.6 and 5.1 ms; in one call per listing, max
 0.3 s), against 0.3 and 4 ms with no listing."""
 
-
-def _slices(names: Sequence[str], size: int) -> Iterator[Sequence[str]]:
-    for i in range(0, len(names), size):
-        yield names[i : i + size]
-
-
 LIST_DUTY = 0.25
 """The share of the time a listing in the background works: between slices the
 lister sleeps three times as long as the slice took, so that the scheduler
@@ -87,6 +82,11 @@ lister sleeps three times as long as the slice took, so that the scheduler
 interpreter free three times in four; the store's ``SCAN`` rests so between
 batches too (:meth:`~kvarena.tiers.RedisTier.names`), which spreads the
 load each engine's listing puts on a store a fleet shares."""
+
+
+def _slices(names: Sequence[str], size: int) -> Iterator[Sequence[str]]:
+    for i in range(0, len(names), size):
+        yield names[i : i + size]
 
 
 def _compare(
