@@ -322,8 +322,8 @@ class RedisTier(Tier):
         batches: a store many engines share is listed whole), or None when it
         cannot be reached. Each batch is decoded as it arrives, so a caller on a
         thread of its own hands the interpreter back at every round trip;
-        ``duty``: the share of the time the listing works, resting between
-        batches (:class:`~kvarena.tiers.duty.DutyCycle`)."""
+        ``duty``: the share of the time the listing works, resting after every
+        1,000 names, a ``SCAN`` batch's worth (:class:`~kvarena.tiers.duty.DutyCycle`)."""
         cut = len(self.prefix)
         cycle = DutyCycle(duty)
         names: list[str] = []

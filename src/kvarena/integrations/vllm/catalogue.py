@@ -40,7 +40,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
-from ...errors import InvalidValueError
+from ...checks import check_count
 from ...tiers import RedisTier
 from ...tiers.disk import SUFFIX, object_entries
 from ...tiers.duty import DutyCycle
@@ -149,10 +149,7 @@ class Catalogue:
         """``ranks``: the engine's tensor-parallel size (each rank's worker writes
         its disk objects into a directory of its own, :func:`.ranks.rank_dir`);
         ``list_chunk``: names the lister handles a call (:data:`LIST_CHUNK`)."""
-        if isinstance(list_chunk, bool) or not isinstance(list_chunk, int) or list_chunk < 1:
-            raise InvalidValueError(
-                f"catalogue list_chunk={list_chunk!r}: a positive number of names"
-            )
+        list_chunk = check_count(list_chunk, "catalogue list_chunk", lo=1)
         self.kinds: list[str] = [spec.kind for spec in settings.tiers]
         self._held: dict[str, set[str]] = {kind: set() for kind in self.kinds}
         self._lock = threading.Lock()  # the books as the lister changes them, and the logs
