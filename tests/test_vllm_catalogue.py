@@ -210,25 +210,30 @@ def test_a_listing_that_fails_part_way_is_logged_and_the_next_finds_every_change
     store = TierSpec.parse(url).open()
     store.put_many([TierObject(n, (b"x",), 1) for n in NAMES[:3]])
     catalogue = Catalogue(ConnectorSettings.parse({"tiers": ["host:1GiB", url]}), rescan_s=3600)
-    real = module._compare
+    real = module.compare
 
-    def fails(seen, listing, listed, size):
-        real(seen, listing, listed[:1], size)  # the first name taken in, then a fault
+    taken: list[int] = []
+
+    def fails(seen, listing, listed, size, pace):
+        taken.append(len(listed))
+        real(seen, listing, listed[:1], size, pace)  # the first name taken in, then a fault
         raise RuntimeError("a fault part way")
 
     try:
         store.put_many([TierObject(n, (b"x",), 1) for n in NAMES[3:5]])
         store.delete_many([NAMES[0]])
-        monkeypatch.setattr(module, "_compare", fails)
+        monkeypatch.setattr(module, "compare", fails)
         catalogue._stop.set()  # the background lister stopped: the loop runs here,
+        catalogue._list_now.set()
         catalogue._lister.join()  # one listing, then stops
         catalogue._stop.clear()
-        waits = iter([False, True])
-        monkeypatch.setattr(catalogue._stop, "wait", lambda _s: next(waits))
-        catalogue._list_loop(0)
-        assert "listing the shared store failed" in caplog.text
+        stops = iter([False, True])
+        monkeypatch.setattr(catalogue._list_now, "wait", lambda _s: True)
+        monkeypatch.setattr(catalogue._stop, "is_set", lambda: next(stops))
+        catalogue._list_loop(0, 0)
+        assert taken == [4] and "listing the shared store failed" in caplog.text
         assert catalogue.locate(NAMES[:5]) == [1, 1, 1, None, None]  # stale, as before
-        monkeypatch.setattr(module, "_compare", real)
+        monkeypatch.setattr(module, "compare", real)
         catalogue._relist()
         assert catalogue.locate(NAMES[:6]) == [None, 1, 1, 1, 1, None]
     finally:
@@ -246,7 +251,92 @@ def test_a_listing_in_the_background_keeps_to_its_share_of_the_time(monkeypatch)
     catalogue = Catalogue(settings)
     asked: list[float | None] = []
     monkeypatch.setattr(catalogue, "_relist", asked.append)
-    waits = iter([False, True])
-    monkeypatch.setattr(catalogue._stop, "wait", lambda _s: next(waits))
-    catalogue._list_loop(0)
+    stops = iter([False, True])
+    monkeypatch.setattr(catalogue._list_now, "wait", lambda _s: True)
+    monkeypatch.setattr(catalogue._stop, "is_set", lambda: next(stops))
+    catalogue._list_loop(0, 0)
     assert asked == [module.LIST_DUTY] and module.LIST_DUTY == 0.25
+
+
+def _until(check, what: str, deadline_s: float = 20.0) -> None:
+    """Wait for an announcement's effect (they travel asynchronously), never for a time."""
+    import time
+
+    end = time.monotonic() + deadline_s
+    while not check():
+        assert time.monotonic() < end, what
+        time.sleep(0.02)
+
+
+def test_a_store_that_announces_its_changes_is_followed_without_listing_it(redis_server, caplog):
+    """With ``notify-keyspace-events`` on, another engine's writes and deletes and
+    the server's evictions reach the book as they happen: no listing after the
+    first (both listing periods an hour here)."""
+    import logging
+
+    import redis
+
+    from kvarena.tiers import TierObject
+    from kvarena.tiers.spec import TierSpec
+
+    redis.Redis(port=redis_server.port).config_set("notify-keyspace-events", "K$gxe")
+    url = f"redis://127.0.0.1:{redis_server.port}"
+    other = TierSpec.parse(url).open()
+    other.put_many([TierObject(NAMES[0], (b"x",), 1)])
+    caplog.set_level(logging.INFO, "vllm.kvarena")
+    settings = ConnectorSettings.parse({"tiers": ["host:1GiB", url]})
+    catalogue = Catalogue(settings, rescan_s=3600, relist_live_s=3600)
+    try:
+        assert "following the store's announcements" in caplog.text
+        assert catalogue.locate(NAMES[:2]) == [1, None] and catalogue._listings == 1
+        images = catalogue.images_joined()
+        state = object_name(ImageKind.STATE, b"s" * 16)
+        other.put_many([TierObject(n, (b"x",), 1) for n in (NAMES[1], state)])
+        other.delete_many([NAMES[0]])
+        _until(lambda: catalogue.locate([NAMES[0], NAMES[1], state]) == [None, 1, 1], "heard")
+        assert catalogue._listings == 1
+        # what joined and left is logged as a listing's changes are
+        joined, _ = catalogue.images(images)
+        gone, _ = catalogue.gone(0)
+        assert joined == [state] and gone == [NAMES[0]]
+    finally:
+        catalogue.close()
+        other.close()
+
+
+def test_a_lost_subscription_is_taken_again_and_the_store_listed_again(
+    redis_server, caplog, monkeypatch
+):
+    """A subscription that breaks (here the server drops every subscriber, and
+    announces nothing while its configuration is off) loses the changes made
+    meanwhile: the lister lists the store at once and at the unfollowed pace
+    until the follower subscribes again, which lists it once more."""
+    import redis
+
+    from kvarena.tiers import TierObject
+    from kvarena.tiers.spec import TierSpec
+
+    admin = redis.Redis(port=redis_server.port)
+    admin.config_set("notify-keyspace-events", "KA")
+    url = f"redis://127.0.0.1:{redis_server.port}"
+    other = TierSpec.parse(url).open()
+    settings = ConnectorSettings.parse({"tiers": ["host:1GiB", url]})
+    catalogue = Catalogue(settings, rescan_s=0.2, relist_live_s=3600)
+    try:
+        assert catalogue._live and catalogue._listings == 1
+        admin.config_set("notify-keyspace-events", "")
+        assert admin.client_kill_filter(_type="pubsub") == 1
+        _until(lambda: not catalogue._live, "the loss seen")
+        other.put_many([TierObject(NAMES[2], (b"x",), 1)])  # announced to nobody
+        _until(lambda: catalogue.locate([NAMES[2]]) == [1], "listed again")
+        assert "changes went unheard" in caplog.text or "broke" in caplog.text
+        listed = catalogue._listings
+        admin.config_set("notify-keyspace-events", "KA")
+        _until(lambda: catalogue._live and catalogue._listings > listed, "followed again")
+        monkeypatch.setattr(catalogue._redis, "names", lambda duty=None: None)  # no listing
+        other.put_many([TierObject(NAMES[3], (b"x",), 1)])
+        _until(lambda: catalogue.locate([NAMES[3]]) == [1], "heard again")
+    finally:
+        catalogue.close()
+        other.close()
+        admin.close()

@@ -10,9 +10,13 @@ that tier's truth lives:
 - the disk tier's directory is read once at start (every rank's; a restarted
   engine finds what the last one wrote), then kept by the worker's reports of
   what it wrote through and what the tier evicted or dropped;
-- the shared store is listed at start and again every ``rescan_s`` seconds
-  on a background thread (other engines write to it, its server evicts), and
-  kept between listings by this engine's own writes.
+- the shared store is listed at start and kept by this engine's own writes
+  and, where its server announces its keys' changes, by what it announces
+  (:mod:`kvarena.tiers.redis_feed`: every engine's writes and the server's
+  evictions, heard a round trip after them, on a thread of their own);
+  listed again every ``rescan_s`` seconds on a background thread where it
+  does not (other engines write to it, its server evicts), and every
+  ``relist_live_s`` where it does, to repair what went unheard.
 
 A listing of a store a fleet shares runs to millions of names, and the
 lister shares the interpreter's lock with the scheduler: one set built from
@@ -34,18 +38,19 @@ token, and never a wait on the step.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from ...checks import check_count
 from ...tiers import RedisTier
 from ...tiers.disk import SUFFIX, object_entries
 from ...tiers.duty import DutyCycle
 from ...tiers.image import ImageKind, object_name
+from ...tiers.redis_feed import FeedLost, StoreFeed, open_feed
 from ...tiers.stack import first_holders
+from .listing import compare, slices
 from .ranks import rank_dir
 from .settings import ConnectorSettings
 
@@ -67,6 +72,15 @@ engines saved is found within this long plus a listing (paced,
 :data:`LIST_DUTY`: 17 s at a million names on the 2-core development machine
 in a slow hour), what its server evicted forgotten within it."""
 
+RELIST_LIVE_S = 300.0
+"""How long the lister waits between listings while the store's announcements
+are followed: a listing then only repairs what the server announced nothing
+of (a ``FLUSHALL``), so the store is listed a thirtieth as often."""
+
+FEED_WAIT_S = 0.5
+"""How long the follower waits for an announcement before it looks up (to stop,
+or to check a cluster's primaries); also its wait before subscribing again."""
+
 LIST_CHUNK = 1024
 """Names the lister handles per call before it hands the interpreter back.
 Measured with a store of a million names listed back to back
@@ -82,40 +96,6 @@ lister sleeps three times as long as the slice took, so that the scheduler
 interpreter free three times in four; the store's ``SCAN`` rests so between
 batches too (:meth:`~kvarena.tiers.RedisTier.names`), which spreads the
 load each engine's listing puts on a store a fleet shares."""
-
-
-def _slices(names: Sequence[str], size: int) -> Iterator[Sequence[str]]:
-    for i in range(0, len(names), size):
-        yield names[i : i + size]
-
-
-def _compare(
-    seen: dict[str, int], listing: int, listed: list[str], size: int, pace: DutyCycle
-) -> tuple[list[str], list[str]]:
-    """Bring ``seen`` (each name with the number of the listing it was last in) to
-    listing number ``listing``; its names new to ``seen`` and the names it
-    lacks, which leave ``seen``. ``size`` names a call, ``pace`` resting
-    between calls; ``listed`` is emptied the same way (its strings freed
-    a slice at a time). A name listed twice (``SCAN`` may) is harmless."""
-    joined: list[str] = []
-    for part in _slices(listed, size):
-        joined.extend(itertools.filterfalse(seen.__contains__, part))
-        seen.update(zip(part, itertools.repeat(listing)))
-        pace.rest()
-    left: list[str] = []
-    names, numbers = iter(seen), iter(seen.values())  # no tuple a name: nothing for the GC
-    for _ in range(0, len(seen), size):
-        stale = map(listing.__ne__, itertools.islice(numbers, size))
-        left.extend(itertools.compress(itertools.islice(names, size), stale))
-        pace.rest()
-    for part in _slices(left, size):
-        for name in part:
-            del seen[name]
-        pace.rest()
-    while listed:
-        del listed[-size:]
-        pace.rest()
-    return joined, left
 
 
 def _disk_names(directory: str) -> set[str]:
@@ -144,11 +124,14 @@ class Catalogue:
         ranks: int = 1,
         *,
         rescan_s: float = RESCAN_S,
+        relist_live_s: float = RELIST_LIVE_S,
         list_chunk: int = LIST_CHUNK,
     ) -> None:
         """``ranks``: the engine's tensor-parallel size (each rank's worker writes
         its disk objects into a directory of its own, :func:`.ranks.rank_dir`);
-        ``list_chunk``: names the lister handles a call (:data:`LIST_CHUNK`)."""
+        ``rescan_s`` and ``relist_live_s``: seconds between listings of the store
+        without and with its announcements followed; ``list_chunk``: names the
+        lister handles a call (:data:`LIST_CHUNK`)."""
         list_chunk = check_count(list_chunk, "catalogue list_chunk", lo=1)
         self.kinds: list[str] = [spec.kind for spec in settings.tiers]
         self._held: dict[str, set[str]] = {kind: set() for kind in self.kinds}
@@ -163,6 +146,10 @@ class Catalogue:
         self._redis: RedisTier | None = None
         self._stop = threading.Event()
         self._lister: threading.Thread | None = None
+        self._follower: threading.Thread | None = None
+        self._listing = False  # a listing is under way (the lister's own flag)
+        self._live = False  # the store's announcements are followed now
+        self._list_now = threading.Event()  # the follower subscribed again: list now
         # every name removed from a book, in order, and how many ever were
         self._gone: deque[str] = deque(maxlen=GONE_KEPT)
         self._gone_total = 0
@@ -176,11 +163,24 @@ class Catalogue:
                     self._held["disk"] |= _disk_names(rank_dir(spec.directory, r, ranks))
             elif spec.kind == "redis":
                 self._redis = spec.open()  # type: ignore[assignment]
+                assert self._redis is not None
+                # subscribed before the first listing: nothing between the two is missed
+                feed, why = open_feed(self._redis.client, self._redis.prefix)
+                self._live = feed is not None
+                log.info("kvarena: the shared store: %s", why)
                 self._relist()
                 self._lister = threading.Thread(
-                    target=self._list_loop, args=(rescan_s,), name="kvarena-catalogue", daemon=True
+                    target=self._list_loop,
+                    args=(rescan_s, relist_live_s),
+                    name="kvarena-catalogue",
+                    daemon=True,
                 )
                 self._lister.start()
+                if feed is not None:
+                    self._follower = threading.Thread(
+                        target=self._follow, args=(feed,), name="kvarena-feed", daemon=True
+                    )
+                    self._follower.start()
 
     # -- fed by the workers' reports -----------------------------------------------
     def hosted(self, added: Iterable[str], dropped: Iterable[str]) -> None:
@@ -210,6 +210,50 @@ class Catalogue:
         for kind in ("disk", "redis"):
             self.reported(kind, names, ())
 
+    def heard(self, changes: Iterable[tuple[str, bool]]) -> None:
+        """Apply what the store announced, oldest first: each name and whether it
+        holds a value after the change. Announced while a listing runs, a change
+        is newer than it and wins over it."""
+        with self._lock:
+            book = self._held["redis"]
+            for name, held in changes:
+                if held:
+                    if name not in book:
+                        book.add(name)
+                        self._joined((name,))
+                elif name in book:
+                    book.discard(name)
+                    self._forget(name)
+                if self._listing:
+                    self._touched.add(name)
+
+    def _follow(self, feed: StoreFeed | None) -> None:
+        """The follower's loop: hear the store's announcements and apply them; a
+        lost subscription is taken again, then the store listed again (what
+        was announced between went unheard)."""
+        assert self._redis is not None
+        while not self._stop.is_set():
+            if feed is None:
+                feed, why = open_feed(self._redis.client, self._redis.prefix)
+                if feed is None:
+                    self._stop.wait(FEED_WAIT_S)
+                    continue
+                log.warning("kvarena: the shared store: %s again; listing it again", why)
+                self._live = True
+                self._list_now.set()
+            try:
+                changes = feed.changes(FEED_WAIT_S)
+            except FeedLost as exc:
+                log.warning("kvarena: the shared store's announcements: %s", exc)
+                feed.close()
+                feed, self._live = None, False
+                self._list_now.set()  # and at the unfollowed pace until subscribed again
+                continue
+            if changes:
+                self.heard(changes)
+        if feed is not None:
+            feed.close()
+
     # -- the shared store's listing --------------------------------------------------
     def _relist(self, duty: float | None = None) -> None:
         """List the store and bring its book to the listing, except for the names
@@ -219,15 +263,20 @@ class Catalogue:
         assert self._redis is not None
         with self._lock:
             before, self._touched = self._touched, set()
-        listed = self._redis.names(duty)
-        if listed is None:  # unreachable: keep what is known (loads that miss recompute)
+            self._listing = True
+        try:
+            listed = self._redis.names(duty)
+            if listed is None:  # unreachable: keep what is known (loads that miss recompute)
+                with self._lock:
+                    self._touched |= before  # still to be checked by a listing
+                return
+            self._listings += 1
+            pace = DutyCycle(duty)
+            joined, left = compare(self._seen, self._listings, listed, self._chunk, pace)
+            self._apply(joined, [*left, *before], pace)
+        finally:
             with self._lock:
-                self._touched |= before  # still to be checked by a listing
-            return
-        self._listings += 1
-        pace = DutyCycle(duty)
-        joined, left = _compare(self._seen, self._listings, listed, self._chunk, pace)
-        self._apply(joined, [*left, *before], pace)
+                self._listing = False
 
     def _apply(self, joined: list[str], doubtful: list[str], pace: DutyCycle) -> None:
         """Bring the store's book to the last listing for the names that joined it and the
@@ -235,7 +284,7 @@ class Catalogue:
         taken), a slice at a time under the lock; names reported since it began
         are left as the reports made them."""
         book, seen, listing = self._held["redis"], self._seen, self._listings
-        for part in _slices([*joined, *doubtful], self._chunk):
+        for part in slices([*joined, *doubtful], self._chunk):
             with self._lock:
                 touched, fresh = self._touched, []
                 for name in part:
@@ -288,8 +337,12 @@ class Catalogue:
         with self._lock:
             return _after(self._gone, self._gone_total, since)
 
-    def _list_loop(self, every: float) -> None:
-        while not self._stop.wait(every):
+    def _list_loop(self, every: float, live_every: float) -> None:
+        while True:
+            self._list_now.wait(live_every if self._live else every)
+            self._list_now.clear()
+            if self._stop.is_set():
+                return
             try:
                 self._relist(LIST_DUTY)
             except Exception:  # a fault part way: lookups answer from what is known
@@ -315,7 +368,9 @@ class Catalogue:
 
     def close(self) -> None:
         self._stop.set()
-        if self._lister is not None:
-            self._lister.join()
+        self._list_now.set()
+        for thread in (self._follower, self._lister):
+            if thread is not None:
+                thread.join()
         if self._redis is not None:
             self._redis.close()
