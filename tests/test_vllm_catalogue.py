@@ -286,8 +286,14 @@ def test_a_store_that_announces_its_changes_is_followed_without_listing_it(redis
     caplog.set_level(logging.INFO, "vllm.kvarena")
     settings = ConnectorSettings.parse({"tiers": ["host:1GiB", url]})
     catalogue = Catalogue(settings, rescan_s=3600, relist_live_s=3600)
+    off = Catalogue(
+        ConnectorSettings.parse({"tiers": ["host:1GiB", url], "store_feed": "off"}),
+        rescan_s=3600,
+    )
     try:
         assert "following the store's announcements" in caplog.text
+        assert "store_feed is 'off'; listing it every 3600 s" in caplog.text
+        assert off._follower is None and not off._live
         assert catalogue.locate(NAMES[:2]) == [1, None] and catalogue._listings == 1
         images = catalogue.images_joined()
         state = object_name(ImageKind.STATE, b"s" * 16)
@@ -299,8 +305,10 @@ def test_a_store_that_announces_its_changes_is_followed_without_listing_it(redis
         joined, _ = catalogue.images(images)
         gone, _ = catalogue.gone(0)
         assert joined == [state] and gone == [NAMES[0]]
+        assert off.locate([NAMES[0], NAMES[1]]) == [1, None]  # not followed: stale till listed
     finally:
         catalogue.close()
+        off.close()
         other.close()
 
 
@@ -340,3 +348,25 @@ def test_a_lost_subscription_is_taken_again_and_the_store_listed_again(
         catalogue.close()
         other.close()
         admin.close()
+
+
+def test_the_feed_benchmark_runs_and_every_engine_finds_every_sampled_name(monkeypatch, capsys):
+    """``benchmarks/bench_store_feed.py``'s small case: every row runs, and every
+    sampled name reaches every engine's book, listed or announced (the
+    benchmark exits non-zero otherwise); following, no listing after the first."""
+    import sys
+    from pathlib import Path
+
+    from conftest import redis_binary
+
+    redis_binary()  # skips where redis-server is missing (fails under CI)
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    monkeypatch.delitem(sys.modules, "bench_store_feed", raising=False)
+    import bench_store_feed
+
+    argv = ["bench", "--names", "2000", "--engines", "2", "--writes", "40", "--seconds", "1"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--rescan-s", "0.3"])
+    bench_store_feed.main()
+    rows = capsys.readouterr().out.splitlines()[-4:-1]
+    assert [r.split()[0] for r in rows] == ["writes", "listing", "following"]
+    assert rows[2].split()[-1] == "0"  # no listing while following

@@ -60,6 +60,8 @@ pytestmark = pytest.mark.usefixtures("vllm_in_process")
         ({"tiers": ["host:1GiB"], "load_timeout": "30s"}, "'load_timeout'"),
         ({"tiers": ["host:1GiB"], "layout": "BLHNC"}, "'layout'"),
         ({"tiers": ["host:1GiB"], "layout": None}, "'layout'"),
+        ({"tiers": ["host:1GiB"], "store_feed": "on"}, "'store_feed'"),
+        ({"tiers": ["host:1GiB"], "store_feed": False}, "'store_feed'"),
         ({"tiers": ["host:1GiB"], "save_backlog": 0}, "'save_backlog'"),
         ({"tiers": ["host:1GiB"], "save_backlog": "lots"}, "'save_backlog'"),
         ({"tiers": ["host:1GiB"], "save_backlog": True}, "'save_backlog'"),

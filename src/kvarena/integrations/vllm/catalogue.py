@@ -165,8 +165,14 @@ class Catalogue:
                 self._redis = spec.open()  # type: ignore[assignment]
                 assert self._redis is not None
                 # subscribed before the first listing: nothing between the two is missed
-                feed, why = open_feed(self._redis.client, self._redis.prefix)
+                feed, why = (
+                    open_feed(self._redis.client, self._redis.prefix)
+                    if settings.store_feed == "auto"
+                    else (None, "store_feed is 'off'")
+                )
                 self._live = feed is not None
+                if feed is None:
+                    why += f"; listing it every {rescan_s:g} s"
                 log.info("kvarena: the shared store: %s", why)
                 self._relist()
                 self._lister = threading.Thread(

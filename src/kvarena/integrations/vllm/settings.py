@@ -28,6 +28,7 @@ KEYS = (
     "pd_host",
     "pd_port",
     "pd_expiry",
+    "store_feed",
 )
 """Every key the connector reads; any other key is refused (a typo must not
 silently turn a tier off)."""
@@ -41,6 +42,9 @@ ROLES = ("kv_both", "kv_producer", "kv_consumer")
 """vLLM's ``kv_role`` values the connector serves."""
 
 LAYOUTS = ("auto", "block-major", "engine")
+FEEDS = ("auto", "off")
+"""``store_feed`` values: follow a shared store's announcements where its server
+makes them, or never (list it)."""
 BLOCK_MAJOR = "BLHNC"
 """vLLM's block-major layout: ``[blocks, layers, heads, tokens, content]``."""
 
@@ -96,6 +100,13 @@ class ConnectorSettings:
     would go past it are skipped, before anything is copied: the forward outruns
     a slow disk or store by costing future misses, never by growing host memory
     without a bound.
+
+    ``store_feed``: how the scheduler learns what a shared store holds. ``auto``
+    (default): it follows the store's keyspace notifications where the server
+    announces every change it needs (``notify-keyspace-events K$gxe``), and lists
+    the store every 10 s where it does not; ``off``: it lists it every 10 s
+    (a store whose server announces for other clients, and whose writes would
+    cost it more to publish to every engine than a listing).
     """
 
     tiers: tuple[TierSpec, ...]
@@ -107,6 +118,7 @@ class ConnectorSettings:
     pd_host: str = "127.0.0.1"
     pd_port: int = 0
     pd_expiry: float = 120.0
+    store_feed: str = "auto"
     disaggregated: bool = False  # the role, or pd_host / pd_port, asks for it
 
     @classmethod
@@ -198,6 +210,11 @@ class ConnectorSettings:
                 f"{where}['save_backlog'] must be a size of at least 1 byte (an integer "
                 f"or a string such as '1GiB'), got {backlog!r:.80}"
             )
+        feed = extra.get("store_feed", cls.store_feed)
+        if feed not in FEEDS:
+            raise ConnectorConfigError(
+                f"{where}['store_feed'] must be one of {', '.join(FEEDS)}, got {feed!r:.80}"
+            )
         timeout = _seconds(extra, "load_timeout", cls.load_timeout, 3600)
         host = extra.get("pd_host", cls.pd_host)
         if not isinstance(host, str) or not host or host in ("0.0.0.0", "::") or " " in host:
@@ -222,6 +239,7 @@ class ConnectorSettings:
             layout=layout,
             save_backlog=backlog_bytes,
             load_timeout=timeout,
+            store_feed=feed,
         )
 
     def preferred_layout(self, *, cpu: bool) -> str | None:
