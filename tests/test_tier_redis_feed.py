@@ -11,7 +11,10 @@ generous deadline), never for a time.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -34,6 +37,20 @@ DEADLINE_S = 20.0
 
 def _announcing(client, events: str = "K" + NEEDED) -> None:
     client.config_set("notify-keyspace-events", events)
+
+
+@contextlib.contextmanager
+def _followed(port: int) -> Iterator[tuple[Any, StoreFeed]]:
+    """A client of the server on ``port``, made to announce, and a feed of it."""
+    client = redis.Redis(port=port)
+    _announcing(client)
+    feed, why = open_feed(client, PREFIX)
+    assert feed is not None, why
+    try:
+        yield client, feed
+    finally:
+        feed.close()
+        client.close()
 
 
 def _truth(client, keys) -> dict[str, bool]:
@@ -78,11 +95,7 @@ def test_a_server_that_does_not_announce_is_not_followed_and_says_why(redis_serv
 
 
 def test_every_change_of_the_prefix_is_heard_in_order_and_nothing_else(redis_server):
-    client = redis.Redis(port=redis_server.port)
-    _announcing(client)
-    feed, why = open_feed(client, PREFIX)
-    assert feed is not None, why
-    try:
+    with _followed(redis_server.port) as (client, feed):
         client.set(PREFIX + "a", b"1")
         client.set(PREFIX + "b", b"2")
         client.set("other:c", b"3")  # another prefix: not ours
@@ -112,52 +125,31 @@ def test_every_change_of_the_prefix_is_heard_in_order_and_nothing_else(redis_ser
         _follow(feed, book, lambda b: b.get("t") is False)  # its expiry, however late
         assert all(not n.startswith("other") for n in book)
         assert book == _truth(client, book)
-    finally:
-        feed.close()
-        client.close()
 
 
 def test_the_servers_evictions_are_heard(tmp_path):
     from kvarena.testing.redis_server import RedisServer
 
     with RedisServer(str(tmp_path), binary=redis_binary(), maxmemory="4mb") as server:
-        client = redis.Redis(port=server.port)
-        _announcing(client)
-        feed, why = open_feed(client, PREFIX)
-        assert feed is not None, why
-        try:
+        with _followed(server.port) as (client, feed):
             keys = [f"k{i}" for i in range(40)]
             for k in keys:  # 10 MB into 4: the server evicts (allkeys-lru)
                 client.set(PREFIX + k, b"x" * (256 << 10))
             book: dict[str, bool] = {}
             _follow(feed, book, lambda b: len(b) == len(keys) and b == _truth(client, keys))
             assert not all(book.values()), "nothing was evicted"
-        finally:
-            feed.close()
-            client.close()
 
 
 def test_a_broken_subscription_is_an_error_not_a_gap(redis_server):
-    client = redis.Redis(port=redis_server.port)
-    _announcing(client)
-    feed, why = open_feed(client, PREFIX)
-    assert feed is not None, why
-    try:
+    with _followed(redis_server.port) as (client, feed):
         assert client.client_kill_filter(_type="pubsub") == 1
         with pytest.raises(FeedLost, match="broke"):  # not taken again unseen
             for _ in range(50):
                 feed.changes(0.1)
-    finally:
-        feed.close()
-        client.close()
 
 
 def test_a_burst_is_handed_back_in_bounded_pieces(redis_server):
-    client = redis.Redis(port=redis_server.port)
-    _announcing(client)
-    feed, why = open_feed(client, PREFIX)
-    assert feed is not None, why
-    try:
+    with _followed(redis_server.port) as (client, feed):
         pipe = client.pipeline(transaction=False)
         total = MAX_CHANGES + 500
         for i in range(total):
@@ -169,9 +161,6 @@ def test_a_burst_is_handed_back_in_bounded_pieces(redis_server):
             assert time.monotonic() < deadline, sizes
             sizes.append(len(feed.changes(0.2)))
         assert sum(sizes) == total and max(sizes) <= MAX_CHANGES
-    finally:
-        feed.close()
-        client.close()
 
 
 def test_a_cluster_is_followed_on_every_primary(tmp_path):
