@@ -20,8 +20,9 @@ without our connection breaking) is found by the next listing; until then a
 name listed but gone is a failed load, which costs a recompute.
 
 A Redis Cluster announces a key's changes on the node that holds it: the
-feed subscribes on every primary, and a change in the set of primaries is a
-lost feed.
+feed subscribes on every primary, and a change in the set of primaries (as
+redis-py's view of the cluster has it, refreshed on an error or a redirect)
+is a lost feed.
 """
 
 from __future__ import annotations
