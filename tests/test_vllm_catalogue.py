@@ -293,7 +293,7 @@ def test_a_store_that_announces_its_changes_is_followed_without_listing_it(redis
     try:
         assert "following the store's announcements" in caplog.text
         assert "store_feed is 'off'; listing it every 3600 s" in caplog.text
-        assert off._follower is None and not off._live
+        assert off._follower is None and not off._live  # and never tries to subscribe
         assert catalogue.locate(NAMES[:2]) == [1, None] and catalogue._listings == 1
         images = catalogue.images_joined()
         state = object_name(ImageKind.STATE, b"s" * 16)
@@ -370,3 +370,30 @@ def test_the_feed_benchmark_runs_and_every_engine_finds_every_sampled_name(monke
     rows = capsys.readouterr().out.splitlines()[-4:-1]
     assert [r.split()[0] for r in rows] == ["writes", "listing", "following"]
     assert rows[2].split()[-1] == "0"  # no listing while following
+
+
+def test_a_store_that_starts_announcing_is_followed_from_then_on(redis_server, monkeypatch):
+    """An engine started beside a store whose server did not announce tries to
+    subscribe again every listing period: once the server announces, it
+    follows it."""
+    import redis
+
+    from kvarena.tiers import TierObject
+    from kvarena.tiers.spec import TierSpec
+
+    admin = redis.Redis(port=redis_server.port)
+    url = f"redis://127.0.0.1:{redis_server.port}"
+    other = TierSpec.parse(url).open()
+    settings = ConnectorSettings.parse({"tiers": ["host:1GiB", url]})
+    catalogue = Catalogue(settings, rescan_s=0.2, relist_live_s=3600)
+    try:
+        assert not catalogue._live and catalogue._follower is not None
+        admin.config_set("notify-keyspace-events", "K$gxe")
+        _until(lambda: catalogue._live, "subscribed once the server announces")
+        monkeypatch.setattr(catalogue._redis, "names", lambda duty=None: None)  # no listing
+        other.put_many([TierObject(NAMES[5], (b"x",), 1)])
+        _until(lambda: catalogue.locate([NAMES[5]]) == [1], "heard")
+    finally:
+        catalogue.close()
+        other.close()
+        admin.close()

@@ -79,7 +79,7 @@ of (a ``FLUSHALL``), so the store is listed a thirtieth as often."""
 
 FEED_WAIT_S = 0.5
 """How long the follower waits for an announcement before it looks up (to stop,
-or to check a cluster's primaries); also its wait before subscribing again."""
+or to check a cluster's primaries)."""
 
 LIST_CHUNK = 1024
 """Names the lister handles per call before it hands the interpreter back.
@@ -182,9 +182,12 @@ class Catalogue:
                     daemon=True,
                 )
                 self._lister.start()
-                if feed is not None:
+                if settings.store_feed == "auto":
                     self._follower = threading.Thread(
-                        target=self._follow, args=(feed,), name="kvarena-feed", daemon=True
+                        target=self._follow,
+                        args=(feed, rescan_s),
+                        name="kvarena-feed",
+                        daemon=True,
                     )
                     self._follower.start()
 
@@ -233,18 +236,23 @@ class Catalogue:
                 if self._listing:
                     self._touched.add(name)
 
-    def _follow(self, feed: StoreFeed | None) -> None:
-        """The follower's loop: hear the store's announcements and apply them; a
-        lost subscription is taken again, then the store listed again (what
-        was announced between went unheard)."""
+    def _follow(self, feed: StoreFeed | None, retry_s: float) -> None:
+        """The follower's loop: hear the store's announcements and apply them.
+        Not subscribed (the server does not announce, or the subscription was
+        lost: at once after a loss), it tries again every ``retry_s`` seconds,
+        the unfollowed listing's period; subscribed again, it has the store
+        listed again (what was announced between went unheard)."""
         assert self._redis is not None
+        wait = retry_s
         while not self._stop.is_set():
             if feed is None:
+                if self._stop.wait(wait):
+                    break
+                wait = retry_s
                 feed, why = open_feed(self._redis.client, self._redis.prefix)
                 if feed is None:
-                    self._stop.wait(FEED_WAIT_S)
                     continue
-                log.warning("kvarena: the shared store: %s again; listing it again", why)
+                log.warning("kvarena: the shared store: %s from now; listing it again", why)
                 self._live = True
                 self._list_now.set()
             try:
@@ -252,7 +260,7 @@ class Catalogue:
             except FeedLost as exc:
                 log.warning("kvarena: the shared store's announcements: %s", exc)
                 feed.close()
-                feed, self._live = None, False
+                feed, self._live, wait = None, False, 0.0
                 self._list_now.set()  # and at the unfollowed pace until subscribed again
                 continue
             if changes:
