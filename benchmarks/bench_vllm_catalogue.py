@@ -1,6 +1,7 @@
 """How long vLLM's scheduler thread waits while the catalogue lists a shared store again.
 
 .venv-vllm/bin/python benchmarks/bench_vllm_catalogue.py [--names 1000000] [--seconds 8]
+    [--writes 2000]
 
 The connector's catalogue answers the scheduler's lookups from memory and
 lists the shared store again on a thread of its own (every 10 s by default,
@@ -21,6 +22,10 @@ how many steps took 5 ms more than the sleep:
   every slice, as a listing at start;
 - ``slices, 25% of the time`` — the connector's listing in the background
   (``LIST_DUTY``): after each slice, a sleep three times as long as it took.
+- ``following, 2,000 writes/s`` — no listing: the catalogue follows the
+  store's announcements (``notify-keyspace-events K$gxe``) of another
+  engine's saves, ``--writes`` a second from a process of its own; every
+  name it saved must then be in the book.
 
 ``relist s``: one listing and its comparison, timed with nothing beside it
 (spread over four times its work where the lister works a quarter of the time).
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -79,6 +85,52 @@ def steps(catalogue: Catalogue | None, names: list[str], seconds: float) -> list
     return out
 
 
+_WRITER = """
+import sys, time, redis
+from kvarena.tiers.image import ImageKind, object_name
+port, rate, seconds, FIRST = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), 1 << 100
+client, began, i = redis.Redis(port=port), time.perf_counter(), 0
+while time.perf_counter() - began < seconds:
+    i += 1
+    name = object_name(ImageKind.KV_BLOCK, (FIRST + i).to_bytes(16, "big"))
+    client.set("kvarena:" + name, b"x")
+    time.sleep(max(0.0, began + i / rate - time.perf_counter()))
+print(i)
+"""
+
+
+def following(url: str, names: list[str], args) -> list[float]:
+    """The scheduler's steps while the catalogue follows the store's announcements
+    of another engine's saves (a process of its own, ``--writes`` a second);
+    every name it saved must then be in the book."""
+    import redis
+
+    port = int(url.rsplit(":", 1)[1])
+    redis.Redis(port=port).config_set("notify-keyspace-events", "K$gxe")
+    settings = ConnectorSettings.parse({"tiers": ["host:1GiB", url]})
+    catalogue = Catalogue(settings, rescan_s=3600, relist_live_s=3600)
+    assert catalogue._live, "the store was not followed"
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(port), str(args.writes), str(args.seconds)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    times = steps(catalogue, names, args.seconds)
+    saved = int(writer.communicate()[0])
+    wrote = [
+        object_name(ImageKind.KV_BLOCK, ((1 << 100) + i).to_bytes(16, "big"))
+        for i in range(1, saved + 1)
+    ]
+    end = time.perf_counter() + 30
+    while catalogue.locate(wrote).count(None) and time.perf_counter() < end:
+        time.sleep(0.05)
+    missing = catalogue.locate(wrote).count(None)
+    catalogue.close()
+    if missing:
+        sys.exit(f"following: {missing:,} of {saved:,} names another engine saved not in the book")
+    return times
+
+
 def row(label: str, times: list[float], relist: float | None) -> str:
     q = statistics.quantiles(times, n=100)
     slow = sum(t > STEP_S + 5e-3 for t in times)
@@ -93,6 +145,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--names", type=int, default=1_000_000, help="objects the store holds")
     ap.add_argument("--seconds", type=float, default=8.0, help="the scheduler's run per row")
+    ap.add_argument("--writes", type=int, default=2000, help="names another engine saves a second")
     args = ap.parse_args()
     print(host())
     with tempfile.TemporaryDirectory() as tmp:
@@ -138,6 +191,7 @@ def main() -> None:
                     missing = held.count(None)
                     sys.exit(f"{label}: {missing:,} of {len(names):,} stored names not in the book")
                 print(row(label, times, relist))
+            print(row(f"following, {args.writes:,} writes/s", following(url, names, args), None))
         finally:
             server.stop()
 

@@ -178,7 +178,8 @@ def test_a_slice_size_that_is_not_a_positive_count_is_refused(chunk):
 def test_the_listing_benchmark_runs_and_keeps_every_stored_name(monkeypatch, capsys):
     """``benchmarks/bench_vllm_catalogue.py``'s small case: every row runs, and
     after listings back to back beside the asks the book holds every name the
-    store does (the benchmark exits non-zero otherwise)."""
+    store does, and following, every name another engine saved (the benchmark
+    exits non-zero otherwise)."""
     import sys
     from pathlib import Path
 
@@ -189,10 +190,11 @@ def test_the_listing_benchmark_runs_and_keeps_every_stored_name(monkeypatch, cap
     monkeypatch.delitem(sys.modules, "bench_vllm_catalogue", raising=False)
     import bench_vllm_catalogue
 
-    monkeypatch.setattr(sys, "argv", ["bench", "--names", "5000", "--seconds", "0.3"])
+    argv = ["bench", "--names", "5000", "--seconds", "0.3", "--writes", "200"]
+    monkeypatch.setattr(sys, "argv", argv)
     bench_vllm_catalogue.main()
-    rows = [line.split()[0] for line in capsys.readouterr().out.splitlines()[-4:]]
-    assert rows == ["no", "one", "slices", "slices,"]
+    rows = [line.split()[0] for line in capsys.readouterr().out.splitlines()[-5:]]
+    assert rows == ["no", "one", "slices", "slices,", "following,"]
 
 
 def test_a_listing_that_fails_part_way_is_logged_and_the_next_finds_every_change(
