@@ -190,3 +190,30 @@ def test_a_cluster_is_followed_on_every_primary(tmp_path):
         finally:
             feed.close()
             tier.close()
+
+
+def test_a_clusters_failover_is_a_lost_feed(tmp_path):
+    """A replica promoted by a manual failover (its old primary still up, every
+    connection of the feed still open): the feed, asking the cluster for its
+    primaries, raises instead of following a node that no longer takes writes."""
+    from kvarena.testing.redis_server import RedisCluster
+    from kvarena.tiers.stack import parse_tier
+
+    with RedisCluster(str(tmp_path), nodes=3, replicas=1, binary=redis_binary()) as cluster:
+        cluster.wait_ok()
+        for s in cluster.servers:
+            _announcing(redis.Redis(port=s.port))
+        tier = parse_tier(cluster.url)
+        feed, why = open_feed(tier.client, PREFIX)
+        assert feed is not None, why
+        try:
+            primaries = {s.port for s in cluster.primaries()}
+            replica = next(s for s in cluster.servers if s.port not in primaries)
+            assert redis.Redis(port=replica.port).cluster("failover") in (True, b"OK", "OK")
+            deadline = time.monotonic() + DEADLINE_S
+            with pytest.raises(FeedLost, match="primaries changed"):
+                while time.monotonic() < deadline:
+                    feed.changes(0.2)
+        finally:
+            feed.close()
+            tier.close()

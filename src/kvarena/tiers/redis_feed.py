@@ -20,9 +20,9 @@ without our connection breaking) is found by the next listing; until then a
 name listed but gone is a failed load, which costs a recompute.
 
 A Redis Cluster announces a key's changes on the node that holds it: the
-feed subscribes on every primary, and a change in the set of primaries (as
-redis-py's view of the cluster has it, refreshed on an error or a redirect)
-is a lost feed.
+feed subscribes on every primary, and asks the cluster for its primaries
+every few seconds (:data:`_TOPOLOGY_S`): a change (a failover) is a lost
+feed.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ MAX_CHANGES = 10_000
 """Changes one :meth:`StoreFeed.changes` call hands back at most: the caller applies
 them and calls again, so no call holds the interpreter for a burst's length."""
 
-_TOPOLOGY_S = 5.0  # how often a cluster's primaries are compared with those subscribed
+_TOPOLOGY_S = 5.0
+"""How often a cluster's primaries are asked of it and compared with those subscribed."""
 
 
 class FeedLost(TierError):
@@ -162,6 +163,7 @@ def open_feed(client: Any, prefix: str) -> tuple[StoreFeed | None, str]:
             client.nodes_manager.initialize()  # the primaries as the cluster has them now
 
             def listed() -> list[str]:
+                client.nodes_manager.initialize()  # asked of the cluster, not remembered
                 return [n.name for n in client.get_primaries()]
 
             primaries = listed
