@@ -334,11 +334,14 @@ def test_a_lost_subscription_is_taken_again_and_the_store_listed_again(
     catalogue = Catalogue(settings, rescan_s=0.2, relist_live_s=3600)
     try:
         assert catalogue._live and catalogue._listings == 1
+        other.put_many([TierObject(NAMES[4], (b"x",), 1)])
+        _until(lambda: catalogue.locate([NAMES[4]]) == [1], "heard")
         admin.config_set("notify-keyspace-events", "")
+        other.delete_many([NAMES[4]])  # heard saved, its delete unheard, never listed
         assert admin.client_kill_filter(_type="pubsub") == 1
         _until(lambda: not catalogue._live, "the loss seen")
         other.put_many([TierObject(NAMES[2], (b"x",), 1)])  # announced to nobody
-        _until(lambda: catalogue.locate([NAMES[2]]) == [1], "listed again")
+        _until(lambda: catalogue.locate([NAMES[2], NAMES[4]]) == [1, None], "listed again")
         assert "changes went unheard" in caplog.text or "broke" in caplog.text
         listed = catalogue._listings
         admin.config_set("notify-keyspace-events", "KA")
@@ -399,3 +402,27 @@ def test_a_store_that_starts_announcing_is_followed_from_then_on(redis_server, m
         catalogue.close()
         other.close()
         admin.close()
+
+
+def test_names_changed_since_a_listing_are_bounded_by_listing_sooner(redis_server, monkeypatch):
+    """What reports and announcements changed since the last listing is kept for
+    the next to check; past ``TOUCHED_MAX`` names the store is listed at once,
+    which empties it."""
+    from kvarena.integrations.vllm import catalogue as module
+
+    monkeypatch.setattr(module, "TOUCHED_MAX", 3)
+    url = f"redis://127.0.0.1:{redis_server.port}"
+    settings = ConnectorSettings.parse({"tiers": ["host:1GiB", url], "store_feed": "off"})
+    catalogue = Catalogue(settings, rescan_s=3600)
+    try:
+        catalogue.heard([(n, True) for n in NAMES[:3]])
+        assert catalogue._listings == 1 and len(catalogue._touched) == 3  # at the bound
+        catalogue.reported("redis", [NAMES[3]], [])
+        # the store holds none of them: the listing, at once, checks every one
+        _until(
+            lambda: catalogue._listings == 2 and catalogue.locate(NAMES[:4]) == [None] * 4,
+            "listed at once",
+        )
+        assert not catalogue._touched
+    finally:
+        catalogue.close()

@@ -81,6 +81,11 @@ FEED_WAIT_S = 0.5
 """How long the follower waits for an announcement before it looks up (to stop,
 or to check a cluster's primaries)."""
 
+TOUCHED_MAX = 1 << 18
+"""Names changed by reports or announcements since the last listing that the
+next one checks; past this many, the store is listed at once (its book's
+memory bounded: ~25 MB of names), not at the period's end."""
+
 LIST_CHUNK = 1024
 """Names the lister handles per call before it hands the interpreter back.
 Measured with a store of a million names listed back to back
@@ -147,7 +152,6 @@ class Catalogue:
         self._stop = threading.Event()
         self._lister: threading.Thread | None = None
         self._follower: threading.Thread | None = None
-        self._listing = False  # a listing is under way (the lister's own flag)
         self._live = False  # the store's announcements are followed now
         self._list_now = threading.Event()  # the follower subscribed again: list now
         # every name removed from a book, in order, and how many ever were
@@ -210,8 +214,8 @@ class Catalogue:
                     book.discard(name)
                     self._forget(name)
             if kind == "redis":
-                self._touched.update(added)
-                self._touched.update(dropped)
+                self._touch(added)
+                self._touch(dropped)
 
     def written(self, names: Iterable[str]) -> None:
         """Names a worker wrote through to every tier below the host."""
@@ -221,8 +225,11 @@ class Catalogue:
 
     def heard(self, changes: Iterable[tuple[str, bool]]) -> None:
         """Apply what the store announced, oldest first: each name and whether it
-        holds a value after the change. Announced while a listing runs, a change
-        is newer than it and wins over it."""
+        holds a value after the change. Like this engine's own reports, a change
+        announced while a listing runs is newer than it and wins over it, and
+        one announced before is checked against it (a later change that went
+        unheard, a ``FLUSHALL``)."""
+        changes = list(changes)
         with self._lock:
             book = self._held["redis"]
             for name, held in changes:
@@ -233,8 +240,14 @@ class Catalogue:
                 elif name in book:
                     book.discard(name)
                     self._forget(name)
-                if self._listing:
-                    self._touched.add(name)
+            self._touch(name for name, _ in changes)
+
+    def _touch(self, names: Iterable[str]) -> None:
+        """Keep names the store's book changed by report or announcement, for the
+        next listing (under the lock); past :data:`TOUCHED_MAX`, list it now."""
+        self._touched.update(names)
+        if len(self._touched) > TOUCHED_MAX:
+            self._list_now.set()
 
     def _follow(self, feed: StoreFeed | None, retry_s: float) -> None:
         """The follower's loop: hear the store's announcements and apply them.
@@ -277,20 +290,15 @@ class Catalogue:
         assert self._redis is not None
         with self._lock:
             before, self._touched = self._touched, set()
-            self._listing = True
-        try:
-            listed = self._redis.names(duty)
-            if listed is None:  # unreachable: keep what is known (loads that miss recompute)
-                with self._lock:
-                    self._touched |= before  # still to be checked by a listing
-                return
-            self._listings += 1
-            pace = DutyCycle(duty)
-            joined, left = compare(self._seen, self._listings, listed, self._chunk, pace)
-            self._apply(joined, [*left, *before], pace)
-        finally:
+        listed = self._redis.names(duty)
+        if listed is None:  # unreachable: keep what is known (loads that miss recompute)
             with self._lock:
-                self._listing = False
+                self._touched |= before  # still to be checked by a listing
+            return
+        self._listings += 1
+        pace = DutyCycle(duty)
+        joined, left = compare(self._seen, self._listings, listed, self._chunk, pace)
+        self._apply(joined, [*left, *before], pace)
 
     def _apply(self, joined: list[str], doubtful: list[str], pace: DutyCycle) -> None:
         """Bring the store's book to the last listing for the names that joined it and the
