@@ -413,9 +413,11 @@ def test_names_changed_since_a_listing_are_bounded_by_listing_sooner(redis_serve
     monkeypatch.setattr(module, "TOUCHED_MAX", 3)
     url = f"redis://127.0.0.1:{redis_server.port}"
     settings = ConnectorSettings.parse({"tiers": ["host:1GiB", url], "store_feed": "off"})
-    catalogue = Catalogue(settings, rescan_s=3600)
+    catalogue = Catalogue(settings, rescan_s=3600, list_chunk=2)
     try:
-        catalogue.heard([(n, True) for n in NAMES[:3]])
+        # applied in order across slices of two: the first name saved, then deleted
+        catalogue.heard([(NAMES[0], True), (NAMES[1], True), (NAMES[0], False), (NAMES[2], True)])
+        assert catalogue.locate(NAMES[:3]) == [None, 1, 1]
         assert catalogue._listings == 1 and len(catalogue._touched) == 3  # at the bound
         catalogue.reported("redis", [NAMES[3]], [])
         # the store holds none of them: the listing, at once, checks every one

@@ -229,18 +229,19 @@ class Catalogue:
         announced while a listing runs is newer than it and wins over it, and
         one announced before is checked against it (a later change that went
         unheard, a ``FLUSHALL``)."""
-        changes = list(changes)
-        with self._lock:
-            book = self._held["redis"]
-            for name, held in changes:
-                if held:
-                    if name not in book:
-                        book.add(name)
-                        self._joined((name,))
-                elif name in book:
-                    book.discard(name)
-                    self._forget(name)
-            self._touch(name for name, _ in changes)
+        book, pace = self._held["redis"], DutyCycle(None)
+        for part in slices(list(changes), self._chunk):  # the lock let go between slices
+            with self._lock:
+                for name, held in part:
+                    if held:
+                        if name not in book:
+                            book.add(name)
+                            self._joined((name,))
+                    elif name in book:
+                        book.discard(name)
+                        self._forget(name)
+                self._touch(name for name, _ in part)
+            pace.rest()
 
     def _touch(self, names: Iterable[str]) -> None:
         """Keep names the store's book changed by report or announcement, for the

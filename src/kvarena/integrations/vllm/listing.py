@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
+from typing import TypeVar
 
 from ...tiers.duty import DutyCycle
 
+T = TypeVar("T")
 
-def slices(names: Sequence[str], size: int) -> Iterator[Sequence[str]]:
-    for i in range(0, len(names), size):
-        yield names[i : i + size]
+
+def slices(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
 
 
 def compare(
