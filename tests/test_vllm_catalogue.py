@@ -270,6 +270,16 @@ def _until(check, what: str, deadline_s: float = 20.0) -> None:
         time.sleep(0.02)
 
 
+def _heard_and_not_listed(catalogue, other, name: str, monkeypatch) -> None:
+    """Another engine saves ``name`` with every listing made impossible: only the
+    store's announcement can bring it into the book."""
+    from kvarena.tiers import TierObject
+
+    monkeypatch.setattr(catalogue._redis, "names", lambda duty=None: None)
+    other.put_many([TierObject(name, (b"x",), 1)])
+    _until(lambda: catalogue.locate([name]) == [1], f"{name} heard")
+
+
 def test_a_store_that_announces_its_changes_is_followed_without_listing_it(redis_server, caplog):
     """With ``notify-keyspace-events`` on, another engine's writes and deletes and
     the server's evictions reach the book as they happen: no listing after the
@@ -346,9 +356,7 @@ def test_a_lost_subscription_is_taken_again_and_the_store_listed_again(
         listed = catalogue._listings
         admin.config_set("notify-keyspace-events", "KA")
         _until(lambda: catalogue._live and catalogue._listings > listed, "followed again")
-        monkeypatch.setattr(catalogue._redis, "names", lambda duty=None: None)  # no listing
-        other.put_many([TierObject(NAMES[3], (b"x",), 1)])
-        _until(lambda: catalogue.locate([NAMES[3]]) == [1], "heard again")
+        _heard_and_not_listed(catalogue, other, NAMES[3], monkeypatch)
     finally:
         catalogue.close()
         other.close()
@@ -383,7 +391,6 @@ def test_a_store_that_starts_announcing_is_followed_from_then_on(redis_server, m
     follows it."""
     import redis
 
-    from kvarena.tiers import TierObject
     from kvarena.tiers.spec import TierSpec
 
     admin = redis.Redis(port=redis_server.port)
@@ -395,9 +402,7 @@ def test_a_store_that_starts_announcing_is_followed_from_then_on(redis_server, m
         assert not catalogue._live and catalogue._follower is not None
         admin.config_set("notify-keyspace-events", "K$gxe")
         _until(lambda: catalogue._live, "subscribed once the server announces")
-        monkeypatch.setattr(catalogue._redis, "names", lambda duty=None: None)  # no listing
-        other.put_many([TierObject(NAMES[5], (b"x",), 1)])
-        _until(lambda: catalogue.locate([NAMES[5]]) == [1], "heard")
+        _heard_and_not_listed(catalogue, other, NAMES[5], monkeypatch)
     finally:
         catalogue.close()
         other.close()

@@ -15,9 +15,8 @@ drops it past ``client-output-buffer-limit pubsub``) or loses its connection
 misses what happened meanwhile. So a lost subscription is an error the
 follower raises (:class:`FeedLost`), and its owner subscribes again and then
 lists the store again: in that order, nothing between is missed. What the
-server announces nothing of (``FLUSHALL``, a change on a replica promoted
-without our connection breaking) is found by the next listing; until then a
-name listed but gone is a failed load, which costs a recompute.
+server announces nothing of (``FLUSHALL``) is found by the next listing;
+until then a name listed but gone is a failed load, which costs a recompute.
 
 A Redis Cluster announces a key's changes on the node that holds it: the
 feed subscribes on every primary, and asks the cluster for its primaries
@@ -32,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .base import TierError
+from .redis_tier import decoded
 
 REMOVING = frozenset({"del", "expired", "evicted", "rename_from", "move_from"})
 """The events after which a key is gone (``UNLINK`` and ``GETDEL`` announce ``del``);
@@ -61,17 +61,19 @@ def announces(config: str) -> bool:
     return "K" in classes and ("A" in classes or set(NEEDED) <= classes)
 
 
-def _decoded(value: Any) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
-
-
 class StoreFeed:
     """A live subscription to the changes of every key under ``prefix`` on each
     of ``nodes`` (redis-py clients, one per server: the store's, or each
     primary's), made by :func:`open_feed`. ``primaries``: for a cluster, how
     to read its primaries' names now (a change is a lost feed)."""
 
-    def __init__(self, nodes: dict[str, Any], prefix: str, db: int, primaries: Any = None) -> None:
+    def __init__(
+        self,
+        nodes: dict[str, Any],
+        prefix: str,
+        db: int,
+        primaries: Callable[[], list[str]] | None = None,
+    ) -> None:
         self._channel = f"__keyspace@{db}__:{prefix}"
         self._primaries = primaries
         self._checked = time.monotonic()
@@ -114,8 +116,8 @@ class StoreFeed:
                 msg = sub.get_message(timeout=wait if not out else 0.0)
                 while msg is not None:
                     if msg.get("type") == "pmessage":
-                        name = _decoded(msg["channel"])[cut:]
-                        out.append((name, _decoded(msg["data"]) not in REMOVING))
+                        name = decoded(msg["channel"])[cut:]
+                        out.append((name, decoded(msg["data"]) not in REMOVING))
                     if len(out) >= MAX_CHANGES:  # the rest wait in the socket for the next call
                         break
                     msg = sub.get_message(timeout=0.0)
@@ -174,11 +176,12 @@ def open_feed(client: Any, prefix: str) -> tuple[StoreFeed | None, str]:
             nodes = {"store": client}
             db = int(client.connection_pool.connection_kwargs.get("db", 0) or 0)
         for name, node in nodes.items():
-            config = node.config_get("notify-keyspace-events").get("notify-keyspace-events", "")
-            if not announces(_decoded(config)):
+            got = node.config_get("notify-keyspace-events").get("notify-keyspace-events", "")
+            config = decoded(got)
+            if not announces(config):
                 return None, (
                     f"the store ({name}) does not announce its keys' changes "
-                    f"(notify-keyspace-events is {_decoded(config)!r}; K{NEEDED} or KA would)"
+                    f"(notify-keyspace-events is {config!r}; K{NEEDED} or KA would)"
                 )
     except Exception as exc:  # CONFIG refused (a managed store), or unreachable
         return None, f"the store's notify-keyspace-events could not be read ({exc})"

@@ -58,6 +58,12 @@ def _zero_or_one(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v in (0, 1)
 
 
+def decoded(value: Any) -> str:
+    """A key, channel or reply field as text (redis-py hands back bytes unless
+    its client decodes; a byte that is not UTF-8 is replaced, not refused)."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
 def _redis() -> Any:
     try:
         import redis
@@ -329,7 +335,7 @@ class RedisTier(Tier):
         names: list[str] = []
         try:
             for k in self._client.scan_iter(match=self.prefix + "*", count=_SCAN_COUNT):
-                names.append((k.decode(errors="replace") if isinstance(k, bytes) else str(k))[cut:])
+                names.append(decoded(k)[cut:])
                 if len(names) % _SCAN_COUNT == 0:
                     cycle.rest()
         except self._errors as exc:
