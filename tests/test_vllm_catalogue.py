@@ -175,6 +175,15 @@ def test_a_slice_size_that_is_not_a_positive_count_is_refused(chunk):
         Catalogue(ConnectorSettings.parse({"tiers": ["host:1GiB"]}), list_chunk=chunk)
 
 
+@pytest.mark.parametrize("key", ["rescan_s", "relist_live_s"])
+@pytest.mark.parametrize("seconds", [0, -1.0, float("nan"), True, "10"])
+def test_a_listing_period_that_is_not_seconds_is_refused(key, seconds):
+    from kvarena.errors import InvalidValueError
+
+    with pytest.raises(InvalidValueError, match=key):
+        Catalogue(ConnectorSettings.parse({"tiers": ["host:1GiB"]}), **{key: seconds})
+
+
 def test_the_listing_benchmark_runs_and_keeps_every_stored_name(monkeypatch, capsys):
     """``benchmarks/bench_vllm_catalogue.py``'s small case: every row runs, and
     after listings back to back beside the asks the book holds every name the

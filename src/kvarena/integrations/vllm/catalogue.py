@@ -43,7 +43,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
-from ...checks import check_count
+from ...checks import check_count, check_timeout
 from ...tiers import RedisTier
 from ...tiers.disk import SUFFIX, object_entries
 from ...tiers.duty import DutyCycle
@@ -138,6 +138,8 @@ class Catalogue:
         without and with its announcements followed; ``list_chunk``: names the
         lister handles a call (:data:`LIST_CHUNK`)."""
         list_chunk = check_count(list_chunk, "catalogue list_chunk", lo=1)
+        rescan_s = check_timeout(rescan_s, "catalogue rescan_s")
+        relist_live_s = check_timeout(relist_live_s, "catalogue relist_live_s")
         self.kinds: list[str] = [spec.kind for spec in settings.tiers]
         self._held: dict[str, set[str]] = {kind: set() for kind in self.kinds}
         self._lock = threading.Lock()  # the books as the lister changes them, and the logs
