@@ -78,8 +78,7 @@ are followed: a listing then only repairs what the server announced nothing
 of (a ``FLUSHALL``), so the store is listed a thirtieth as often."""
 
 FEED_WAIT_S = 0.5
-"""How long the follower waits for an announcement before it looks up (to stop,
-or to check a cluster's primaries)."""
+"""How long the follower waits for an announcement before it looks up (to stop)."""
 
 TOUCHED_MAX = 1 << 18
 """Names changed by reports or announcements since the last listing that the
