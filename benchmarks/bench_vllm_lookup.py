@@ -39,6 +39,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,7 @@ from kvarena.tiers import RedisTier, TierObject
 from kvarena.tiers.disk import SUFFIX
 from kvarena.tiers.image import ImageKind, object_name
 from kvarena.tiers.spec import TierSpec
+from kvarena.tiers.stack import first_holders
 
 BS = 16
 RANKS = 8
@@ -90,14 +92,17 @@ class ProbingCatalogue(Catalogue):
             [os.path.join(rank_dir(disk, r, ranks), "") for r in range(ranks)],
         )
 
-    def _probe(self, kind: str):  # type: ignore[override]
-        if kind == "disk":
-            return lambda asked: [
-                any(os.path.isfile(f"{d}{n}{SUFFIX}") for d in self._dirs) for n in asked
-            ]
-        if kind == "redis":
-            return self._store.contains_many
-        return super()._probe(kind)
+    def locate(self, names: Sequence[str]) -> list[int | None]:
+        def probe(kind: str) -> Callable[[list[str]], list[bool]]:
+            if kind == "disk":
+                return lambda asked: [
+                    any(os.path.isfile(f"{d}{n}{SUFFIX}") for d in self._dirs) for n in asked
+                ]
+            if kind == "redis":
+                return self._store.contains_many
+            return lambda asked: [n in self._held[kind] for n in asked]
+
+        return first_holders(names, [probe(kind) for kind in self.kinds])
 
 
 def groups(hybrid: bool):

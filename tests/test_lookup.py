@@ -119,6 +119,28 @@ def test_names_that_failed_their_checks_count_as_absent():
     assert finds.kv_end == 2 and set(finds.state) == {2}
 
 
+@given(start=st.integers(0, 12), held=st.integers(0, 16))
+def test_levels_found_before_are_in_the_answer_and_not_copied_where_none_join(start, held):
+    """A waiting request's last run (``below``: blocks under ``kv_end``) is part of
+    the answer's levels; where the walk adds none it is the caller's own dict."""
+    below = dict.fromkeys(range(start), 0)
+    finds = locate_in_tiers(
+        _stack(set(range(held)), set()),
+        KEYS,
+        kv_end=start,
+        limit=20,
+        has_kv=True,
+        has_state=False,
+        device_kv=None,
+        device_image=None,
+        below=below,
+    )
+    end = max(start, held)
+    assert finds.kv_end == end and finds.kv == dict.fromkeys(range(end), 0)
+    assert (finds.kv is below) == (end == start and start > 0)
+    assert below == dict.fromkeys(range(start), 0)  # never changed
+
+
 def _walk(stack, keys, *, limit, kv_end=0, has_state=False, window=4, known=0, walked=None):
     """The tier walk, nothing on the device (a scheduler's)."""
     return locate_in_tiers(

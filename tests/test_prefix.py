@@ -55,6 +55,30 @@ def test_keys_are_chained_and_namespaced():
     assert block_keys(plan_namespace(other_plan).digest, tokens, BS) != keys
 
 
+def test_a_key_is_the_documented_hash_whichever_road_made_it():
+    """Names in a tier outlive a release: a block's key stays BLAKE2b-128 of its
+    parent, its tokens as int64 and its extra keys' JSON, whether made from an
+    array (:func:`block_keys`) or from a request's list (a scheduler's road)."""
+    import hashlib
+    import json
+
+    from kvarena.prefix.keys import chained_keys, extra_bytes, token_bytes
+
+    root, tokens, extra = b"r" * 16, [5, 1 << 40, 0, 7, 9, 3, 2, 8, 1], ["lora-a", "s"]
+    salt = json.dumps(extra, sort_keys=True, separators=(",", ":")).encode()
+    want, parent = [], root
+    for i in range(2):  # two full blocks of 4; the ninth token has no key
+        block = np.asarray(tokens[i * 4 : i * 4 + 4], dtype="<i8").tobytes()
+        parent = hashlib.blake2b(parent + block + salt, digest_size=16).digest()
+        want.append(parent)
+    assert block_keys(root, np.asarray(tokens, dtype=np.int64), 4, extra) == want
+    assert token_bytes(tokens[:8]) == np.asarray(tokens[:8], dtype=np.int64).tobytes()
+    assert chained_keys(root, token_bytes(tokens[:8]), 4, extra_bytes(extra)) == want
+    assert chained_keys(want[0], token_bytes(tokens[4:8]), 4, extra_bytes(extra)) == want[1:]
+    alone = hashlib.blake2b(root + token_bytes(tokens[:4]), digest_size=16).digest()
+    assert extra_bytes(()) == b"" and block_keys(root, np.asarray(tokens[:4]), 4) == [alone]
+
+
 def test_hit_needs_kv_and_an_image_at_exactly_that_boundary():
     pc = make(policy=CheckpointPolicy(end=True, branch=False, learn=False))
     a = np.arange(40)

@@ -8,6 +8,7 @@ from kvarena.copy.words import word_bytes
 from kvarena.pools import PoolGeometry
 from kvarena.prefix import CheckpointPolicy
 from kvarena.prefix.keys import block_keys
+from kvarena.tiers.stack import first_holders, first_members
 
 ALIGNS = st.sampled_from([256, 512, 1024])
 
@@ -400,3 +401,14 @@ def test_word_bytes_is_the_widest_word_dividing_everything(arrays, offsets, wide
     assert all(v % w == 0 for v in values)
     if w < widest:
         assert any(v % (2 * w) for v in values)
+
+
+@given(
+    names=st.lists(st.sampled_from("abcdefgh"), max_size=12),
+    books=st.lists(st.sets(st.sampled_from("abcdefgh")), max_size=4),
+)
+def test_books_in_memory_answer_as_the_tier_walk_does(names, books):
+    """The first book holding each name, asked name by name, is the tier walk's
+    answer over probes of the same books."""
+    probes = [lambda asked, b=b: [n in b for n in asked] for b in books]
+    assert first_members(names, books) == first_holders(names, probes)

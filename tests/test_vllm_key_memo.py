@@ -98,6 +98,37 @@ def test_a_shared_prefix_is_recalled_not_hashed_and_extras_keep_their_own_keys()
     assert lora.upto(11) == whole([*stem, 1, 2, 3, 4], ("lora-x",))
 
 
+def test_a_recall_that_found_no_more_is_asked_again_once_the_memo_learns_or_vllm_hashes():
+    """A waiting request asks the memo step after step: where it found nothing
+    deeper, it is not asked again (no bisection) until the memo has learnt a
+    chain or vLLM has hashed more of the request; then the deeper keys are had."""
+    memo = KeyMemo(1)
+    stem = list(range(40))
+    waiting_req = vllm_request("w", [*stem, 5, 6, 7, 8, 1])
+    waiting = RequestKeys(ROOT, waiting_req, BS, (), memo)
+    asked = []
+    real = memo.recall
+    mine = waiting_req.block_hashes  # the waiting request's asks counted alone
+    memo.recall = lambda *a: (asked.extend([a] if a[1] is mine else []), real(*a))[1]  # type: ignore[method-assign]
+    assert waiting.known(11) == 0 and waiting.known(11) == 0 and waiting.known(5) == 0
+    assert len(asked) == 1  # found nothing, nothing learnt since: not asked again
+    # another request keys the stem: the memo learns, the waiting request recalls it
+    RequestKeys(ROOT, vllm_request("o", [*stem, 9, 9, 9, 9]), BS, (), memo).upto(11)
+    assert waiting.known(11) == 10 and len(asked) == 2
+    assert waiting.upto(11) == whole([*stem, 5, 6, 7, 8])
+    # vLLM hashes more of it (it decodes): asked again, though the memo learnt nothing
+    grown_req = vllm_request("g", [*stem, 5, 6, 7])
+    grown = RequestKeys(ROOT, grown_req, BS, (), memo)
+    longer = RequestKeys(ROOT, vllm_request("l", [*stem, 5, 6, 7, 8, 3, 3, 3, 3]), BS, (), memo)
+    longer.upto(12)  # learnt the chain through block 11
+    before = memo.learnt
+    assert grown.known(12) == 10 and len(grown_req.block_hashes) == 10
+    grown_req.append_output_token_ids([8, 3, 3, 3, 3])  # vLLM hashes blocks 10 and 11
+    assert memo.learnt == before and len(grown_req.block_hashes) == 12
+    assert grown.known(12) == 12
+    assert grown.upto(12) == whole([*stem, 5, 6, 7, 8, 3, 3, 3, 3])
+
+
 @pytest.mark.parametrize(
     ("algo", "hash_bs", "bs", "every"),
     [

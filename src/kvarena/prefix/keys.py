@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -114,7 +115,9 @@ def _check_depth(value: object) -> None:
             todo.extend((x, depth + 1) for x in items)
 
 
-def _extra_bytes(extra: Sequence[object]) -> bytes:
+def extra_bytes(extra: Sequence[object]) -> bytes:
+    """What a key hashes of its extra keys (a LoRA's name, a cache salt, multimodal
+    hashes): canonical JSON, nothing where there are none."""
     if isinstance(extra, (str, bytes, bytearray)) or not isinstance(extra, (list, tuple)):
         # A string is a sequence of its characters: "lora-ab" would key as
         # ["l", "o", ...]; say which sequence was meant.
@@ -150,7 +153,7 @@ def tail_key(
     h = hashlib.blake2b(parent, digest_size=KEY_BYTES, person=b"kvarena-tail")
     h.update(n.to_bytes(4, "little"))
     h.update(tokens.astype(np.int64, copy=False).tobytes())
-    h.update(_extra_bytes(extra))
+    h.update(extra_bytes(extra))
     return h.digest()
 
 
@@ -158,17 +161,26 @@ def block_keys(
     root: bytes, tokens: np.ndarray, block_size: int, extra: Sequence[object] = ()
 ) -> list[bytes]:
     """The chained key of every FULL block of ``tokens`` (a partial tail has none)."""
-    salt = _extra_bytes(extra)
     n = tokens.size // block_size
-    data = tokens[: n * block_size].tobytes()
+    return chained_keys(root, tokens[: n * block_size].tobytes(), block_size, extra_bytes(extra))
+
+
+def token_bytes(tokens: Sequence[int]) -> bytes:
+    """Token ids as the bytes a key hashes (int64, in the machine's order: what
+    an int64 array's ``tobytes`` gives), packed from a list without an array
+    (a scheduler keys a few blocks at a time)."""
+    return struct.pack(f"={len(tokens)}q", *tokens)
+
+
+def chained_keys(parent: bytes, data: bytes, block_size: int, salt: bytes) -> list[bytes]:
+    """:func:`block_keys` from ``parent`` (the root, or the key of the block
+    before) over ``data``, whole blocks' :func:`token_bytes`, with ``salt``
+    (:func:`extra_bytes`, made once per request)."""
     step = block_size * 8
     keys = []
-    parent = root
-    for i in range(n):
-        h = hashlib.blake2b(parent, digest_size=KEY_BYTES)
-        h.update(data[i * step : (i + 1) * step])
-        if salt:
-            h.update(salt)
-        parent = h.digest()
+    blake2b = hashlib.blake2b
+    for start in range(0, len(data) - step + 1, step):
+        # one message: H(parent, tokens, salt) as fed piece by piece
+        parent = blake2b(parent + data[start : start + step] + salt, digest_size=KEY_BYTES).digest()
         keys.append(parent)
     return keys

@@ -106,6 +106,7 @@ def locate_in_tiers(
     window: int = 32,
     known: int = 0,
     walked: ImagesWalked | None = None,
+    below: dict[int, int] | None = None,
 ) -> TierFinds:
     """Extend the device's KV run (``kv_end`` blocks) with blocks the tiers
     hold, then find the boundaries up to it whose image a tier holds.
@@ -129,7 +130,10 @@ def locate_in_tiers(
     ``walked``: what a walk of the same boundaries found before
     (:class:`ImagesWalked`; a caller with no device images): the boundaries
     it covers are not probed again. The answer's ``walked`` is this walk's,
-    for the next (None where no state is asked, or the device's images are)."""
+    for the next (None where no state is asked, or the device's images are).
+    ``below``: the tiers of blocks below ``kv_end`` a caller found before (a
+    waiting request's last run), in the answer's ``kv`` with this walk's; the
+    caller's dict itself where the walk adds none (it is never changed)."""
 
     def named(kind: ImageKind, at: list[int]) -> list[str]:
         if names is not None and at and at[-1] - at[0] == len(at) - 1:  # a run
@@ -203,6 +207,8 @@ def locate_in_tiers(
     if has_state and device_image is None:
         image = max(tier_state, default=0)
         now = ImagesWalked(top=top, image=image, level=tier_state.get(image))
+    if below:
+        tier_kv = {**below, **tier_kv} if tier_kv else below
     return TierFinds(kv_end=full, kv=tier_kv, state=tier_state, walked=now)
 
 

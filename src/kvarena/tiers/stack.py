@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import InvalidValueError
@@ -42,6 +42,22 @@ def first_holders(
             else:
                 rest.append(j)
         left = rest
+    return where
+
+
+def first_members(names: Sequence[str], books: Sequence[Container[str]]) -> list[int | None]:
+    """:func:`first_holders` over books held in memory (a set or dict of names per
+    tier), asked name by name: no probe to call and no list of the names left
+    between tiers, where a scheduler's lookup asks a few names at a time."""
+    where: list[int | None] = []
+    add = where.append
+    for name in names:
+        for i, book in enumerate(books):
+            if name in book:
+                add(i)
+                break
+        else:
+            add(None)
     return where
 
 

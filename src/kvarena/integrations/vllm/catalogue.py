@@ -41,7 +41,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from ...checks import check_count, check_timeout
 from ...tiers import RedisTier
@@ -49,7 +49,7 @@ from ...tiers.disk import SUFFIX, object_entries
 from ...tiers.duty import DutyCycle
 from ...tiers.image import ImageKind, object_name
 from ...tiers.redis_feed import FeedLost, StoreFeed, open_feed
-from ...tiers.stack import first_holders
+from ...tiers.stack import first_members
 from .listing import compare, slices
 from .ranks import rank_dir
 from .settings import ConnectorSettings
@@ -336,28 +336,32 @@ class Catalogue:
                 self._images.append(name)
                 self._images_total += 1
 
+    # The counts only grow, and are read without the lock on a lookup's path: a
+    # count read is one a moment old, what a reader gets by asking a moment earlier.
     def images_joined(self) -> int:
         """How many state images' names have joined a book so far."""
-        with self._lock:
-            return self._images_total
+        return self._images_total
 
     def images(self, since: int) -> tuple[list[str] | None, int]:
         """The state images' names that joined any book after the first ``since``
         did (None: more than :data:`IMAGES_KEPT` ago, no longer known), and the
         count to ask from next. What a reader that remembers where it found no
         image needs to forget."""
+        if since == self._images_total:
+            return [], since
         with self._lock:
             return _after(self._images, self._images_total, since)
 
     def removals(self) -> int:
         """How many names have been removed from the books so far."""
-        with self._lock:
-            return self._gone_total
+        return self._gone_total
 
     def gone(self, since: int) -> tuple[list[str] | None, int]:
         """The names removed from any book after the first ``since`` removals (None:
         more than :data:`GONE_KEPT` ago, no longer known), and the count to ask
         from next. What a reader that remembers answers needs to forget."""
+        if since == self._gone_total:
+            return [], since
         with self._lock:
             return _after(self._gone, self._gone_total, since)
 
@@ -384,11 +388,7 @@ class Catalogue:
     def locate(self, names: Sequence[str]) -> list[int | None]:
         """For each name, the first tier (index in the settings' order) that holds
         it, None where none does: set membership, no I/O."""
-        return first_holders(names, [self._probe(kind) for kind in self.kinds])
-
-    def _probe(self, kind: str) -> Callable[[list[str]], list[bool]]:
-        book = self._held[kind]
-        return lambda asked: list(map(book.__contains__, asked))
+        return first_members(names, [self._held[kind] for kind in self.kinds])
 
     def close(self) -> None:
         self._stop.set()

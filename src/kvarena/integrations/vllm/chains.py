@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ...prefix.keys import block_keys, tail_key
+from ...prefix.keys import chained_keys, extra_bytes, tail_key, token_bytes
 from ...tiers.image import ImageKind, object_name
 from .key_memo import Chain, KeyMemo
 from .records import BlockCopy
@@ -48,18 +48,21 @@ class RequestKeys:
     ):
         """``memo``: keys of prefixes met before, by vLLM's block hashes."""
         self._root, self._request, self._bs, self._extra = root, request, block_size, extra
+        self._salt = extra_bytes(extra)
         self.block_size = block_size
         self._keys: list[bytes] = []
         self._names: dict[ImageKind, list[str]] = {kind: [] for kind in _KINDS}
         self._tails: dict[tuple[int, int], bytes] = {}
         self._memo = memo
+        # the last recall's blocks, the memo's learnt count and the hashes then:
+        # none deeper is known until it learns or vLLM hashes more
+        self._missed: tuple[int, int, int] = (0, -1, -1)
         # what the memo's entries point into: this request's own lists
         self._chain = Chain(self._keys, self._names[ImageKind.KV_BLOCK])
 
-    def _tokens(self, start: int, stop: int) -> np.ndarray:
-        return np.fromiter(
-            self._request.all_token_ids[start:stop], dtype=np.int64, count=stop - start
-        )
+    def _tokens(self, start: int, stop: int) -> bytes:
+        """Tokens ``start`` to ``stop`` as a key hashes them."""
+        return token_bytes(self._request.all_token_ids[start:stop])
 
     def _extend(self, blocks: int) -> None:
         have, bs = len(self._keys), self._bs
@@ -69,7 +72,7 @@ class RequestKeys:
         if blocks <= have:
             return
         parent = self._keys[-1] if self._keys else self._root
-        new = block_keys(parent, self._tokens(have * bs, blocks * bs), bs, self._extra)
+        new = chained_keys(parent, self._tokens(have * bs, blocks * bs), bs, self._salt)
         self._keys.extend(new)
         if self._memo is None:
             return
@@ -81,11 +84,15 @@ class RequestKeys:
     def known(self, blocks: int) -> int:
         """How many of the first ``blocks`` keys are had without hashing: those
         hashed, then those the memo recalls by vLLM's hashes (taken now)."""
-        have = len(self._keys)
-        if self._memo is None or have >= blocks:
+        have, memo = len(self._keys), self._memo
+        if memo is None or have >= blocks:
             return have
         hashes = getattr(self._request, "block_hashes", ())
-        recalled = self._memo.recall(self._extra, hashes, have, blocks)
+        asked = (memo.learnt, len(hashes))
+        if self._missed[1:] == asked and blocks <= self._missed[0]:
+            return have  # asked as far before, nothing learnt nor hashed since
+        recalled = memo.recall(self._extra, hashes, have, blocks)
+        self._missed = (blocks, *asked)  # what it recalls is the deepest known
         if recalled is None:
             return have
         chain, upto = recalled
@@ -128,7 +135,8 @@ class RequestKeys:
         if key is None:
             start = blocks * self._bs
             parent = self[blocks - 1] if blocks else self._root
-            key = tail_key(parent, self._tokens(start, start + tokens), self._bs, self._extra)
+            ids = np.frombuffer(self._tokens(start, start + tokens), dtype=np.int64)
+            key = tail_key(parent, ids, self._bs, self._extra)
             self._tails[(blocks, tokens)] = key
         return key
 
@@ -138,6 +146,8 @@ def request_extra(request: Any) -> tuple[object, ...]:
     cache salt, where it has them."""
     lora = getattr(request, "lora_request", None)
     salt = getattr(request, "cache_salt", None)
+    if lora is None and salt is None:
+        return ()  # most requests
     return tuple(x for x in (lora.lora_name if lora is not None else None, salt) if x is not None)
 
 

@@ -149,12 +149,15 @@ class AllRanks:
         self._forget_removed()
         whole = self._whole
         out: list[int | None] = [whole.get(n) for n in names]
-        ask = [i for i, where in enumerate(out) if where is None]
-        if not ask:
+        if None not in out:
             return out
-        for i, found in zip(ask, self.catalogue.locate([names[i] for i in ask]), strict=True):
-            out[i] = found
-        held = [i for i in ask if out[i] is not None]
+        ask = [i for i, where in enumerate(out) if where is None]
+        found = self.catalogue.locate(names if len(ask) == len(out) else [names[i] for i in ask])
+        held = []
+        for i, level in zip(ask, found, strict=True):
+            if level is not None:
+                out[i] = level
+                held.append(i)
         if not held:
             return out
         others = [self._rank_names(names[i])[1:] for i in held]

@@ -135,10 +135,8 @@ class SchedulerSide:
             window=WINDOW,
             known=had,
             walked=walked,
+            below=known,  # the levels below ``start`` (shared, never changed)
         )
-        if known:  # the levels below ``start`` (shared, never changed: a copy where joined)
-            kv = {**known, **finds.kv} if finds.kv else known
-            finds = dataclasses.replace(finds, kv=kv)
         self.asked.found(request.request_id, keys, local, finds, since)
         point = (
             finds.kv_end
