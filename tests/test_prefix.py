@@ -79,6 +79,20 @@ def test_a_key_is_the_documented_hash_whichever_road_made_it():
     assert extra_bytes(()) == b"" and block_keys(root, np.asarray(tokens[:4]), 4) == [alone]
 
 
+def test_block_keys_key_any_integer_ids_as_int64_and_refuse_the_rest():
+    from kvarena import InvalidValueError
+
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    want = block_keys(b"r" * 16, np.asarray(ids, dtype=np.int64), 4)
+    for same in (ids, np.asarray(ids, dtype=np.int32), np.asarray(ids, dtype=np.uint16)):
+        assert block_keys(b"r" * 16, same, 4) == want
+    assert block_keys(b"r" * 16, torch.tensor(ids, dtype=torch.int32), 4) == want
+    with pytest.raises(InvalidValueError, match="integer token ids"):
+        block_keys(b"r" * 16, np.asarray(ids, dtype=np.float32), 4)
+    with pytest.raises(InvalidValueError, match="block_size"):
+        block_keys(b"r" * 16, ids, 0)
+
+
 def test_hit_needs_kv_and_an_image_at_exactly_that_boundary():
     pc = make(policy=CheckpointPolicy(end=True, branch=False, learn=False))
     a = np.arange(40)

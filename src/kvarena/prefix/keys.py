@@ -158,11 +158,15 @@ def tail_key(
 
 
 def block_keys(
-    root: bytes, tokens: np.ndarray, block_size: int, extra: Sequence[object] = ()
+    root: bytes, tokens: object, block_size: int, extra: Sequence[object] = ()
 ) -> list[bytes]:
-    """The chained key of every FULL block of ``tokens`` (a partial tail has none)."""
-    n = tokens.size // block_size
-    return chained_keys(root, tokens[: n * block_size].tobytes(), block_size, extra_bytes(extra))
+    """The chained key of every FULL block of ``tokens`` (a partial tail has none):
+    token ids of any integer type (:func:`as_tokens`), hashed as int64, so an
+    ``int32`` array or a list keys as the engine's ids do."""
+    ids = as_tokens(tokens)
+    block_size = check_count(block_size, "block_keys: block_size (tokens)", lo=1)
+    n = ids.size // block_size
+    return chained_keys(root, ids[: n * block_size].tobytes(), block_size, extra_bytes(extra))
 
 
 def token_bytes(tokens: Sequence[int]) -> bytes:
