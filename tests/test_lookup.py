@@ -141,6 +141,22 @@ def test_levels_found_before_are_in_the_answer_and_not_copied_where_none_join(st
     assert below == dict.fromkeys(range(start), 0)  # never changed
 
 
+@pytest.mark.parametrize("below", [{4: 0}, {0: 0, 9: 1}, {-1: 0}])
+def test_levels_found_before_past_the_run_are_refused(below):
+    with pytest.raises(InvalidValueError, match=r"below holds blocks .*0\.\.3, are legal"):
+        locate_in_tiers(
+            _stack(set(), set()),
+            KEYS,
+            kv_end=4,
+            limit=8,
+            has_kv=True,
+            has_state=False,
+            device_kv=None,
+            device_image=None,
+            below=below,
+        )
+
+
 def _walk(stack, keys, *, limit, kv_end=0, has_state=False, window=4, known=0, walked=None):
     """The tier walk, nothing on the device (a scheduler's)."""
     return locate_in_tiers(

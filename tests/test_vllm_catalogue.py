@@ -10,6 +10,7 @@ Runs in the ``.venv-vllm`` environment; skipped where vLLM is not installed.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -333,6 +334,31 @@ def test_a_store_that_announces_its_changes_is_followed_without_listing_it(redis
         other.close()
 
 
+@contextmanager
+def _beside(redis_server, *, announces):
+    """A catalogue listing every 0.2 s (every hour while it follows) beside
+    ``redis_server``, whose announcements are set to ``announces`` first (None:
+    left as they are); with an admin connection and another engine's tier."""
+    import redis
+
+    from kvarena.tiers.spec import TierSpec
+
+    admin = redis.Redis(port=redis_server.port)
+    if announces is not None:
+        admin.config_set("notify-keyspace-events", announces)
+    url = f"redis://127.0.0.1:{redis_server.port}"
+    other = TierSpec.parse(url).open()
+    catalogue = Catalogue(
+        ConnectorSettings.parse({"tiers": ["host:1GiB", url]}), rescan_s=0.2, relist_live_s=3600
+    )
+    try:
+        yield admin, other, catalogue
+    finally:
+        catalogue.close()
+        other.close()
+        admin.close()
+
+
 def test_a_lost_subscription_is_taken_again_and_the_store_listed_again(
     redis_server, caplog, monkeypatch
 ):
@@ -340,18 +366,9 @@ def test_a_lost_subscription_is_taken_again_and_the_store_listed_again(
     announces nothing while its configuration is off) loses the changes made
     meanwhile: the lister lists the store at once and at the unfollowed pace
     until the follower subscribes again, which lists it once more."""
-    import redis
-
     from kvarena.tiers import TierObject
-    from kvarena.tiers.spec import TierSpec
 
-    admin = redis.Redis(port=redis_server.port)
-    admin.config_set("notify-keyspace-events", "KA")
-    url = f"redis://127.0.0.1:{redis_server.port}"
-    other = TierSpec.parse(url).open()
-    settings = ConnectorSettings.parse({"tiers": ["host:1GiB", url]})
-    catalogue = Catalogue(settings, rescan_s=0.2, relist_live_s=3600)
-    try:
+    with _beside(redis_server, announces="KA") as (admin, other, catalogue):
         assert catalogue._live and catalogue._listings == 1
         other.put_many([TierObject(NAMES[4], (b"x",), 1)])
         _until(lambda: catalogue.locate([NAMES[4]]) == [1], "heard")
@@ -366,10 +383,6 @@ def test_a_lost_subscription_is_taken_again_and_the_store_listed_again(
         admin.config_set("notify-keyspace-events", "KA")
         _until(lambda: catalogue._live and catalogue._listings > listed, "followed again")
         _heard_and_not_listed(catalogue, other, NAMES[3], monkeypatch)
-    finally:
-        catalogue.close()
-        other.close()
-        admin.close()
 
 
 def test_the_feed_benchmark_runs_and_every_engine_finds_every_sampled_name(monkeypatch, capsys):
@@ -398,24 +411,11 @@ def test_a_store_that_starts_announcing_is_followed_from_then_on(redis_server, m
     """An engine started beside a store whose server did not announce tries to
     subscribe again every listing period: once the server announces, it
     follows it."""
-    import redis
-
-    from kvarena.tiers.spec import TierSpec
-
-    admin = redis.Redis(port=redis_server.port)
-    url = f"redis://127.0.0.1:{redis_server.port}"
-    other = TierSpec.parse(url).open()
-    settings = ConnectorSettings.parse({"tiers": ["host:1GiB", url]})
-    catalogue = Catalogue(settings, rescan_s=0.2, relist_live_s=3600)
-    try:
+    with _beside(redis_server, announces=None) as (admin, other, catalogue):
         assert not catalogue._live and catalogue._follower is not None
         admin.config_set("notify-keyspace-events", "K$gxe")
         _until(lambda: catalogue._live, "subscribed once the server announces")
         _heard_and_not_listed(catalogue, other, NAMES[5], monkeypatch)
-    finally:
-        catalogue.close()
-        other.close()
-        admin.close()
 
 
 def test_names_changed_since_a_listing_are_bounded_by_listing_sooner(redis_server, monkeypatch):

@@ -93,7 +93,7 @@ class PrefixCache:
 
     # -- queries ---------------------------------------------------------------------
     def keys(self, tokens: object, extra: Sequence[object] = ()) -> list[bytes]:
-        return block_keys(self.root, as_tokens(tokens), self.block_size, extra)  # chained
+        return block_keys(self.root, tokens, self.block_size, extra)  # chained; checks the ids
 
     @property
     @synchronized

@@ -144,6 +144,11 @@ def locate_in_tiers(
     known = check_count(known, "locate_in_tiers: known (keys)")
     if walked is not None:
         _check_walked(walked, device_image)
+    if below and (min(below) < 0 or max(below) >= kv_end):  # C-level passes: on every ask
+        raise InvalidValueError(
+            f"locate_in_tiers: below holds blocks {min(below)}..{max(below)}; "
+            f"blocks under kv_end ({kv_end}), 0..{kv_end - 1}, are legal"
+        )
     full = kv_end
     tier_kv: dict[int, int] = {}
     tier_state: dict[int, int] = {}
