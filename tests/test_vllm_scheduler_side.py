@@ -227,3 +227,19 @@ def test_a_host_hit_loads_in_the_step_while_the_engine_is_idle_but_not_beside_de
     assert side.matched(fourth, 0) == (79, True)  # beside a running request: asynchronous
     side.finished(second)
     assert side.matched(fourth, 0) == (79, False)  # alone again: in the step
+
+
+def test_a_request_counts_one_lookup_however_often_vllm_asks_while_it_waits():
+    """vLLM asks a waiting request again on every step it is not scheduled: the
+    lookups counter counts requests (its help says so), not asks."""
+    side = make_side("kv")
+    waiting, other = make_request("r8", 80), make_request("r9", 80, seed=2)
+    for _ in range(3):
+        assert side.matched(waiting, 0) == (0, False)
+    assert side.telemetry.lookups == 1
+    side.matched(other, 0)
+    side.matched(other, 16)  # asked again with blocks of its own
+    assert side.telemetry.lookups == 2
+    side.finished(waiting)  # the same id again later is another request
+    side.matched(make_request("r8", 80, seed=4), 0)
+    assert side.telemetry.lookups == 3

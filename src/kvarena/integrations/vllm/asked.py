@@ -198,5 +198,9 @@ class AskedBefore:
         """Whether nothing at all has left the books nor failed since ``asked``."""
         return asked.skips == self._skips and self.catalogue.gone(asked.since.removals)[0] == []
 
+    def __contains__(self, rid: str) -> bool:
+        """Whether ``rid`` was looked up since it arrived (until it finishes)."""
+        return rid in self._asked
+
     def forget(self, rid: str) -> None:
         self._asked.pop(rid, None)

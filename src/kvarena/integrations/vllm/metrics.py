@@ -59,7 +59,10 @@ METRICS = (
         name="vllm:kvarena_lookups_total",
         type="counter",
         label=None,
-        help="Requests whose prompt the connector looked up in its tiers",
+        help=(
+            "Requests whose prompt the connector looked up in its tiers"
+            " (once each, however often vLLM asks while it waits)"
+        ),
     ),
     Metric(
         key="hit_tokens",

@@ -117,7 +117,8 @@ class SchedulerSide:
         tails = self._tails_served and not part
         if limit < local or (limit == local and not tails):
             return 0, False
-        self.telemetry.looked_up()
+        if request.request_id not in self.asked:  # a request counts once, however often asked
+            self.telemetry.looked_up()
         keys = self._chain(request)
         had = keys.known(limit)
         start, known, walked, since = self.asked.start(request.request_id, keys, local, limit, had)
