@@ -22,13 +22,16 @@ redis = pytest.importorskip("redis")
 
 from conftest import redis_binary  # noqa: E402
 
+from kvarena.tiers import redis_feed  # noqa: E402
 from kvarena.tiers.redis_feed import (  # noqa: E402
     MAX_CHANGES,
     NEEDED,
+    UNANNOUNCED,
     FeedLost,
     StoreFeed,
     announces,
     open_feed,
+    unannounced,
 )
 
 PREFIX = "kvarena:"
@@ -148,6 +151,52 @@ def test_a_broken_subscription_is_an_error_not_a_gap(redis_server):
                 feed.changes(0.1)
 
 
+@pytest.mark.parametrize("command", [("FLUSHALL",), ("FLUSHDB", "ASYNC"), ("SWAPDB", "0", "1")])
+def test_what_a_server_removes_unannounced_is_a_lost_feed(redis_server, monkeypatch, command):
+    """A flush or swap of a database announces nothing of the keys it takes:
+    the feed finds it in the server's counts, within its check's period, and
+    raises; changes heard before it are handed back first."""
+    monkeypatch.setattr(redis_feed, "_CHECK_S", 0.2)
+    with _followed(redis_server.port) as (client, feed):
+        client.set(PREFIX + "a", b"1")
+        book: dict[str, bool] = {}
+        _follow(feed, book, lambda b: b == {"a": True})
+        client.execute_command(*command)
+        assert not client.exists(PREFIX + "a")  # gone, and nothing announced it
+        deadline = time.monotonic() + DEADLINE_S
+        with pytest.raises(FeedLost, match="flushed or swapped"):
+            while time.monotonic() < deadline:
+                assert feed.changes(0.1) == []
+
+
+def test_a_server_that_refuses_info_is_followed_without_counting_flushes(redis_server):
+    """A store whose ACL refuses ``INFO`` (as managed stores may) is still
+    followed: its flushes are left to the listings, as the module says."""
+    admin = redis.Redis(port=redis_server.port)
+    _announcing(admin)
+    admin.acl_setuser(
+        "feeder", enabled=True, nopass=True, keys=["*"], channels=["*"], commands=["+@all", "-info"]
+    )
+    client = redis.Redis(port=redis_server.port, username="feeder")
+    try:
+        assert unannounced(client) is None
+        assert unannounced(admin) == {cmd: 0 for cmd in UNANNOUNCED}  # a new server
+        admin.execute_command("FLUSHDB")
+        assert unannounced(admin) == {"flushall": 0, "flushdb": 1, "swapdb": 0}
+        feed, why = open_feed(client, PREFIX)
+        assert feed is not None, why
+        try:
+            admin.set(PREFIX + "b", b"1")
+            book: dict[str, bool] = {}
+            _follow(feed, book, lambda b: b == {"b": True})
+        finally:
+            feed.close()
+    finally:
+        admin.acl_deluser("feeder")
+        client.close()
+        admin.close()
+
+
 def test_a_burst_is_handed_back_in_bounded_pieces(redis_server):
     with _followed(redis_server.port) as (client, feed):
         pipe = client.pipeline(transaction=False)
@@ -163,7 +212,9 @@ def test_a_burst_is_handed_back_in_bounded_pieces(redis_server):
         assert sum(sizes) == total and max(sizes) <= MAX_CHANGES
 
 
-def test_a_cluster_is_followed_on_every_primary(tmp_path):
+def test_a_cluster_is_followed_on_every_primary_and_a_flush_of_one_is_a_lost_feed(
+    tmp_path, monkeypatch
+):
     from kvarena.testing.redis_server import RedisCluster
 
     with RedisCluster(str(tmp_path), binary=redis_binary()) as cluster:
@@ -187,6 +238,13 @@ def test_a_cluster_is_followed_on_every_primary(tmp_path):
             book: dict[str, bool] = {}
             want = {k: k not in keys[::3] for k in keys}
             _follow(feed, book, lambda b: b == want)
+            # one primary flushed: its keys go unannounced, its count tells
+            monkeypatch.setattr(redis_feed, "_CHECK_S", 0.2)
+            redis.Redis(port=cluster.servers[1].port).flushall()
+            deadline = time.monotonic() + DEADLINE_S
+            with pytest.raises(FeedLost, match="flushed or swapped"):
+                while time.monotonic() < deadline:
+                    feed.changes(0.1)
         finally:
             feed.close()
             tier.close()

@@ -385,6 +385,24 @@ def test_a_lost_subscription_is_taken_again_and_the_store_listed_again(
         _heard_and_not_listed(catalogue, other, NAMES[3], monkeypatch)
 
 
+def test_a_flushed_store_is_listed_at_once_and_followed_again(redis_server, monkeypatch):
+    """``FLUSHALL`` takes every name and announces none: the feed finds it in the
+    server's counts, the store is listed at once (the next listing is an hour
+    away here), and what is saved after is followed again."""
+    from kvarena.tiers import TierObject, redis_feed
+
+    monkeypatch.setattr(redis_feed, "_CHECK_S", 0.2)
+    with _beside(redis_server, announces="KA") as (admin, other, catalogue):
+        other.put_many([TierObject(n, (b"x",), 1) for n in NAMES[:3]])
+        _until(lambda: catalogue.locate(NAMES[:3]) == [1, 1, 1], "heard")
+        listed = catalogue._listings
+        admin.flushall()
+        _until(lambda: catalogue.locate(NAMES[:3]) == [None, None, None], "listed after the flush")
+        assert catalogue._listings > listed
+        _until(lambda: catalogue._live, "followed again")
+        _heard_and_not_listed(catalogue, other, NAMES[3], monkeypatch)
+
+
 def test_the_feed_benchmark_runs_and_every_engine_finds_every_sampled_name(monkeypatch, capsys):
     """``benchmarks/bench_store_feed.py``'s small case: every row runs, and every
     sampled name reaches every engine's book, listed or announced (the

@@ -14,14 +14,19 @@ Pub/sub delivers at most once: a subscriber that falls behind (the server
 drops it past ``client-output-buffer-limit pubsub``) or loses its connection
 misses what happened meanwhile. So a lost subscription is an error the
 follower raises (:class:`FeedLost`), and its owner subscribes again and then
-lists the store again: in that order, nothing between is missed. What the
-server announces nothing of (``FLUSHALL``) is found by the next listing;
-until then a name listed but gone is a failed load, which costs a recompute.
+lists the store again: in that order, nothing between is missed.
+
+A server announces nothing of a ``FLUSHALL``, ``FLUSHDB`` or ``SWAPDB`` (its
+keys go, or change places, unannounced): the follower reads the server's
+count of those commands every few seconds (``INFO commandstats``, at most
+:data:`_CHECK_S` late) and a change in it is a lost feed too, so the store
+is listed at once. A server that refuses ``INFO`` leaves them to the next
+listing; until then a name listed but gone is a failed load, which costs a
+recompute.
 
 A Redis Cluster announces a key's changes on the node that holds it: the
-feed subscribes on every primary, and asks the cluster for its primaries
-every few seconds (:data:`_TOPOLOGY_S`): a change (a failover) is a lost
-feed.
+feed subscribes on every primary, and asks the cluster for its primaries as
+often (a change, a failover, is a lost feed).
 """
 
 from __future__ import annotations
@@ -46,8 +51,12 @@ MAX_CHANGES = 10_000
 """Changes one :meth:`StoreFeed.changes` call hands back at most: the caller applies
 them and calls again, so no call holds the interpreter for a burst's length."""
 
-_TOPOLOGY_S = 5.0
-"""How often a cluster's primaries are asked of it and compared with those subscribed."""
+_CHECK_S = 5.0
+"""How often the store is asked what its announcements leave out: a cluster's
+primaries (compared with those subscribed), and each server's count of flushes."""
+
+UNANNOUNCED = ("flushall", "flushdb", "swapdb")
+"""The commands that change keys with no announcement (``INFO commandstats`` counts each)."""
 
 
 class FeedLost(TierError):
@@ -79,6 +88,10 @@ class StoreFeed:
         self._checked = time.monotonic()
         self._subs: list[Any] = []
         self._reconnects = 0
+        # each server's count of flushes, read before subscribing: one between
+        # the two is found by the owner's first listing, and counted again after
+        self._clients = dict(nodes)
+        self._flushes = {name: unannounced(c) for name, c in nodes.items()}
         try:
             for client in nodes.values():
                 sub = client.pubsub()
@@ -109,7 +122,7 @@ class StoreFeed:
         cut = len(self._channel)
         wait = timeout / max(1, len(self._subs))
         try:
-            self._check_topology()
+            self._check()
             for sub in self._subs:
                 if len(out) >= MAX_CHANGES:
                     break
@@ -132,13 +145,22 @@ class StoreFeed:
     def _connected_again(self, _connection: Any) -> None:
         self._reconnects += 1
 
-    def _check_topology(self) -> None:
-        if self._primaries is None or time.monotonic() - self._checked < _TOPOLOGY_S:
+    def _check(self) -> None:
+        """Every :data:`_CHECK_S`: :class:`FeedLost` where a cluster's primaries
+        changed, or a server has flushed or swapped a database since."""
+        if time.monotonic() - self._checked < _CHECK_S:
             return
         self._checked = time.monotonic()
-        now = sorted(self._primaries())
-        if now != self.nodes:
-            raise FeedLost(f"the cluster's primaries changed ({self.nodes} -> {now})")
+        if self._primaries is not None:
+            now = sorted(self._primaries())
+            if now != self.nodes:
+                raise FeedLost(f"the cluster's primaries changed ({self.nodes} -> {now})")
+        for name, before in self._flushes.items():
+            if before is not None and unannounced(self._clients[name], strict=True) != before:
+                raise FeedLost(
+                    f"the store ({name}) flushed or swapped a database (or its counts were "
+                    "reset): what went was not announced"
+                )
 
     def close(self) -> None:
         for sub in self._subs:
@@ -147,6 +169,20 @@ class StoreFeed:
             except Exception:  # closing a broken connection: nothing left to free
                 pass
         self._subs = []
+
+
+def unannounced(client: Any, *, strict: bool = False) -> dict[str, int] | None:
+    """The server's counts of :data:`UNANNOUNCED` commands (``INFO
+    commandstats``; a command never called is absent there, counted 0), or None
+    where ``INFO`` is refused (a managed store may): its flushes are then left
+    to the listings. ``strict``: a failure raises (a feed already counting)."""
+    try:
+        stats = client.info("commandstats")
+    except Exception:
+        if strict:
+            raise
+        return None
+    return {cmd: int(stats.get(f"cmdstat_{cmd}", {}).get("calls", 0)) for cmd in UNANNOUNCED}
 
 
 def open_feed(client: Any, prefix: str) -> tuple[StoreFeed | None, str]:

@@ -74,8 +74,8 @@ in a slow hour), what its server evicted forgotten within it."""
 
 RELIST_LIVE_S = 300.0
 """How long the lister waits between listings while the store's announcements
-are followed: a listing then only repairs what the server announced nothing
-of (a ``FLUSHALL``), so the store is listed a thirtieth as often."""
+are followed: a listing then only repairs what went unheard (a flush on a
+server that refuses ``INFO``), so the store is listed a thirtieth as often."""
 
 FEED_WAIT_S = 0.5
 """How long the follower waits for an announcement before it looks up (to stop)."""
