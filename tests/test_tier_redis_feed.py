@@ -155,7 +155,7 @@ def test_a_broken_subscription_is_an_error_not_a_gap(redis_server):
 def test_what_a_server_removes_unannounced_is_a_lost_feed(redis_server, monkeypatch, command):
     """A flush or swap of a database announces nothing of the keys it takes:
     the feed finds it in the server's counts, within its check's period, and
-    raises; changes heard before it are handed back first."""
+    raises (its owner subscribes again and lists the store)."""
     monkeypatch.setattr(redis_feed, "_CHECK_S", 0.2)
     with _followed(redis_server.port) as (client, feed):
         client.set(PREFIX + "a", b"1")
