@@ -1,7 +1,7 @@
 """Inter-token latency of decoding requests while others load their prefixes.
 
 .venv-vllm/bin/python benchmarks/bench_vllm_latency.py [--model llama|qwen3_next|both]
-    [--decoding 4] [--arrivals 12] [--prompt 2048] [--delay-ms 2] [--json]
+    [--decoding 4] [--arrivals 12] [--prompt 2048] [--delay-ms 2] [--rounds 1] [--json]
 
 vLLM runs every request of a batch in one step: whatever a step waits for,
 every decoding request waits for. Here ``--decoding`` requests decode (greedy,
@@ -30,6 +30,12 @@ and for loads, the bytes per second of the tier reads against a plain read of
 the same objects (the raw tier: files read whole, Redis GETs on the same
 proxy). Every run's tokens are checked equal to the ``arrivals computed`` run
 (vLLM alone's answer, the connector loading nothing).
+
+One row's p99 is a few of its ~150 gaps: on two shared cores it moves by
+±50% run to run. ``--rounds N`` runs every row N times (every other round in
+reverse order, so a drifting machine weighs on every row alike); the table
+pools the rounds' gaps, and a line per row gives each round's p99 against the
+held row's of the same round.
 """
 
 from __future__ import annotations
@@ -239,7 +245,9 @@ def bench(kind: str, args) -> list[dict]:
         model = save_tiny(kind, Path(tmp))
         block = BLOCK[kind]
         decoding = [[rng.randrange(3, 500) for _ in range(64)] for _ in range(args.decoding)]
-        arrivals = [[rng.randrange(3, 500) for _ in range(args.prompt)] for _ in range(args.arrivals)]
+        arrivals = [
+            [rng.randrange(3, 500) for _ in range(args.prompt)] for _ in range(args.arrivals)
+        ]
         fresh = [[rng.randrange(3, 500) for _ in range(args.prompt)] for _ in range(args.arrivals)]
         disk = Path(tmp) / "disk"
         filler = _engine(model, block, [f"disk:{disk}:1GiB", server.url])
@@ -260,33 +268,49 @@ def bench(kind: str, args) -> list[dict]:
             ("loads from a stuck Redis", "stuck", arrivals),
         ]
         reference: dict[str, list[int]] | None = None
-        for label, tiers, arriving in runs:
-            proxy = stuck = None
-            if tiers in ("redis", "stuck"):
-                proxy = ProxyProcess(server.port, args.delay_ms / 1e3)
-                stuck = proxy if tiers == "stuck" else None
-                tiers = [f"redis://127.0.0.1:{proxy.port}"]
-            on_device = tiers == "device"
-            if tiers in (None, "device"):
-                tiers = [f"disk:{Path(tmp) / label.replace(' ', '-')}:1GiB"]  # holds nothing
-            llm = _engine(model, block, tiers)
-            if on_device:  # computed once before: vLLM's own prefix cache holds them
-                llm.generate(
-                    [{"prompt_token_ids": p} for p in arriving],
-                    SamplingParams(max_tokens=1),
-                    use_tqdm=False,
-                )
-            reads = _reads(llm)
-            got = _run(llm, decoding, arriving, proxy=stuck)
-            _close(llm)
-            if proxy is not None:
-                proxy.close()
-            ds = {k: v for k, v in got["tokens"].items() if k.startswith("d")}
-            if reference is None:
-                reference = ds
-            assert ds == reference, f"{kind} {label}: the decoding requests' tokens changed"
-            read_bytes = sum(b for b, _ in reads)
-            read_s = sum(s for _, s in reads)
+        pooled: dict[str, dict] = {
+            label: {"gaps": [], "ttft": [], "sched": [], "reads": []} for label, _, _ in runs
+        }
+        p99s: dict[str, list[float]] = {label: [] for label, _, _ in runs}
+        hits: dict[str, list[int]] = {label: [] for label, _, _ in runs}
+        for round_ in range(args.rounds):
+            # every other round in reverse, so a machine that drifts over a run
+            # weighs on every row alike
+            for label, tiers, arriving in runs if round_ % 2 == 0 else runs[::-1]:
+                proxy = stuck = None
+                if tiers in ("redis", "stuck"):
+                    proxy = ProxyProcess(server.port, args.delay_ms / 1e3)
+                    stuck = proxy if tiers == "stuck" else None
+                    tiers = [f"redis://127.0.0.1:{proxy.port}"]
+                on_device = tiers == "device"
+                if tiers in (None, "device"):  # holds nothing
+                    empty = Path(tmp) / f"{label.replace(' ', '-')}-{round_}"
+                    tiers = [f"disk:{empty}:1GiB"]
+                llm = _engine(model, block, tiers)
+                if on_device:  # computed once before: vLLM's own prefix cache holds them
+                    llm.generate(
+                        [{"prompt_token_ids": p} for p in arriving],
+                        SamplingParams(max_tokens=1),
+                        use_tqdm=False,
+                    )
+                reads = _reads(llm)
+                got = _run(llm, decoding, arriving, proxy=stuck)
+                _close(llm)
+                if proxy is not None:
+                    proxy.close()
+                ds = {k: v for k, v in got["tokens"].items() if k.startswith("d")}
+                if reference is None:
+                    reference = ds
+                assert ds == reference, f"{kind} {label}: the decoding requests' tokens changed"
+                hits[label].append(got["hit"])
+                for key in ("gaps", "ttft", "sched"):
+                    pooled[label][key] += got[key]
+                pooled[label]["reads"] += reads
+                p99s[label].append(_pct(got["gaps"], 0.99))
+        for label, _, _ in runs:
+            got = pooled[label]
+            read_bytes = sum(b for b, _ in got["reads"])
+            read_s = sum(s for _, s in got["reads"])
             rows.append(
                 {
                     "model": kind,
@@ -295,12 +319,14 @@ def bench(kind: str, args) -> list[dict]:
                     "itl_p99_ms": _pct(got["gaps"], 0.99) * 1e3,
                     "itl_max_ms": max(got["gaps"]) * 1e3,
                     "ttft_p50_ms": statistics.median(got["ttft"]) * 1e3 if got["ttft"] else None,
-                    "hit_tokens": got["hit"],
+                    "hit_tokens": min(hits[label]),  # the same each round, or the least
+                    "hit_tokens_by_round": hits[label],
                     "sched_p50_us": statistics.median(got["sched"]) * 1e6,
                     "sched_max_us": max(got["sched"]) * 1e6,
                     "read_mb_s": read_bytes / read_s / 1e6
                     if label.startswith("loads") and read_s
                     else None,
+                    "itl_p99_ms_by_round": [x * 1e3 for x in p99s[label]],
                 }
             )
         proxy = ProxyProcess(server.port, args.delay_ms / 1e3)
@@ -311,6 +337,12 @@ def bench(kind: str, args) -> list[dict]:
         for r in rows:
             r["itl_p99_vs_alone"] = r["itl_p99_ms"] / floor
             r["itl_p99_vs_held"] = r["itl_p99_ms"] / held
+            r["itl_p99_vs_held_by_round"] = [
+                x / h
+                for x, h in zip(
+                    r["itl_p99_ms_by_round"], rows[2]["itl_p99_ms_by_round"], strict=True
+                )
+            ]
             raw = "disk" if "disk" in r["row"] else "redis" if "Redis" in r["row"] else None
             r["raw_mb_s"] = rows_raw[raw] / 1e6 if raw else None
     return rows
@@ -324,7 +356,15 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=2048)
     ap.add_argument("--delay-ms", type=float, default=2.0)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="every row this many times, alternating; the table pools their tokens",
+    )
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: at least 1")
     kinds = ["llama", "qwen3_next"] if args.model == "both" else [args.model]
     rows = [r for kind in kinds for r in bench(kind, args)]
     if args.json:
@@ -353,6 +393,13 @@ def main() -> None:
             f"{f(r['read_mb_s'], '>10.0f')}{f(r['raw_mb_s'], '>8.0f')}"
         )
     print("(ms; scheduler: the connector's time per step; raw: the same objects read plainly)")
+    if args.rounds > 1:
+        print(f"ITL p99 /held, round by round ({args.rounds} rounds, every other in reverse):")
+        for r in rows:
+            by = ", ".join(f"{x:.2f}" for x in r["itl_p99_vs_held_by_round"])
+            differ = len(set(r["hit_tokens_by_round"])) > 1
+            hit = f"  (hit tokens by round: {r['hit_tokens_by_round']})" if differ else ""
+            print(f"  {r['model']:<11}{r['row']:<26}{by}{hit}")
 
 
 if __name__ == "__main__":
