@@ -124,17 +124,7 @@ def test_levels_found_before_are_in_the_answer_and_not_copied_where_none_join(st
     """A waiting request's last run (``below``: blocks under ``kv_end``) is part of
     the answer's levels; where the walk adds none it is the caller's own dict."""
     below = dict.fromkeys(range(start), 0)
-    finds = locate_in_tiers(
-        _stack(set(range(held)), set()),
-        KEYS,
-        kv_end=start,
-        limit=20,
-        has_kv=True,
-        has_state=False,
-        device_kv=None,
-        device_image=None,
-        below=below,
-    )
+    finds = _walk(_stack(set(range(held)), set()), KEYS, kv_end=start, limit=20, below=below)
     end = max(start, held)
     assert finds.kv_end == end and finds.kv == dict.fromkeys(range(end), 0)
     assert (finds.kv is below) == (end == start and start > 0)
@@ -144,20 +134,12 @@ def test_levels_found_before_are_in_the_answer_and_not_copied_where_none_join(st
 @pytest.mark.parametrize("below", [{4: 0}, {0: 0, 9: 1}, {-1: 0}])
 def test_levels_found_before_past_the_run_are_refused(below):
     with pytest.raises(InvalidValueError, match=r"below holds blocks .*0\.\.3, are legal"):
-        locate_in_tiers(
-            _stack(set(), set()),
-            KEYS,
-            kv_end=4,
-            limit=8,
-            has_kv=True,
-            has_state=False,
-            device_kv=None,
-            device_image=None,
-            below=below,
-        )
+        _walk(_stack(set(), set()), KEYS, kv_end=4, limit=8, below=below)
 
 
-def _walk(stack, keys, *, limit, kv_end=0, has_state=False, window=4, known=0, walked=None):
+def _walk(
+    stack, keys, *, limit, kv_end=0, has_state=False, window=4, known=0, walked=None, below=None
+):
     """The tier walk, nothing on the device (a scheduler's)."""
     return locate_in_tiers(
         stack,
@@ -171,6 +153,7 @@ def _walk(stack, keys, *, limit, kv_end=0, has_state=False, window=4, known=0, w
         window=window,
         known=known,
         walked=walked,
+        below=below,
     )
 
 

@@ -88,8 +88,8 @@ class StoreFeed:
         self._checked = time.monotonic()
         self._subs: list[Any] = []
         self._reconnects = 0
-        # each server's count of flushes, read before subscribing: one between
-        # the two is found by the owner's first listing, and counted again after
+        # each server's count of flushes, read before subscribing: a flush
+        # between the two is found by the owner's first listing, which follows
         self._clients = dict(nodes)
         self._flushes = {name: unannounced(c) for name, c in nodes.items()}
         try:
