@@ -12,14 +12,25 @@ from __future__ import annotations
 import array
 import numbers
 import re
+import sys
 from collections.abc import Hashable, Iterable, Sequence
 from decimal import Decimal, InvalidOperation
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from .errors import InvalidValueError
+
+if TYPE_CHECKING:
+    import torch
+
+
+def _is_tensor(value: Any) -> bool:
+    """Whether ``value`` is a torch tensor, without importing torch: a value
+    can be one only once torch is loaded, so a command that checks a count or
+    a size never pays torch's import."""
+    loaded = sys.modules.get("torch")
+    return loaded is not None and isinstance(value, loaded.Tensor)
 
 MAX_BYTES = 1 << 60
 """The largest byte count or offset kvarena accepts (1 EiB): far above any
@@ -76,7 +87,7 @@ def integer_array(values: Any, what: str) -> np.ndarray:
     Floats, bools and strings are refused (an offset of 2.9 is never byte 2),
     and so is an unsigned value above MAX_BYTES, which int64 would wrap.
     """
-    if isinstance(values, torch.Tensor):
+    if _is_tensor(values):
         values = values.detach().cpu().numpy()
     try:
         arr = np.asarray(values)
@@ -98,7 +109,7 @@ def check_ids(values: Any, what: str, *, lo: int, hi: int) -> np.ndarray:
     Accepts Python ints, numpy integers, integer numpy arrays and integer
     tensors; refuses floats, bools and strings (a slot 2.9 is never slot 2).
     """
-    if isinstance(values, (torch.Tensor, np.ndarray)):
+    if isinstance(values, np.ndarray) or _is_tensor(values):
         flat = integer_array(values, what).reshape(-1)
         bad = flat[(flat < lo) | (flat >= hi)]
         if bad.size:
@@ -184,6 +195,8 @@ def check_choice(value: Any, what: str, choices: Iterable[Any]) -> Any:
 
 def check_device(device: Any) -> torch.device:
     """A torch device this process can allocate on, else refuse naming what exists."""
+    import torch  # the callers allocate on it: torch is theirs already
+
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):

@@ -12,8 +12,9 @@ from ..checks import check_count, check_device, parse_bytes
 from ..demo import DemoConfig, run_demo, state_fields
 from ..models import ServingOptions, model_cache
 from ..pools import plan_cache
-from .app import ModelArg, app, console
 from .plan_command import write_plan_picture
+from .root import app, console
+from .serving import ModelArg
 
 PICTURE_BUDGET = "80GiB"
 PICTURE_SEQS = 64

@@ -13,18 +13,8 @@ from rich.table import Table
 from ..models import model_cache
 from ..pools import CachePlan, plan_cache
 from ..report import SCHEMA_VERSION, plan_report
-from .app import (
-    BlockSize,
-    KvDtype,
-    MaxSeqs,
-    ModelArg,
-    SpecTokens,
-    StateDtype,
-    Tp,
-    _serving,
-    app,
-    console,
-)
+from .root import app, console
+from .serving import BlockSize, KvDtype, MaxSeqs, ModelArg, SpecTokens, StateDtype, Tp, serving
 
 
 def _fields_table(title: str, entry: dict) -> Table:
@@ -149,7 +139,7 @@ def plan(
     ] = None,
 ) -> None:
     """What a model's cache looks like and how much of it fits a budget."""
-    budget, options = _serving(memory, max_seqs, tp, kv_dtype, state_dtype, block_size, spec_tokens)
+    budget, options = serving(memory, max_seqs, tp, kv_dtype, state_dtype, block_size, spec_tokens)
     path = None
     if picture is not None:
         from ..pictures.files import PICTURE_FORMATS, check_output, require_matplotlib

@@ -12,20 +12,11 @@ from ..checks import check_count
 from ..errors import InvalidValueError
 from ..models import ServingOptions, model_cache
 from ..prefix import DEFAULT_POLICY, CheckpointPolicy
-from .app import (
-    BlockSize,
-    KvDtype,
-    MaxSeqs,
-    SpecTokens,
-    StateDtype,
-    Tp,
-    _one_line,
-    _serving,
-    app,
-)
 from .replay_fleet import check_fleet, run_fleets
 from .replay_outputs import check_sweep, json_head, outputs, run_sweep, write_replay_outputs
 from .replay_tables import render_replay
+from .root import _one_line, app
+from .serving import BlockSize, KvDtype, MaxSeqs, SpecTokens, StateDtype, Tp, serving
 
 
 @app.command()
@@ -121,7 +112,7 @@ def replay(
     from ..replay import compare as compare_policies
     from ..replay import replay as run
 
-    budget, options = _serving(memory, max_seqs, tp, kv_dtype, state_dtype, block_size, spec_tokens)
+    budget, options = serving(memory, max_seqs, tp, kv_dtype, state_dtype, block_size, spec_tokens)
     if limit is not None:
         check_count(limit, "--limit", lo=1)
     if workers is not None:

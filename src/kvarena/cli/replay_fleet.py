@@ -27,7 +27,7 @@ from ..replay.fleet import (
 )
 from ..replay.run import ReplayConfig
 from ..replay.summary import FLEET_COLUMNS, fleet_row
-from .app import console
+from .root import console
 
 
 def check_fleet(

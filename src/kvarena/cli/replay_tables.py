@@ -8,7 +8,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..replay.summary import REPLAY_COLUMNS, SWEEP_COLUMNS, replay_rows, sweep_rows
-from .app import console
+from .root import console
 
 
 def render_replay(model: str, budget: int, rows: list) -> None:

@@ -32,7 +32,7 @@ from ..tiers.inventory import (
     namespace_id,
 )
 from ..tiers.spec import SPEC_FORMS, TierSpec
-from .app import app, console
+from .root import app, console
 
 tiers_app = typer.Typer(
     no_args_is_help=True,

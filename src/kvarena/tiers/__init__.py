@@ -1,9 +1,16 @@
 """Tiers below the device — host memory, local disk, a shared Redis store — and
-the one image format they all hold (checksummed, namespaced, verified on load)."""
+the one image format they all hold (checksummed, namespaced, verified on load).
+
+:class:`HostTier` is imported when first named: it holds a tensor, and so
+torch, which the disk and shared tiers and their command (``kvarena tiers``)
+never need."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from .base import Tier, TierError, TierMetrics, TierWarning
 from .disk import DiskTier
-from .host import HostTier
 from .image import (
     Expected,
     ImageHeader,
@@ -46,3 +53,15 @@ __all__ = [
     "read_header",
     "seal",
 ]
+
+
+if TYPE_CHECKING:
+    from .host import HostTier
+
+
+def __getattr__(name: str) -> Any:
+    if name == "HostTier":
+        from .host import HostTier
+
+        return HostTier
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

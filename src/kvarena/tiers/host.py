@@ -26,14 +26,8 @@ from ..layout.regions import aligned_zeros
 from ..locking import synchronized
 from ..pools.free_ids import FreeIds
 from .base import IndexedTier
+from .frames import DEFAULT_FRAME_BYTES, MAX_FRAMES, MIN_FRAME_BYTES
 from .image import TierObject
-
-DEFAULT_FRAME_BYTES = 64 << 10
-MIN_FRAME_BYTES = 512
-MAX_FRAMES = 1 << 24
-"""The tier's books (a free-id set and heap, an LRU entry per object) cost about
-100 B a frame in Python: frames of at least 512 B keep them under a fifth of the
-tier, and at most 16M frames under 2 GB whatever the capacity."""
 
 
 def _runs(frames: list[int]) -> list[tuple[int, int]]:

@@ -16,7 +16,7 @@ from ..checks import check_count, parse_bytes
 from ..errors import Error, InvalidValueError
 from .base import Tier
 from .disk import DiskTier
-from .host import DEFAULT_FRAME_BYTES, HostTier
+from .frames import DEFAULT_FRAME_BYTES
 from .mooncake_tier import DEFAULT_SEGMENT_BYTES, MooncakeTier
 from .redis_tier import RedisTier
 
@@ -135,6 +135,8 @@ class TierSpec:
     def open(self, *, frame_bytes: int = DEFAULT_FRAME_BYTES, pin_memory: bool = False) -> Tier:
         """Open the tier (a directory is taken, a server connected to)."""
         if self.kind == "host":
+            from .host import HostTier  # torch: loaded by the tier that holds a tensor
+
             assert self.size is not None
             return HostTier(self.size, frame_bytes=frame_bytes, pin_memory=pin_memory)
         if self.kind == "disk":

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from ..errors import InvalidValueError
 from ..locking import synchronized
 from .base import Tier
-from .host import DEFAULT_FRAME_BYTES
+from .frames import DEFAULT_FRAME_BYTES
 from .image import TierObject
 from .spec import TierSpec
 

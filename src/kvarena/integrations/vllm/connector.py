@@ -28,7 +28,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...errors import Error
 from ...tiers import TierStack
-from ...tiers.host import DEFAULT_FRAME_BYTES, MIN_FRAME_BYTES
+from ...tiers.frames import DEFAULT_FRAME_BYTES, MIN_FRAME_BYTES
 from ...tiers.image import object_bytes
 from ...tiers.stack import tier_labels
 from .catalogue import Catalogue

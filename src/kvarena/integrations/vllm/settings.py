@@ -16,7 +16,7 @@ from typing import Any
 from ...checks import parse_bytes
 from ...errors import Error
 from ...tiers import SPEC_FORMS, TierSpec, TierSpecError
-from ...tiers.host import MIN_FRAME_BYTES
+from ...tiers.frames import MIN_FRAME_BYTES
 
 KEYS = (
     "tiers",

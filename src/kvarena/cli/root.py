@@ -1,13 +1,16 @@
-"""The typer app every command hangs on, its one-line refusals and shared options.
+"""The typer app every command hangs on, and its one-line refusals.
 
 Exit codes: 0 success, 1 a demo verification failed, 2 bad arguments or an
 unknown model (with a one-line reason on stderr, never a traceback).
+
+Nothing here imports torch (nor anything that does): ``kvarena tiers`` runs
+on this module and its own, and starts in a fraction of torch's import.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Any
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -18,10 +21,7 @@ try:  # typer >= 0.20 vendors click; older typer depends on it
 except ImportError:  # pragma: no cover - depends on the typer release
     from click.exceptions import ClickException, NoArgsIsHelpError  # type: ignore[no-redef,assignment]
 
-from ..checks import check_count, parse_bytes
 from ..errors import Error
-from ..models import KV_DTYPES, PRESETS, STATE_DTYPES, ServingOptions
-from ..pools.plan import MAX_SEQS
 
 
 def _one_line(message: str) -> None:
@@ -69,42 +69,17 @@ app = typer.Typer(
     help="kvarena: plan a model's cache, run the demo, replay request traces.\n\nExit codes: 0 success, 1 a demo verification failed, 2 bad arguments or an unknown model (one line on stderr, never a traceback).",
     cls=_OneLineErrors,
 )
+
+
+@app.callback()
+def _root() -> None:
+    # A callback keeps the app a group of commands whichever of them are
+    # registered (typer runs an app of one command as that command alone).
+    pass
+
+
 # Piped output (CI logs, files) gets wide tables instead of 80 folded columns.
 console = Console(width=None if sys.stdout.isatty() else 160)
-
-# The serving options, shared by every command that plans a cache.
-MaxSeqs = Annotated[int, typer.Option(help="requests in flight")]
-BlockSize = Annotated[int | None, typer.Option(help="tokens per PAGE block (family default)")]
-Tp = Annotated[int, typer.Option(help="tensor-parallel size")]
-KvDtype = Annotated[str, typer.Option(help=f"one of {', '.join(KV_DTYPES)}")]
-StateDtype = Annotated[str, typer.Option(help=f"one of {', '.join(STATE_DTYPES)}")]
-SpecTokens = Annotated[int, typer.Option(help="speculative tokens (rollback copies)")]
-
-ModelArg = Annotated[
-    str, typer.Argument(help=f"a preset ({', '.join(PRESETS)}) or a config.json path")
-]
-
-
-def _serving(
-    memory: str,
-    max_seqs: int,
-    tp: int,
-    kv_dtype: str,
-    state_dtype: str,
-    block_size: int | None,
-    spec_tokens: int,
-) -> tuple[int, ServingOptions]:
-    """The budget and serving options every planning command takes, checked."""
-    budget = parse_bytes(memory)
-    check_count(max_seqs, "--max-seqs", lo=1, hi=MAX_SEQS)
-    options = ServingOptions(
-        tp=tp,
-        kv_dtype=kv_dtype,
-        state_dtype=state_dtype,
-        block_size=block_size,
-        spec_tokens=spec_tokens,
-    )
-    return budget, options
 
 
 def _one_line_warning(
