@@ -105,3 +105,32 @@ def test_idle_gaps_are_not_steps_and_estimates_forget_old_measures():
     for _ in range(KEPT):
         pace.loaded(MIB, 1e-3)
     assert pace.copy_s(MIB) == pytest.approx(1e-3)
+
+
+def test_fetched_loads_land_in_what_the_steps_budget_leaves():
+    """A step copies in fetched loads up to its share, less what its in-step loads
+    took, at the landings' own measured cost; unbounded until both are known."""
+    pace = LoadPace()
+    pace.landed(4 * MIB, 2e-3)
+    assert pace.land_bytes(idle=False) is None  # no step measured
+    pace2 = LoadPace()
+    steps(pace2, 5, 0.02)
+    assert pace2.land_bytes(idle=False) is None  # no landing measured
+    for n, s in ((MIB, 1.5e-3), (2 * MIB, 2.5e-3), (8 * MIB, 8.5e-3), (16 * MIB, 16.5e-3)):
+        pace2.landed(n, s)  # 0.5 ms fixed, 1 ms per MiB
+    budget = STEP_SHARE * 0.02  # 2 ms of a 20 ms step
+    assert pace2.land_bytes(idle=False) == pytest.approx((budget - 0.5e-3) / 1e-3 * MIB, abs=2)
+    pace2.spend(1e-3)  # an in-step load took half the step's share
+    assert pace2.land_bytes(idle=False) == pytest.approx(0.5 * MIB, abs=2)
+    pace2.spend(1e-3)
+    assert pace2.land_bytes(idle=False) == 0  # spent: only the first load lands
+    for w in (0.1, 0.1, 0.1):
+        pace2.waited(w)  # an idle engine lands what the asynchronous way waits
+    assert pace2.land_bytes(idle=True) == pytest.approx((0.1 - 2e-3 - 0.5e-3) / 1e-3 * MIB, abs=2)
+    pace2.stepped(1.0, busy=True)  # a new step: its whole share again
+    assert pace2.land_bytes(idle=False) == pytest.approx(1.5 * MIB, abs=2)
+    free = LoadPace()
+    steps(free, 5, 0.02)
+    free.landed(MIB, 1e-3)
+    free.landed(2 * MIB, 1e-3)  # no cost per byte measured: no bound
+    assert free.land_bytes(idle=False) is None

@@ -229,6 +229,27 @@ def test_a_host_hit_loads_in_the_step_while_the_engine_is_idle_but_not_beside_de
     assert side.matched(fourth, 0) == (79, False)  # alone again: in the step
 
 
+def test_a_plan_lets_fetched_loads_land_in_what_its_step_leaves():
+    """The workers' copies of fetched loads, as reported, set how many bytes of
+    them the next step may copy in: none known, no bound; then a tenth of the
+    measured step at their cost, beside running requests and while none runs
+    (then the asynchronous way's wait, if longer)."""
+    mib = 1 << 20
+    side = make_side("kv")
+    assert side.plan(_step([], {}, {}, 1)).land_bytes is None
+    side.reported(
+        WorkerReport(landed=[(mib, 1.5e-3), (2 * mib, 2.5e-3), (8 * mib, 8.5e-3), (16 * mib, 16.5e-3)])
+    )
+    assert side.plan(_step([], {}, {}, 1)).land_bytes is None  # no step measured yet
+    side.pace._steps.extend([0.02] * 5)  # 20 ms steps: 2 ms a step, 0.5 ms fixed, 1 ms a MiB
+    r = make_request("r1", 80)
+    assert side.plan(_step([r], {"r1": 1}, {"r1": 79}, 1)).land_bytes == pytest.approx(1.5 * mib, abs=2)
+    side.pace.waited(0.1)
+    assert side.plan(_step([r], {"r1": 1}, {"r1": 80}, 1)).land_bytes == pytest.approx(1.5 * mib, abs=2)
+    idle = side.plan(_step([], {}, {}, 1)).land_bytes
+    assert idle == pytest.approx(99.5 * mib, abs=2)  # nobody decodes: the wait's worth
+
+
 def test_a_request_counts_one_lookup_however_often_vllm_asks_while_it_waits():
     """vLLM asks a waiting request again on every step it is not scheduled: the
     lookups counter counts requests (its help says so), not asks."""

@@ -8,6 +8,7 @@ Runs in the ``.venv-vllm`` environment; skipped where vLLM is not installed.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -80,6 +81,45 @@ def test_a_load_from_below_the_host_is_fetched_off_the_step_and_copied_in_a_late
     assert report is not None and [t.failures for t in report.loads if t.key == "e"] == [
         {object_name(ImageKind.KV_BLOCK, K[2]): "timeout"}
     ]
+
+
+def test_fetched_loads_land_a_steps_bytes_at_a_time_in_the_order_asked(worker):
+    """Three loads fetched together (a store answering at once): a step with room
+    for one load's bytes copies in and reports one, the first asked, the next
+    step the next, none given up however long it waited once fetched; each
+    copy's bytes and seconds are reported (what paces the landings); a plan
+    with no bound lands every fetched load at once."""
+    w, caches, groups, _ = worker
+    fill(caches, seed=8)
+    w.save(StepPlan(kv_saves=[BlockCopy(index=i, key=K[i], blocks=(i + 1,)) for i in range(3)]))
+    w.flush()
+    want = [_pages(caches, groups, "kv", i + 1) for i in range(3)]
+    w.tiers.tiers[0].delete_many([object_name(ImageKind.KV_BLOCK, k) for k in K[:3]])
+    fill(caches, seed=9)
+    jobs = [
+        Load(request=f"r{i}", kv=(BlockCopy(index=i, key=K[i], blocks=(8 + i,), level=1),), state=None)
+        for i in range(3)
+    ]
+    w.queue.deadline_s = 0.0  # every load past its deadline at once: fetched ones still land
+    w.load(StepPlan(loads=jobs))
+    w.queue.wait()
+    w.report()
+    one = len(page(caches[groups[0].layers[0]], 1)) * sum(len(g.layers) for g in groups if g.kind == "kv")
+    for i in range(3):
+        w.load(StepPlan(land_bytes=one))
+        assert w.received() == ({f"r{i}"}, set())
+        assert _pages(caches, groups, "kv", 8 + i) == want[i]
+        report = w.report()
+        assert report is not None and len(report.landed) == 1
+        nbytes, seconds = report.landed[0]
+        assert nbytes == one and seconds > 0
+    assert len(w.queue) == 0 and w.load_errors() == set()
+    w.load(StepPlan(loads=[dataclasses.replace(j, request=f"s{i}") for i, j in enumerate(jobs)]))
+    w.queue.wait()
+    w.load(StepPlan(land_bytes=0))  # no room: the first lands all the same
+    assert w.received() == ({"s0"}, set()) and len(w.queue) == 2
+    w.load(StepPlan())  # no bound
+    assert w.received() == ({"s1", "s2"}, set()) and len(w.queue) == 0
 
 
 def test_only_a_load_from_a_host_tier_on_top_is_done_in_the_step(tmp_path):

@@ -8,6 +8,13 @@ steps), and a later step's ``start_load_kv`` copies the finished ones into
 vLLM's tensors, before that step's forward, and reports them finished. The
 request waits meanwhile (vLLM's asynchronous-load path), the others decode.
 
+Loads fetched together land paced: a step copies in at most the bytes its
+plan allows (:attr:`~.records.StepPlan.land_bytes`, the share of a step the
+scheduler measures), the first finished always, the rest in later steps, in
+the order they were asked. A store that answers many loads at once (a stalled
+one coming back) would otherwise have every one of them copied, and every
+one of those requests computing its first token, in the same step.
+
 A load past its deadline is given up: reported failed, so vLLM recomputes its
 blocks; what its thread fetches afterwards is dropped.
 """
@@ -58,17 +65,35 @@ class LoadQueue:
             _InFlight(job=job, future=future, deadline=time.monotonic() + self.deadline_s)
         )
 
-    def collect(self, now: float | None = None) -> tuple[list[tuple[Load, Any]], list[Load]]:
+    def collect(
+        self,
+        now: float | None = None,
+        *,
+        budget: int | None = None,
+        weigh: Callable[[Any], int] | None = None,
+    ) -> tuple[list[tuple[Load, Any]], list[Load]]:
         """The loads whose fetch finished (with its result), and those past their
         deadline at ``now`` (default: the monotonic clock's now), given up; both
-        leave the queue."""
+        leave the queue. ``budget``: the bytes the finished ones may weigh
+        together (``weigh``: a result's bytes), in the order they were
+        submitted; the first always goes, a finished load past the budget (and
+        every finished one after it) stays for a later call, whatever its
+        deadline: its bytes are here."""
         done: list[tuple[Load, Any]] = []
         late: list[Load] = []
         left: list[_InFlight] = []
         now = time.monotonic() if now is None else now
+        taken, full = 0, False
         for f in self._flight:
             if f.future.done():
-                done.append((f.job, f.future.result()))
+                result = f.future.result()
+                size = weigh(result) if weigh is not None else 0
+                full = full or (budget is not None and bool(done) and taken + size > budget)
+                if full:
+                    left.append(f)
+                    continue
+                taken += size
+                done.append((f.job, result))
             elif now > f.deadline:
                 f.future.cancel()  # if it has not started; a running fetch finishes unseen
                 late.append(f.job)

@@ -15,13 +15,22 @@ of the batch waits for it. So:
   its word of done: no request decoding waits, and the arriving request is
   served sooner than the other way would serve it.
 
+Loads fetched off the step land (are copied into vLLM's blocks and reported
+done) under the same budget: a step copies in at most what is left of its
+share after its own in-step loads, at the landing copies' measured bandwidth
+(:meth:`LoadPace.land_bytes`), the first always. A store that answers many
+loads at once (a stalled one coming back) then hands its requests to vLLM a
+few a step, as they would have come, not all of them into one long step.
+
 Every side is measured as the engine runs, never assumed: the step, as the
 median time between consecutive busy steps (a step continuing requests of
 the step before, so the time between them was work, not waiting for it);
 the copy, as a line in bytes (a fixed cost and a bandwidth) fitted to the
 host tier's loads the workers report (fetch, checks and copy into vLLM's
-blocks, timed whole); the asynchronous way, as the median wait of those
-loads. Until what a rule needs is known, loads go the asynchronous way.
+blocks, timed whole); a landing, as a line fitted the same way to the
+workers' copies of fetched loads; the asynchronous way, as the median wait
+of those loads. Until what a rule needs is known, loads go the asynchronous
+way, and land as soon as they are fetched.
 """
 
 from __future__ import annotations
@@ -73,6 +82,8 @@ class LoadPace:
         self._steps: deque[float] = deque(maxlen=KEPT)
         self._loads: deque[tuple[int, float]] = deque(maxlen=KEPT)  # one rank's
         self._line: tuple[float, float] | None = None  # fitted to _loads, None: stale
+        self._lands: deque[tuple[int, float]] = deque(maxlen=KEPT)  # one rank's copy-ins
+        self._land_line: tuple[float, float] | None = None  # fitted to _lands, None: stale
         self._waits: deque[float] = deque(maxlen=KEPT)
         # the medians of _steps and _waits, None: stale (a lookup asks them, a step adds)
         self._step_s: float | None = None
@@ -93,6 +104,12 @@ class LoadPace:
         if nbytes > 0 and seconds > 0:
             self._loads.append((nbytes, seconds))
             self._line = None
+
+    def landed(self, nbytes: int, seconds: float) -> None:
+        """One rank copied a fetched load of ``nbytes`` into vLLM's blocks in ``seconds``."""
+        if nbytes > 0 and seconds > 0:
+            self._lands.append((nbytes, seconds))
+            self._land_line = None
 
     def waited(self, seconds: float) -> None:
         """An asynchronous load was reported done ``seconds`` after its lookup."""
@@ -141,3 +158,18 @@ class LoadPace:
     def spend(self, seconds: float) -> None:
         """A load of predicted ``seconds`` was put in this step."""
         self._spent += seconds
+
+    def land_bytes(self, *, idle: bool) -> int | None:
+        """The bytes of fetched loads one rank may copy in this step: what is left
+        of the step's budget after the loads put in it, at the landings' measured
+        cost (one fixed cost, then their bandwidth); None where either is not
+        known yet, or the copies cost nothing per byte (no bound)."""
+        budget = self.budget(idle=idle)
+        if budget is None or not self._lands:
+            return None
+        if self._land_line is None:
+            self._land_line = copy_line(list(self._lands))
+        fixed, per_byte = self._land_line
+        if per_byte <= 0:
+            return None
+        return max(int((budget - self._spent - fixed) / per_byte), 0)

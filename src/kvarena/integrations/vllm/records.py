@@ -91,6 +91,9 @@ class StepPlan(KVConnectorMetadata):
     offers: list[str] = field(default_factory=list)  # requests held for a decode engine
     expired: list[str] = field(default_factory=list)  # offers no longer held: free them
     peers: dict[str, dict[int, Any]] = field(default_factory=dict)  # new prefill engines' hellos
+    # the most bytes of fetched asynchronous loads a worker copies in this step
+    # (the first always lands; None: no bound, nothing measured yet): :mod:`.pace`
+    land_bytes: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,7 +143,8 @@ class WorkerReport(KVConnectorWorkerMetadata):
     (``skipped``), and what the rank's local tiers hold (``held``). For KV
     events and the scheduler's book of the tiers below the host, what this
     rank wrote through (``written``: its own names) and what those tiers
-    evicted or dropped (``dropped``)."""
+    evicted or dropped (``dropped``). For the pace of landing loads, the bytes
+    and seconds of each fetched load's copy into vLLM's tensors (``landed``)."""
 
     host_added: list[str] = field(default_factory=list)
     host_dropped: list[str] = field(default_factory=list)
@@ -152,6 +156,7 @@ class WorkerReport(KVConnectorWorkerMetadata):
     held: list[Held] = field(default_factory=list)
     dropped: list[tuple[str, str]] = field(default_factory=list)  # (tier label, name), not host
     written: list[str] = field(default_factory=list)  # written through, below the host too
+    landed: list[tuple[int, float]] = field(default_factory=list)  # async loads' copy-ins: (B, s)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, WorkerReport)

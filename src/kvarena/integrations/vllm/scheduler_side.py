@@ -248,7 +248,9 @@ class SchedulerSide:
 
     # -- each step ----------------------------------------------------------------
     def plan(self, scheduler_output: Any) -> StepPlan:
-        plan = StepPlan(loads=self._loads)
+        # fetched loads land in what the step's budget leaves (its in-step loads spent first)
+        idle = not scheduler_output.num_scheduled_tokens
+        plan = StepPlan(loads=self._loads, land_bytes=self.pace.land_bytes(idle=idle))
         self._loads = []
         cached = scheduler_output.scheduled_cached_reqs
         self.pace.stepped(time.monotonic(), busy=bool(cached.req_ids))
@@ -365,6 +367,8 @@ class SchedulerSide:
             for part in report.loads:  # the host tier's loads: what paces loads in the step
                 if self._host is not None and set(part.nbytes) == {self._host}:
                     self.pace.loaded(part.nbytes[self._host], part.seconds.get(self._host, 0.0))
+            for nbytes, seconds in report.landed:
+                self.pace.landed(nbytes, seconds)
             completed = self.telemetry.reported(report)
             if self.events is not None:
                 for name in completed:

@@ -46,6 +46,11 @@ vLLM's own grace: the engine waits for its workers
 ``--shutdown-timeout`` above 0."""
 
 
+def _fetched_bytes(fetched: tuple) -> int:
+    """The payload bytes of a fetched load (what its landing copies)."""
+    return sum(len(p) for p in fetched[1] if p is not None)
+
+
 class WorkerSide:
     def __init__(
         self,
@@ -136,10 +141,11 @@ class WorkerSide:
 
     def load(self, plan: StepPlan) -> None:
         """This step's loads: the fetches finished since the last step copied in
-        and reported; new loads the host tier serves whole done now (in place,
+        and reported (as many as the plan's ``land_bytes`` allow, the first
+        always; the rest in later steps); new loads the host tier serves whole done now (in place,
         well inside a step; those vLLM runs in this very step before its
         forward, :attr:`Load.in_step`), the rest handed to the I/O threads."""
-        done, late = self.queue.collect()
+        done, late = self.queue.collect(budget=plan.land_bytes, weigh=_fetched_bytes)
         for job, fetched in done:
             self._finish(job, *fetched)
         for job in late:
@@ -190,7 +196,11 @@ class WorkerSide:
         checks and copy, what the scheduler paces loads in the step by)."""
         if not job.in_step:  # vLLM waits for word of it
             self._received.add(job.request)
-        self._apply(job, wanted, payloads, got.lent)
+        landing = time.perf_counter()
+        copied = self._apply(job, wanted, payloads, got.lent)
+        landing = time.perf_counter() - landing
+        if copied and began is None:  # fetched off the step: its copy paces the landings
+            self.news.add(landed=[(_fetched_bytes((wanted, payloads)), landing)])
         seconds = got.seconds
         host = self.tiers.labels[0] if self.tiers.tiers else None
         if began is not None and host is not None and set(got.read_bytes) == {host}:
@@ -218,9 +228,10 @@ class WorkerSide:
         wanted: list[tuple[ImageKind, BlockCopy]],
         payloads: list[memoryview | None],
         lent: list[tuple[int, int] | None],
-    ) -> None:
+    ) -> bool:
         """Copy a load's payloads into its blocks (those the arena's tier lent in
-        place by their offsets in it), or fail the load if any is missing."""
+        place by their offsets in it), or fail the load if any is missing;
+        whether it was copied."""
         missing = sum(p is None for p in payloads)
         why = f"{missing} of {len(payloads)} objects missing or failing their checks"
         if not missing:
@@ -239,8 +250,9 @@ class WorkerSide:
                 why = f"its copy was refused ({exc})"
             else:
                 self.loads_done += 1
-                return
+                return True
         self._fail(job, why)
+        return False
 
     def _fail(self, job: Load, why: str) -> None:
         """Nothing usable is left for a load that cannot be served whole: vLLM
