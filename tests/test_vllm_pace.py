@@ -109,13 +109,13 @@ def test_idle_gaps_are_not_steps_and_estimates_forget_old_measures():
 
 def test_fetched_loads_land_in_what_the_steps_budget_leaves():
     """A step copies in fetched loads up to its share, less what its in-step loads
-    took, at the landings' own measured cost; unbounded until both are known."""
+    took, at the landings' own measured cost; one a step until both are known."""
     pace = LoadPace()
     pace.landed(4 * MIB, 2e-3)
-    assert pace.land_bytes(idle=False) is None  # no step measured
+    assert pace.land_bytes(idle=False) == 0  # no step measured: the first lands alone
     pace2 = LoadPace()
     steps(pace2, 5, 0.02)
-    assert pace2.land_bytes(idle=False) is None  # no landing measured
+    assert pace2.land_bytes(idle=False) == 0  # no landing measured
     for n, s in ((MIB, 1.5e-3), (2 * MIB, 2.5e-3), (8 * MIB, 8.5e-3), (16 * MIB, 16.5e-3)):
         pace2.landed(n, s)  # 0.5 ms fixed, 1 ms per MiB
     budget = STEP_SHARE * 0.02  # 2 ms of a 20 ms step

@@ -231,16 +231,16 @@ def test_a_host_hit_loads_in_the_step_while_the_engine_is_idle_but_not_beside_de
 
 def test_a_plan_lets_fetched_loads_land_in_what_its_step_leaves():
     """The workers' copies of fetched loads, as reported, set how many bytes of
-    them the next step may copy in: none known, no bound; then a tenth of the
+    them the next step may copy in: none known, one load a step; then a tenth of the
     measured step at their cost, beside running requests and while none runs
     (then the asynchronous way's wait, if longer)."""
     mib = 1 << 20
     side = make_side("kv")
-    assert side.plan(_step([], {}, {}, 1)).land_bytes is None
+    assert side.plan(_step([], {}, {}, 1)).land_bytes == 0
     side.reported(
         WorkerReport(landed=[(mib, 1.5e-3), (2 * mib, 2.5e-3), (8 * mib, 8.5e-3), (16 * mib, 16.5e-3)])
     )
-    assert side.plan(_step([], {}, {}, 1)).land_bytes is None  # no step measured yet
+    assert side.plan(_step([], {}, {}, 1)).land_bytes == 0  # no step measured yet
     side.pace._steps.extend([0.02] * 5)  # 20 ms steps: 2 ms a step, 0.5 ms fixed, 1 ms a MiB
     r = make_request("r1", 80)
     assert side.plan(_step([r], {"r1": 1}, {"r1": 79}, 1)).land_bytes == pytest.approx(1.5 * mib, abs=2)

@@ -30,7 +30,7 @@ host tier's loads the workers report (fetch, checks and copy into vLLM's
 blocks, timed whole); a landing, as a line fitted the same way to the
 workers' copies of fetched loads; the asynchronous way, as the median wait
 of those loads. Until what a rule needs is known, loads go the asynchronous
-way, and land as soon as they are fetched.
+way, and land one a step.
 """
 
 from __future__ import annotations
@@ -162,11 +162,12 @@ class LoadPace:
     def land_bytes(self, *, idle: bool) -> int | None:
         """The bytes of fetched loads one rank may copy in this step: what is left
         of the step's budget after the loads put in it, at the landings' measured
-        cost (one fixed cost, then their bandwidth); None where either is not
-        known yet, or the copies cost nothing per byte (no bound)."""
+        cost (one fixed cost, then their bandwidth). Until both are measured, 0:
+        one load a step (the first of a burst is what measures them); None where
+        the copies cost nothing per byte (no bound)."""
         budget = self.budget(idle=idle)
         if budget is None or not self._lands:
-            return None
+            return 0
         if self._land_line is None:
             self._land_line = copy_line(list(self._lands))
         fixed, per_byte = self._land_line

@@ -92,7 +92,7 @@ class StepPlan(KVConnectorMetadata):
     expired: list[str] = field(default_factory=list)  # offers no longer held: free them
     peers: dict[str, dict[int, Any]] = field(default_factory=dict)  # new prefill engines' hellos
     # the most bytes of fetched asynchronous loads a worker copies in this step
-    # (the first always lands; None: no bound, nothing measured yet): :mod:`.pace`
+    # (the first always lands; None: no bound): :mod:`.pace`
     land_bytes: int | None = None
 
 
