@@ -142,9 +142,10 @@ class WorkerSide:
     def load(self, plan: StepPlan) -> None:
         """This step's loads: the fetches finished since the last step copied in
         and reported (as many as the plan's ``land_bytes`` allow, the first
-        always; the rest in later steps); new loads the host tier serves whole done now (in place,
-        well inside a step; those vLLM runs in this very step before its
-        forward, :attr:`Load.in_step`), the rest handed to the I/O threads."""
+        always, the rest in later steps); new loads the host tier serves whole
+        done now (in place, well inside a step; those vLLM runs in this very
+        step before its forward, :attr:`Load.in_step`), the rest handed to the
+        I/O threads."""
         done, late = self.queue.collect(budget=plan.land_bytes, weigh=_fetched_bytes)
         for job, fetched in done:
             self._finish(job, *fetched)
