@@ -96,3 +96,12 @@ def test_kvarena_tiers_runs_without_torch(tmp_path):
     *answer, loaded = out.strip().splitlines()
     assert loaded == "False"
     assert json.loads("\n".join(answer))["objects"] == 0
+
+
+def test_registering_an_unknown_command_is_refused_naming_the_commands():
+    from kvarena.cli import COMMANDS, registered
+
+    with pytest.raises(kvarena.InvalidValueError, match=r"'tiers'.*got 'tier'"):
+        registered(["tier"])
+    assert registered(["tiers"]).registered_groups  # a known name registers its command
+    assert set(COMMANDS) == {"plan", "demo", "replay", "tiers"}

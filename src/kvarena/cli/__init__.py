@@ -17,6 +17,7 @@ import sys
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from ..checks import check_choice
 from .root import _one_line_warning
 
 if TYPE_CHECKING:
@@ -36,9 +37,15 @@ __all__ = ["COMMANDS", "app", "main", "registered"]
 
 
 def registered(names: list[str] | None = None) -> typer.Typer:
-    """The app with the commands ``names`` registered (every command: None)."""
-    for name in COMMANDS if names is None else names:
+    """The app with the commands ``names`` registered (every command: None);
+    a name that is no command is refused before any is imported."""
+    chosen = (
+        list(COMMANDS) if names is None else [check_choice(n, "command", COMMANDS) for n in names]
+    )
+    for name in chosen:
         importlib.import_module(f".{COMMANDS[name]}", __name__)
+    # imported here, never at the top: a module-level ``app`` would answer
+    # ``from kvarena.cli import app`` before __getattr__ registers the commands
     from .root import app
 
     return app

@@ -73,6 +73,26 @@ def copy_line(loads: list[tuple[int, float]]) -> tuple[float, float]:
     return max(statistics.median(t - slope * n for n, t in pts), 0.0), slope
 
 
+class _Copies:
+    """One rank's recent copies as ``(bytes, seconds)``, and the line fitted to
+    them (:func:`copy_line`, fitted when asked after a new one came)."""
+
+    def __init__(self) -> None:
+        self._kept: deque[tuple[int, float]] = deque(maxlen=KEPT)
+        self._line: tuple[float, float] | None = None  # None: stale
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        if nbytes > 0 and seconds > 0:
+            self._kept.append((nbytes, seconds))
+            self._line = None
+
+    def line(self) -> tuple[float, float] | None:
+        """``(fixed seconds, seconds per byte)``, None while nothing is measured."""
+        if self._line is None and self._kept:
+            self._line = copy_line(list(self._kept))
+        return self._line
+
+
 class LoadPace:
     """The engine's step time, the host tier's copy time and the asynchronous
     loads' wait, as measured; and this step's in-step copy time so far."""
@@ -80,10 +100,8 @@ class LoadPace:
     def __init__(self) -> None:
         self._last: float | None = None
         self._steps: deque[float] = deque(maxlen=KEPT)
-        self._loads: deque[tuple[int, float]] = deque(maxlen=KEPT)  # one rank's
-        self._line: tuple[float, float] | None = None  # fitted to _loads, None: stale
-        self._lands: deque[tuple[int, float]] = deque(maxlen=KEPT)  # one rank's copy-ins
-        self._land_line: tuple[float, float] | None = None  # fitted to _lands, None: stale
+        self._loads = _Copies()  # host-tier loads done in the step, timed whole
+        self._lands = _Copies()  # fetched loads' copies into vLLM's blocks
         self._waits: deque[float] = deque(maxlen=KEPT)
         # the medians of _steps and _waits, None: stale (a lookup asks them, a step adds)
         self._step_s: float | None = None
@@ -101,15 +119,11 @@ class LoadPace:
 
     def loaded(self, nbytes: int, seconds: float) -> None:
         """One rank's load from the host tier took ``seconds`` for ``nbytes``."""
-        if nbytes > 0 and seconds > 0:
-            self._loads.append((nbytes, seconds))
-            self._line = None
+        self._loads.add(nbytes, seconds)
 
     def landed(self, nbytes: int, seconds: float) -> None:
         """One rank copied a fetched load of ``nbytes`` into vLLM's blocks in ``seconds``."""
-        if nbytes > 0 and seconds > 0:
-            self._lands.append((nbytes, seconds))
-            self._land_line = None
+        self._lands.add(nbytes, seconds)
 
     def waited(self, seconds: float) -> None:
         """An asynchronous load was reported done ``seconds`` after its lookup."""
@@ -129,11 +143,10 @@ class LoadPace:
 
     def copy_s(self, nbytes: int) -> float | None:
         """The predicted seconds of one rank's host load of ``nbytes``."""
-        if not self._loads:
+        line = self._loads.line()
+        if line is None:
             return None
-        if self._line is None:
-            self._line = copy_line(list(self._loads))
-        fixed, per_byte = self._line
+        fixed, per_byte = line
         return fixed + per_byte * nbytes
 
     def budget(self, *, idle: bool) -> float | None:
@@ -165,12 +178,10 @@ class LoadPace:
         cost (one fixed cost, then their bandwidth). Until both are measured, 0:
         one load a step (the first of a burst is what measures them); None where
         the copies cost nothing per byte (no bound)."""
-        budget = self.budget(idle=idle)
-        if budget is None or not self._lands:
+        budget, line = self.budget(idle=idle), self._lands.line()
+        if budget is None or line is None:
             return 0
-        if self._land_line is None:
-            self._land_line = copy_line(list(self._lands))
-        fixed, per_byte = self._land_line
+        fixed, per_byte = line
         if per_byte <= 0:
             return None
         return max(int((budget - self._spent - fixed) / per_byte), 0)

@@ -46,9 +46,9 @@ vLLM's own grace: the engine waits for its workers
 ``--shutdown-timeout`` above 0."""
 
 
-def _fetched_bytes(fetched: tuple) -> int:
-    """The payload bytes of a fetched load (what its landing copies)."""
-    return sum(len(p) for p in fetched[1] if p is not None)
+def _payload_bytes(payloads: list[memoryview | None]) -> int:
+    """The bytes a fetched load's landing copies."""
+    return sum(len(p) for p in payloads if p is not None)
 
 
 class WorkerSide:
@@ -146,7 +146,10 @@ class WorkerSide:
         done now (in place, well inside a step; those vLLM runs in this very
         step before its forward, :attr:`Load.in_step`), the rest handed to the
         I/O threads."""
-        done, late = self.queue.collect(budget=plan.land_bytes, weigh=_fetched_bytes)
+        # a fetch's result: (wanted, payloads, what the fetch did, failures)
+        done, late = self.queue.collect(
+            budget=plan.land_bytes, weigh=lambda fetched: _payload_bytes(fetched[1])
+        )
         for job, fetched in done:
             self._finish(job, *fetched)
         for job in late:
@@ -201,7 +204,7 @@ class WorkerSide:
         copied = self._apply(job, wanted, payloads, got.lent)
         landing = time.perf_counter() - landing
         if copied and began is None:  # fetched off the step: its copy paces the landings
-            self.news.add(landed=[(_fetched_bytes((wanted, payloads)), landing)])
+            self.news.add(landed=[(_payload_bytes(payloads), landing)])
         seconds = got.seconds
         host = self.tiers.labels[0] if self.tiers.tiers else None
         if began is not None and host is not None and set(got.read_bytes) == {host}:
