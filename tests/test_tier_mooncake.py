@@ -20,7 +20,7 @@ except ImportError as exc:  # not installed, or its libibverbs missing
     pytest.skip(f"Mooncake's client does not load: {exc}", allow_module_level=True)
 
 from kvarena.testing.mooncake_master import MooncakeMaster
-from kvarena.tiers import MooncakeTier, TierStack, TierWarning, parse_tier
+from kvarena.tiers import MooncakeTier, Put, TierStack, TierWarning, parse_tier
 from kvarena.tiers.spec import TierSpec
 
 
@@ -37,7 +37,7 @@ def test_a_round_trip_by_bytes(master):
     tier = parse_tier(master.url + SEGMENT)
     assert isinstance(tier, MooncakeTier) and not tier.cascades
     objs = images(20)  # payloads of 1 KB to 156 KB
-    assert tier.put_many(objs) == []
+    assert tier.put_many(objs) == Put()
     names = [o.name for o in objs]
     assert tier.contains_many([*names, "kv-none"]) == [True] * 20 + [False]
     got = tier.get_many([*names, "kv-none"])
@@ -46,6 +46,19 @@ def test_a_round_trip_by_bytes(master):
     assert tier.metrics.get_bytes == sum(o.logical_bytes for o in objs)
     assert tier.delete_many(names[:5]) == 5
     assert tier.contains_many(names[:6]) == [False] * 5 + [True]
+    tier.close()
+
+
+def test_an_object_larger_than_the_staging_buffer_is_refused_by_name(master):
+    """A put names what it could not store (an object past the client's staging
+    buffer): its neighbours in the batch are stored, it is not."""
+    tier = MooncakeTier(
+        master.url[len("mooncake://") :], segment_bytes=64 << 20, staging_bytes=1 << 20
+    )
+    small = images(2)
+    huge = small[0].__class__("kv-huge", (b"x" * (2 << 20),), 2 << 20)
+    assert tier.put_many([small[0], huge, small[1]]) == Put(refused=["kv-huge"])
+    assert tier.contains_many([small[0].name, "kv-huge", small[1].name]) == [True, False, True]
     tier.close()
 
 

@@ -12,7 +12,7 @@ from test_tier_prefix import compute, make, prompts
 from kvarena.errors import InvalidValueError
 from kvarena.prefix import CheckpointPolicy
 from kvarena.replay import ReplayConfig, parse_trace, replay
-from kvarena.tiers import ImageKind, RedisTier, TierStack, TierWarning, encode, parse_tier
+from kvarena.tiers import ImageKind, Put, RedisTier, TierStack, TierWarning, encode, parse_tier
 
 
 def images(n: int) -> list:
@@ -36,13 +36,38 @@ def test_redis_tier_round_trip(redis_server, direct):
     tier = RedisTier(redis_server.url, direct_writes=direct)
     assert tier.capacity_bytes == 256 << 20 and isinstance(parse_tier(redis_server.url), RedisTier)
     objs = images(20)
-    assert tier.put_many(objs) == []  # the server evicts, nothing comes back
+    assert tier.put_many(objs) == Put()  # the server evicts, nothing comes back
     names = [o.name for o in objs]
     assert tier.contains_many([*names, "kv-none"]) == [True] * 20 + [False]
     got = tier.get_many([*names, "kv-none"])
     assert [bytes(g) for g in got[:-1]] == [o.to_bytes() for o in objs] and got[-1] is None
     assert tier.delete_many(names[:5]) == 5
     assert tier.contains_many(names[:6]) == [False] * 5 + [True]
+    tier.close()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_store_out_of_memory_names_the_writes_it_refused(redis_server, direct):
+    """A server at its ``maxmemory`` under ``noeviction`` answers SETs with an
+    error: a put names those objects refused (a batch, whole: here one object
+    a put, each SET its own batch), and no name outside the refused is missing
+    from the store."""
+    import redis
+
+    admin = redis.Redis(port=redis_server.port)
+    used = int(admin.info("memory")["used_memory"])
+    admin.config_set("maxmemory", used + (256 << 10))
+    admin.config_set("maxmemory-policy", "noeviction")
+    tier = RedisTier(redis_server.url, direct_writes=direct)
+    objs = images(40)  # 6.4 MB: past the room
+    with pytest.warns(TierWarning, match="maxmemory"):
+        puts = [tier.put_many([o]) for o in objs]
+    names = [o.name for o in objs]
+    refused = [n for p in puts for n in p.refused]
+    assert all(p.evicted == [] for p in puts) and 0 < len(refused) < len(names)
+    held = tier.contains_many(names)
+    assert [n for n, h in zip(names, held, strict=True) if not h] == refused
+    admin.close()
     tier.close()
 
 

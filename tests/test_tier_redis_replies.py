@@ -12,7 +12,7 @@ import pytest
 from test_tier_prefix import compute, make, prompts
 from test_tier_redis import images
 
-from kvarena.tiers import RedisTier, TierStack, TierWarning
+from kvarena.tiers import Put, RedisTier, TierStack, TierWarning
 
 pytest.importorskip("redis")
 
@@ -106,7 +106,7 @@ def test_every_call_is_a_miss_with_one_warning(wrong, direct):
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         tier = RedisTier(f"redis://127.0.0.1:{wrong.port}", timeout_s=2.0, direct_writes=direct)
-        assert tier.put_many(objs) == []
+        assert tier.put_many(objs) == Put(refused=names)  # no SET taken: none held
         got = tier.get_many(names)
         # A status reply reads as bytes, like a value (a GET that seems to work, so
         # the tier warns again after it): the image check above the tier refuses

@@ -23,6 +23,7 @@ from kvarena.tiers import (
     HostTier,
     ImageKind,
     ImageMismatch,
+    Put,
     TierObject,
     TierStack,
     TierWarning,
@@ -171,14 +172,16 @@ def test_host_tier_matches_an_lru_model(ops, frame):
         name = f"o{i}"
         if op == "p":
             data = bytes([i]) * size
-            evicted = tier.put_many([TierObject(name, (data[:7], data[7:]), size)])
+            put = tier.put_many([TierObject(name, (data[:7], data[7:]), size)])
+            evicted = put.evicted
             if name in model:
                 model.move_to_end(name)
-                assert evicted == []
+                assert put == Put()  # held: refreshed, neither evicting nor refused
                 continue
             if frames(size) > cap_frames:
-                assert evicted == [] and name not in model
+                assert put == Put(refused=[name]) and name not in model
                 continue
+            assert put.refused == []
             expect = []
             while sum(frames(len(v)) for v in model.values()) + frames(size) > cap_frames:
                 old, v = model.popitem(last=False)
@@ -216,10 +219,9 @@ def test_disk_tier_round_trip_restart_and_lru(tmp_path):
     objs = [image(key=bytes([i]) * 16, payload=(bytes([i]) * 100,))[0] for i in range(5)]
     size = objs[0].logical_bytes
     tier = DiskTier(tmp_path, 3 * size)
-    evicted = tier.put_many(objs[:3])
-    assert evicted == [] and len(tier) == 3
+    assert tier.put_many(objs[:3]) == Put() and len(tier) == 3
     tier.get_many([objs[0].name])  # objs[0] is now the most recent
-    evicted = tier.put_many(objs[3:4])
+    evicted = tier.put_many(objs[3:4]).evicted
     assert [e.name for e in evicted] == [objs[1].name]
     assert evicted[0].to_bytes() == objs[1].to_bytes()
     assert object_files(tmp_path) == sorted(o.name + ".kvi" for o in (objs[0], objs[2], objs[3]))
@@ -374,8 +376,9 @@ def test_evictions_come_back_with_their_bytes_or_as_names_alone(tmp_path, kind):
         tier = HostTier(2 * size, frame_bytes=size) if kind == "host" else DiskTier(where, 2 * size)
         try:
             first = tier.put_many(objs[:2], want_evicted=want)
-            evicted = tier.put_many(objs[2:], want_evicted=want)  # one batch: its own first go
-            assert first == []
+            put = tier.put_many(objs[2:], want_evicted=want)  # one batch: its own first go
+            evicted = put.evicted
+            assert first == Put() and put.refused == []  # its own first: evicted, not refused
             assert [o.name for o in evicted] == [o.name for o in objs[:3]]
             assert [o.logical_bytes for o in evicted] == [size] * 3
             for o, was in zip(evicted, objs, strict=False):
@@ -398,7 +401,7 @@ def test_host_object_split_over_frames_apart_reads_back_whole():
     tier.delete_many(["f1", "f3"])  # free frames 1 and 3: apart
     grid = np.arange(1200, dtype=np.uint8).reshape(40, 30)  # a 2-D buffer: 1,200 bytes
     obj = TierObject("split", (b"head" * 100, memoryview(grid)), 1600)
-    assert tier.put_many([obj], want_evicted=False) == []
+    assert tier.put_many([obj], want_evicted=False) == Put()
     (got,) = tier.get_many(["split"])
     assert bytes(got) == b"head" * 100 + grid.tobytes()
     tier.check_books()
@@ -429,17 +432,41 @@ def small_filesystem(tmp_path):
 def test_a_really_full_disk_disables_writes(small_filesystem):
     tier = DiskTier(small_filesystem, 100 << 20)  # the tier thinks it has room
     objs = [image(key=bytes([i]) * 16, payload=(bytes([i]) * (200 << 10),))[0] for i in range(8)]
+    late = image(key=b"z" * 16)[0]
     with pytest.warns(TierWarning, match="writes disabled: the disk is full") as seen:
-        tier.put_many(objs)
-        tier.put_many([image(key=b"z" * 16)[0]])  # refused quietly: already disabled
+        put = tier.put_many(objs)
+        # refused quietly: already disabled; and said so, for a book of the tier
+        assert tier.put_many([late]) == Put(refused=[late.name])
     assert len(seen) == 1 and tier.disabled is not None
     held = tier.names()
     assert 0 < len(held) < 8
+    assert put.refused == [o.name for o in objs if o.name not in held]  # exactly the rest
     assert object_files(small_filesystem) == sorted(
         n + ".kvi" for n in held
     )  # no temporary, no partial object
     got = tier.get_many(held)
     assert [bytes(g) for g in got] == [o.to_bytes() for o in objs if o.name in held]
+
+
+@pytest.mark.parametrize("kind", ["host", "disk"])
+def test_a_put_names_what_it_did_not_store(tmp_path, kind):
+    """A put says which objects it refused (one larger than the whole tier), not
+    those it held already (refreshed) nor those its own batch evicted again:
+    a book of the tier that adds the put's names and removes its refusals and
+    evictions holds exactly what the tier holds."""
+    objs = [image(key=bytes([i]) * 16, payload=(bytes([i]) * 1000,))[0] for i in range(4)]
+    size = objs[0].logical_bytes
+    big = image(key=b"b" * 16, payload=(b"b" * 4000,))[0]
+    tier = HostTier(2 * size, frame_bytes=size) if kind == "host" else DiskTier(tmp_path, 2 * size)
+    try:
+        assert tier.put_many(objs[:1]) == Put()
+        put = tier.put_many([objs[0], big, *objs[1:]], want_evicted=False)
+        assert put.refused == [big.name]
+        book = {o.name for o in [objs[0], big, *objs[1:]]}
+        book -= {*put.refused, *(o.name for o in put.evicted)}
+        assert book == set(tier.names()) == {objs[2].name, objs[3].name}
+    finally:
+        tier.close()
 
 
 def test_tier_doors_refuse_nonsense():

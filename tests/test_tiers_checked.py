@@ -65,6 +65,23 @@ def test_write_through_puts_everything_everywhere_sealing_only_below_host(stack)
     assert all(read_header(_bytes(o)).sealed for o in disk.stored(objects))
 
 
+def test_write_through_names_what_each_tier_refused(tmp_path):
+    """A tier that does not store an object (here a disk smaller than it) says
+    so by its label; the tiers that took it hold it."""
+    small = [_kv(1, 1)]
+    big = EXPECT.encode(ImageKind.STATE, _key(9), 9, [memoryview(b"s" * 96)])
+    disk = DiskTier(tmp_path / "d", big.logical_bytes - 1)
+    stack = TierStack([HostTier(1 << 20, frame_bytes=4096), disk])
+    try:
+        written = stack.write_through([*small, big])
+        assert written.refused == {"host": [], "disk": [big.name]}
+        assert stack.tiers[0].contains_many([big.name]) == [True]
+        assert written.evicted == {"host": [], "disk": []}
+        assert disk.contains_many([small[0].name, big.name]) == [True, False]
+    finally:
+        stack.close()
+
+
 def test_a_failing_object_is_dropped_and_taken_from_the_tier_below(stack):
     host, disk = stack.tiers
     good, foreign = _kv(1, 7), _kv(1, 9, OTHER)

@@ -154,7 +154,7 @@ def test_a_disk_batch_larger_than_the_tier_keeps_its_index_and_files_equal(tmp_p
     they are handed down (as a host tier's evictions would be)."""
     disk = DiskTier(tmp_path / "d", 3 * 4200)
     objs = [image([bytes([i]) * 4000], sealed=False, key=bytes([i]) * 16)[0] for i in range(5)]
-    down = disk.put_many(objs)
+    down = disk.put_many(objs).evicted
     files = sorted(p.name[: -len(".kvi")] for p in (tmp_path / "d").glob("*.kvi"))
     assert files == sorted(disk.names()) == sorted(o.name for o in objs[2:])
     assert [o.name for o in down] == [o.name for o in objs[:2]]

@@ -26,6 +26,8 @@ from vllm_offline import (  # noqa: E402
     worker_connector,
 )
 
+from kvarena.tiers import TierWarning  # noqa: E402
+
 pytestmark = pytest.mark.usefixtures("vllm_in_process")
 
 
@@ -35,12 +37,17 @@ def models(tmp_path_factory):
 
 
 @pytest.mark.parametrize(("kind", "block_size"), CASES)
-def test_vanished_and_evicted_objects_cost_a_recompute_never_a_token(models, kind, block_size):
+def test_vanished_and_evicted_objects_cost_a_recompute_never_a_token(
+    models, redis_server, kind, block_size
+):
     """The policy the connector requires (``recompute``) through the engine: host
     objects deleted behind the scheduler's back after it listed them (a store
     restarted, another engine's eviction) fail their loads as missing and vLLM
     recomputes; a host tier too small for the prompts evicts, says so, and no
-    lookup promises what it dropped. Tokens equal vLLM alone's throughout."""
+    lookup promises what it dropped — nor what the store below it refused (a
+    Redis at its ``maxmemory`` under ``noeviction``, room for three objects).
+    Tokens equal vLLM alone's throughout."""
+    import redis
     model = models[kind]
     prompts = prompts_for(block_size or 256)
     alone = engine(model, block_size=block_size)
@@ -60,11 +67,19 @@ def test_vanished_and_evicted_objects_cost_a_recompute_never_a_token(models, kin
     close(llm)
 
     one_object = host.frame_bytes
-    small = engine(model, block_size=block_size, tiers=[f"host:{4 * one_object}"])
-    assert one_by_one(small, prompts)[0] == reference
-    worker = worker_connector()._worker
-    saved(small)
+    admin = redis.Redis(port=redis_server.port)
+    admin.config_set("maxmemory", int(admin.info("memory")["used_memory"]) + 3 * one_object)
+    admin.config_set("maxmemory-policy", "noeviction")
+    admin.close()
+    small = engine(
+        model, block_size=block_size, tiers=[f"host:{4 * one_object}", redis_server.url]
+    )
+    with pytest.warns(TierWarning, match="maxmemory"):
+        assert one_by_one(small, prompts)[0] == reference
+        worker = worker_connector()._worker
+        saved(small)
     assert worker.tiers.tiers[0].metrics.evictions > 0
+    assert worker.tiers.tiers[1].metrics.failures > 0  # the store refused some saves
     small.reset_prefix_cache()
     evicted, _ = one_by_one(small, prompts)
     assert evicted == reference and worker.load_failures == 0

@@ -233,3 +233,57 @@ def test_an_object_dropped_from_every_local_tier_is_announced_once_each_and_forg
     removed = book.take()
     assert [(type(e), e.medium) for e in removed] == [(BlockRemoved, "CPU"), (BlockRemoved, "STORAGE")]
     assert not (book._held or book._prefix_of or book._removed)  # nothing kept for it
+
+
+def test_an_object_a_tier_refused_is_never_announced_there():
+    """A rank's tier that did not store its shard (a full disk, a store out of
+    memory): before every rank saved it, the object is announced in the other
+    tiers alone; after, it is announced gone from that tier, once."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    from kvarena.integrations.vllm.events import TierEvents
+    from kvarena.integrations.vllm.ranks import rank_names
+    from kvarena.integrations.vllm.records import BlockCopy, WorkerReport
+    from kvarena.tiers.image import ImageKind, object_name
+
+    book = TierEvents(
+        tiers=[("host", "host"), ("disk", "disk"), ("redis", "redis")],
+        kv_groups=[(0, "full_attention")],
+        state_groups=[],
+        block_size=32,
+        hash_block_size=32,
+        ranks=2,
+    )
+    request = SimpleNamespace(
+        block_hashes=[bytes([i]) * 32 for i in range(4)], all_token_ids=list(range(128)), lora_request=None
+    )
+    copies = [BlockCopy(index=i, key=bytes([9 + i]) * 16, blocks=(i,)) for i in range(2)]
+    first, second = (object_name(ImageKind.KV_BLOCK, c.key) for c in copies)
+    for c in copies:
+        book.planned(request, ImageKind.KV_BLOCK, c)
+    # rank 0 reports both saved, its disk refused the first; rank 1 later, all stored
+    own0 = rank_names(first, 2)[0]
+    book.reported(WorkerReport(refused=[("disk", own0, first)]), [])
+    book.reported(WorkerReport(), [first, second])
+    stored = book.take()
+    assert all(isinstance(e, BlockStored) for e in stored)
+    media = [(e.block_hashes[0], e.ownership) for e in stored]
+    one, two = (request.block_hashes[i] for i in range(2))
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as vllm_hash
+
+    assert media == [
+        (vllm_hash(one), "kvarena:host"),
+        (vllm_hash(one), "kvarena:redis"),
+        *((vllm_hash(two), f"kvarena:{t}") for t in ("host", "disk", "redis")),
+    ]
+    # after both ranks announced it: a refusal (a store that ran out of memory on a
+    # refresh) is a removal, said once; a drop from the refused disk says nothing more
+    own1 = rank_names(second, 2)[1]
+    book.reported(WorkerReport(refused=[("redis", own1, second)] * 2), [])
+    book.dropped("disk", [own0])
+    removed = book.take()
+    assert [(type(e), e.block_hashes[0], e.ownership) for e in removed] == [
+        (BlockRemoved, vllm_hash(two), "kvarena:redis")
+    ]

@@ -20,9 +20,12 @@ from vllm.v1.core.sched.output import (
     SchedulerOutput,
 )
 from vllm.v1.request import Request
-from vllm_scheduler import BS, NS, make_request, make_side
+from vllm_scheduler import BS, NS, make_groups, make_request, make_side
 
+from kvarena.integrations.vllm.catalogue import Catalogue
 from kvarena.integrations.vllm.records import WorkerReport
+from kvarena.integrations.vllm.scheduler_side import SchedulerSide
+from kvarena.integrations.vllm.settings import ConnectorSettings
 from kvarena.prefix.keys import block_keys, key_root, tail_key
 from kvarena.tiers.image import ImageKind, object_name
 
@@ -141,6 +144,31 @@ def test_a_lookup_loads_what_the_tiers_hold_and_a_failed_object_is_missed_until_
     assert side.matched(same, 0) == (16, True)  # block 0 only: block 1 counts as absent
     side.reported(WorkerReport(saved=[names[1]]))
     assert side.matched(same, 0) == (48, True)
+
+
+def test_a_name_a_tier_refused_is_not_looked_up_there(tmp_path):
+    """A worker wrote three blocks through (host and disk) and the disk refused
+    the third (full), which the host then evicted: the third is held nowhere,
+    so a lookup resumes after two, and loads them from the host."""
+    settings = ConnectorSettings.parse({"tiers": ["host:1GiB", f"disk:{tmp_path}:1GiB"]})
+    side = SchedulerSide(
+        groups=make_groups("kv"), namespace=NS, catalogue=Catalogue(settings), block_size=BS
+    )
+    try:
+        r = make_request("r", 80)
+        keys = block_keys(key_root(NS), torch.tensor(r.all_token_ids).numpy(), BS)
+        names = [object_name(ImageKind.KV_BLOCK, k) for k in keys[:3]]
+        side.reported(
+            WorkerReport(
+                saved=names, host_added=names, written=names, refused=[("disk", names[2], names[2])]
+            )
+        )
+        side.reported(WorkerReport(host_dropped=[names[2]]))
+        assert side.matched(r, 0) == (32, True)
+        side.reported(WorkerReport(host_dropped=[names[1]]))  # the disk still holds it
+        assert side.matched(make_request("r2", 80), 0) == (32, True)
+    finally:
+        side.catalogue.close()
 
 
 def test_nothing_is_planned_for_a_request_vllm_holds_whole():

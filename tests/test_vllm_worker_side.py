@@ -267,6 +267,31 @@ def test_a_rank_reports_what_it_saved_and_failed_by_the_prefix_objects_name(tmp_
         w.close()
 
 
+def test_a_rank_reports_what_a_tier_refused_by_its_label_name_and_prefix(tmp_path):
+    """A save a tier does not store (here a disk smaller than any object) is
+    reported refused there, by the tier's label, the rank's own name and the
+    prefix object's name; the host tier above it holds it."""
+    kc, caches = allocation("LBHNC", states=1)
+    tiers = TierStack([HostTier(8 << 20, frame_bytes=64 << 10), DiskTier(tmp_path / "d", 1)])
+    w = WorkerSide(
+        groups=classify(kc), namespace=NS, tiers=tiers, block_size=BLOCK_SIZE, rank=1, ranks=2,
+        save_backlog=1 << 30,
+    )
+    try:
+        w.register(caches, kc.num_blocks)
+        w.save(StepPlan(kv_saves=[BlockCopy(index=0, key=K[0], blocks=(2,))]))
+        w.flush()
+        prefix = object_name(ImageKind.KV_BLOCK, K[0])
+        own = object_name(ImageKind.KV_BLOCK, rank_key(K[0], 1, 2))
+        report = w.report()
+        assert report is not None and report.saved == [prefix] and report.written == [own]
+        assert report.refused == [("disk", own, prefix)]
+        assert tiers.tiers[0].contains_many([own]) == [True]
+        assert tiers.tiers[1].contains_many([own]) == [False]
+    finally:
+        w.close()
+
+
 def test_a_partial_block_is_saved_with_its_span_and_loads_only_as_itself(worker):
     """A prompt's partial last block is stored as its page (every layer's, as the
     kernel left it) under a header naming the tokens it holds; a load expecting

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .base import Tier, TierError, TierMetrics, TierWarning
+from .base import Put, Tier, TierError, TierMetrics, TierWarning
 from .disk import DiskTier
 from .image import (
     Expected,
@@ -37,6 +37,7 @@ __all__ = [
     "ImageKind",
     "ImageMismatch",
     "MooncakeTier",
+    "Put",
     "RedisTier",
     "Tier",
     "TierError",

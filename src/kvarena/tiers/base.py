@@ -20,7 +20,7 @@ import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from ..errors import Error
 from ..locking import synchronized
@@ -52,6 +52,19 @@ class TierMetrics:
         return asdict(self)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Put:
+    """What a put did, for its caller to apply: the objects it evicted to make
+    room, oldest first (for the next tier down), and the names of the objects
+    it did not store (larger than the tier, its writes disabled, a write or a
+    server that failed). A caller that keeps a book of what a tier holds
+    learns a name only where the tier took it: a book that believed a refused
+    write would promise loads that can only fail."""
+
+    evicted: list[TierObject] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)
+
+
 class Tier(abc.ABC):
     """One storage level: named objects, a byte capacity, LRU."""
 
@@ -67,12 +80,13 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def put_many(
         self, objects: Sequence[TierObject], *, want_evicted: bool = True
-    ) -> list[TierObject]:
+    ) -> Put:
         """Store each object (an existing name is refreshed, not rewritten); return
-        the objects evicted to make room, oldest first, for the next tier down.
-        With ``want_evicted`` False nothing below takes them, so none is read
-        back: they come as names and logical sizes alone (no parts), for a
-        caller that keeps a book of what the tier holds."""
+        the objects evicted to make room, oldest first, for the next tier down,
+        and the names not stored. With ``want_evicted`` False nothing below
+        takes the evicted, so none is read back: they come as names and
+        logical sizes alone (no parts), for a caller that keeps a book of what
+        the tier holds."""
 
     @abc.abstractmethod
     def get_many(self, names: Sequence[str]) -> list[bytes | bytearray | memoryview | None]:
@@ -182,6 +196,14 @@ class IndexedTier(Tier):
     def names(self) -> list[str]:
         """Held objects, least recently used first."""
         return list(self._index)
+
+    def _refused(self, objects: Sequence[TierObject], evicted: Sequence[TierObject]) -> list[str]:
+        """The names of ``objects`` a put just made (under the tier's lock) left
+        unheld: not in the index, and not among those it evicted again (a batch
+        larger than the room evicts its own first members: those are evictions)."""
+        gone = {o.name for o in evicted}
+        index = self._index
+        return [o.name for o in objects if o.name not in index and o.name not in gone]
 
     def _admit(self, obj: TierObject) -> bool:
         """Whether ``obj`` should be written: not held already (held: refreshed),

@@ -52,7 +52,7 @@ from typing import Any
 from ..checks import check_bytes
 from ..errors import InvalidValueError
 from ..locking import synchronized
-from .base import IndexedTier, TierError
+from .base import IndexedTier, Put, TierError
 from .image import HEAD_BYTES, MAX_NAMESPACE_BYTES, ImageMismatch, TierObject, read_header
 
 SUFFIX = ".kvi"
@@ -315,7 +315,7 @@ class DiskTier(IndexedTier):
     @synchronized
     def put_many(
         self, objects: Sequence[TierObject], *, want_evicted: bool = True
-    ) -> list[TierObject]:
+    ) -> Put:
         """Write the batch to temporary files, make them durable together, then
         rename each into place: a reader never sees an object before its bytes
         are on disk. Objects are sealed first (a file can be changed by anyone)."""
@@ -371,7 +371,7 @@ class DiskTier(IndexedTier):
                 continue
         if written and durable:
             self._worked()
-        return evicted
+        return Put(evicted=evicted, refused=self._refused(objects, evicted))
 
     def _fetch(self, name: str) -> bytes | None:
         return self._read(name)

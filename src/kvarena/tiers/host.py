@@ -25,7 +25,7 @@ from ..errors import InvalidValueError
 from ..layout.regions import aligned_zeros
 from ..locking import synchronized
 from ..pools.free_ids import FreeIds
-from .base import IndexedTier
+from .base import IndexedTier, Put
 from .frames import DEFAULT_FRAME_BYTES, MAX_FRAMES, MIN_FRAME_BYTES
 from .image import TierObject
 
@@ -157,7 +157,7 @@ class HostTier(IndexedTier):
     @synchronized
     def put_many(
         self, objects: Sequence[TierObject], *, want_evicted: bool = True
-    ) -> list[TierObject]:
+    ) -> Put:
         evicted: list[TierObject] = []
         index, free, frame = self._index, self._free, self.frame_bytes
         metrics = self.metrics
@@ -183,7 +183,7 @@ class HostTier(IndexedTier):
             written += logical
         metrics.puts += puts
         metrics.put_bytes += written
-        return evicted
+        return Put(evicted=evicted, refused=self._refused(objects, evicted))
 
     def _fetch(self, name: str) -> memoryview:
         return self._read(name)

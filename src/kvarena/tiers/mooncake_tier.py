@@ -32,7 +32,7 @@ import numpy as np
 from ..checks import check_bytes
 from ..errors import InvalidValueError
 from ..locking import synchronized
-from .base import Tier, TierError
+from .base import Put, Tier, TierError
 from .image import TierObject, logical_bytes
 
 DEFAULT_SEGMENT_BYTES = 1 << 30
@@ -123,12 +123,14 @@ class MooncakeTier(Tier):
     @synchronized
     def put_many(
         self, objects: Sequence[TierObject], *, want_evicted: bool = True
-    ) -> list[TierObject]:
+    ) -> Put:
         objects = self.stored(objects)
+        refused: list[str] = []
         for run in self._batches([o.stored_bytes for o in objects]):
             chunk = [objects[i] for i in run]
             if chunk[0].stored_bytes > self._buf.nbytes:
                 self.metrics.skipped += 1
+                refused.append(chunk[0].name)
                 continue
             ptrs, at = [], 0
             for obj in chunk:
@@ -143,9 +145,11 @@ class MooncakeTier(Tier):
                 )
             except Exception as exc:  # the client's own errors: a miss, never a crash
                 self._failed("put", exc)
+                refused.extend(o.name for o in chunk)
                 continue
             if self._store_failed("put", codes):
                 self.metrics.skipped += len(chunk)
+                refused.extend(o.name for o in chunk)
                 continue
             for obj, rc in zip(chunk, codes, strict=True):
                 if rc == 0:
@@ -156,8 +160,9 @@ class MooncakeTier(Tier):
                     self._used += obj.logical_bytes
                 else:
                     self.metrics.skipped += 1
+                    refused.append(obj.name)
             self._worked()
-        return []
+        return Put(refused=refused)
 
     @synchronized
     def get_many(self, names: Sequence[str]) -> list[bytes | bytearray | memoryview | None]:

@@ -25,7 +25,7 @@ from typing import Any
 from ..checks import check_timeout
 from ..errors import InvalidValueError
 from ..locking import synchronized
-from .base import Tier, TierError
+from .base import Put, Tier, TierError
 from .duty import DutyCycle
 from .image import TierObject, logical_bytes
 
@@ -177,10 +177,14 @@ class RedisTier(Tier):
     @synchronized
     def put_many(
         self, objects: Sequence[TierObject], *, want_evicted: bool = True
-    ) -> list[TierObject]:
+    ) -> Put:
         """SETs in batches of about ``BATCH_BYTES``, each batch one round trip;
-        objects are sealed first (a shared store can be changed by anyone)."""
+        objects are sealed first (a shared store can be changed by anyone). A
+        batch the server refused (unreachable, out of memory) is refused whole:
+        some of its SETs may have landed, and a book that misses those costs a
+        miss, where one that counted a refused SET would cost a failed load."""
         objects = self.stored(objects)
+        refused: list[str] = []
         i = 0
         while i < len(objects):
             chunk: list[TierObject] = []
@@ -198,12 +202,13 @@ class RedisTier(Tier):
                     self._pipeline_sets(chunk, total)
             except self._errors as exc:
                 self._failed("put", exc)
+                refused.extend(o.name for o in chunk)
                 continue
             self._worked()
             self.metrics.puts += len(chunk)
             self.metrics.put_bytes += sum(o.logical_bytes for o in chunk)
             self._count += len(chunk)
-        return []
+        return Put(refused=refused)
 
     def _send_sets(self, chunk: list[TierObject]) -> None:
         """One server: the SET commands written straight to the connection, each

@@ -71,9 +71,11 @@ def parse_tier(
 @dataclass(frozen=True, kw_only=True)
 class Written:
     """What :meth:`TierStack.write_through` did, by tier label: the names each
-    tier evicted to make room, the seconds its write took, the bytes it stored."""
+    tier evicted to make room and those it did not store (:class:`~.base.Put`),
+    the seconds its write took, the bytes it was handed."""
 
     evicted: dict[str, list[str]] = field(default_factory=dict)
+    refused: dict[str, list[str]] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     nbytes: dict[str, int] = field(default_factory=dict)
 
@@ -168,7 +170,7 @@ class TierStack:
                 break
             start = time.perf_counter()
             below = i + 1 < len(self.tiers) and tier.cascades
-            evicted = tier.put_many(batch, want_evicted=below)
+            evicted = tier.put_many(batch, want_evicted=below).evicted
             self.seconds[i] += time.perf_counter() - start
             batch = evicted if below else []  # (names alone otherwise: nothing goes down)
 
@@ -188,12 +190,13 @@ class TierStack:
                 break
             start = time.perf_counter()
             batch = tier.stored(batch)  # sealed once for the first tier that needs it
-            gone = tier.put_many(batch, want_evicted=False)
+            put = tier.put_many(batch, want_evicted=False)
             took = time.perf_counter() - start
             with self._lock:
                 self.seconds[i] += took
             label = self.labels[i]
-            out.evicted[label] = [o.name for o in gone]
+            out.evicted[label] = [o.name for o in put.evicted]
+            out.refused[label] = put.refused
             out.seconds[label] = took
             out.nbytes[label] = sum(o.stored_bytes for o in batch)
         return out

@@ -31,7 +31,7 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from ...tiers.image import ImageKind, object_name
 from .ranks import rank_names
-from .records import BlockCopy
+from .records import BlockCopy, WorkerReport
 
 MEDIA = {"host": ("CPU", "LOCAL"), "disk": ("STORAGE", "LOCAL"), "redis": ("STORAGE", "REMOTE")}
 """Each tier kind's medium and locality in vLLM's KV events."""
@@ -80,6 +80,7 @@ class TierEvents:
         self._held: OrderedDict[str, _Block] = OrderedDict()  # announced, by prefix name
         self._prefix_of: dict[str, str] = {}  # each rank's object name -> prefix name
         self._removed: set[tuple[str, str]] = set()  # (label, prefix) announced gone
+        self._refused: dict[str, set[str]] = {}  # planned prefix -> labels a rank's tier refused
         self._events: list[Any] = []
 
     def _vllm_hash(self, request: Any, blocks: int) -> Any:
@@ -110,7 +111,27 @@ class TierEvents:
             lora_name=lora.name if lora is not None else None,
         )
         while len(self._planned) > REMEMBERED:
-            self._planned.popitem(last=False)
+            self._refused.pop(self._planned.popitem(last=False)[0], None)
+
+    def reported(self, report: WorkerReport, completed: list[str]) -> None:
+        """A worker's report: what its tiers refused (first: a prefix is announced
+        only in the tiers that hold it on every rank), the prefixes every rank
+        has now saved (``completed``), and what its tiers dropped."""
+        for label, _, prefix in report.refused:
+            self.refused(label, prefix)
+        for prefix in completed:
+            self.stored(prefix)
+        self.dropped("host", report.host_dropped)
+        for label, name in report.dropped:
+            self.dropped(label, [name])
+
+    def refused(self, label: str, prefix: str) -> None:
+        """A rank's tier ``label`` did not store its shard of ``prefix``: not
+        announced there (or announced gone, where every rank had reported it)."""
+        if prefix in self._held:
+            self._gone(label, prefix)
+        elif prefix in self._planned:
+            self._refused.setdefault(prefix, set()).add(label)
 
     def stored(self, prefix: str) -> None:
         """Every rank holds ``prefix`` in every tier: announce it, tier by tier."""
@@ -120,8 +141,12 @@ class TierEvents:
         self._held[prefix] = block
         for name in rank_names(prefix, self.ranks):
             self._prefix_of[name] = prefix
+        refused = self._refused.pop(prefix, set())
         for label, medium, locality in self.tiers:
             self._removed.discard((label, prefix))
+            if label in refused:  # held there by no rank but some: not held
+                self._removed.add((label, prefix))
+                continue
             for group, spec_kind in block.groups:
                 self._events.append(
                     BlockStored(
@@ -151,28 +176,31 @@ class TierEvents:
 
     def dropped(self, label: str, names: list[str]) -> None:
         """A rank's tier ``label`` dropped these objects (its own names)."""
-        tier = next((t for t in self.tiers if t[0] == label), None)
-        if tier is None:
-            return
-        _, medium, locality = tier
         for name in names:
             prefix = self._prefix_of.get(name)
-            block = self._held.get(prefix) if prefix is not None else None
-            if prefix is None or block is None or (label, prefix) in self._removed:
-                continue
-            self._removed.add((label, prefix))
-            for group, _ in block.groups:
-                self._events.append(
-                    BlockRemoved(
-                        block_hashes=[block.hash],
-                        medium=medium,
-                        group_idx=group,
-                        locality=locality,
-                        ownership=f"kvarena:{label}",
-                    )
+            if prefix is not None:
+                self._gone(label, prefix)
+
+    def _gone(self, label: str, prefix: str) -> None:
+        """Announce ``prefix`` gone from tier ``label``, once."""
+        tier = next((t for t in self.tiers if t[0] == label), None)
+        block = self._held.get(prefix)
+        if tier is None or block is None or (label, prefix) in self._removed:
+            return
+        _, medium, locality = tier
+        self._removed.add((label, prefix))
+        for group, _ in block.groups:
+            self._events.append(
+                BlockRemoved(
+                    block_hashes=[block.hash],
+                    medium=medium,
+                    group_idx=group,
+                    locality=locality,
+                    ownership=f"kvarena:{label}",
                 )
-            if all((t[0], prefix) in self._removed for t in self.tiers if t[0] != "redis"):
-                self._forget(prefix)  # gone from every tier that reports drops
+            )
+        if all((t[0], prefix) in self._removed for t in self.tiers if t[0] != "redis"):
+            self._forget(prefix)  # gone from every tier that reports drops
 
     def take(self) -> list[Any]:
         events, self._events = self._events, []

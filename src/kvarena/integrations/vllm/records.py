@@ -143,7 +143,9 @@ class WorkerReport(KVConnectorWorkerMetadata):
     (``skipped``), and what the rank's local tiers hold (``held``). For KV
     events and the scheduler's book of the tiers below the host, what this
     rank wrote through (``written``: its own names) and what those tiers
-    evicted or dropped (``dropped``). For the pace of landing loads, the bytes
+    evicted or dropped (``dropped``), and what a tier did not store
+    (``refused``: its tier's label, this rank's name, the prefix object's
+    name), which no book may count as held. For the pace of landing loads, the bytes
     and seconds of each fetched load's copy into vLLM's tensors (``landed``)."""
 
     host_added: list[str] = field(default_factory=list)
@@ -156,6 +158,7 @@ class WorkerReport(KVConnectorWorkerMetadata):
     held: list[Held] = field(default_factory=list)
     dropped: list[tuple[str, str]] = field(default_factory=list)  # (tier label, name), not host
     written: list[str] = field(default_factory=list)  # written through, below the host too
+    refused: list[tuple[str, str, str]] = field(default_factory=list)  # (label, name, prefix)
     landed: list[tuple[int, float]] = field(default_factory=list)  # async loads' copy-ins: (B, s)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:

@@ -137,6 +137,7 @@ class SaveQueue:
             for label, t in tiers
             if isinstance(t, IndexedTier)  # known here; a shared store's is the server's
         ]
+        prefix_of = {o.name: s.prefix for o, s in zip(objects, saves, strict=True)}
         for label in hosted:  # the host tier's evictions come back as names alone
             self.news.add(host_added=names, host_dropped=written.evicted.get(label, []))
         self.news.add(
@@ -144,6 +145,12 @@ class SaveQueue:
             writes=[timed],
             held=held,
             written=names,
+            # applied after ``written`` and ``host_added``: a refused name is not held
+            refused=[
+                (label, name, prefix_of[name])
+                for label, names_refused in written.refused.items()
+                for name in names_refused
+            ],
             dropped=[
                 (label, name)
                 for label, gone in written.evicted.items()

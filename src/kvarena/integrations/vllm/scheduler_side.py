@@ -371,14 +371,11 @@ class SchedulerSide:
                 self.pace.landed(nbytes, seconds)
             completed = self.telemetry.reported(report)
             if self.events is not None:
-                for name in completed:
-                    self.events.stored(name)
-                self.events.dropped("host", report.host_dropped)
-                for label, name in report.dropped:
-                    self.events.dropped(label, [name])
+                self.events.reported(report, completed)
             self.catalogue.hosted(report.host_added, report.host_dropped)
             self.catalogue.written(report.written)
-            for label, name in report.dropped:  # the connector names each kind once
+            # the connector names each kind once; a name a tier refused is not held
+            for label, name, *_ in [*report.dropped, *report.refused]:
                 self.catalogue.reported(label, (), [name])
             self.asked.reported(report.failed, report.saved)
 
