@@ -251,3 +251,49 @@ def test_saves_past_the_backlog_are_skipped_and_cost_only_misses(models, caplog)
         assert warm == cold and warm_cached == [0, len(prompts[1]) - 1]
     finally:
         close(llm)
+
+
+def test_a_load_missing_one_object_keeps_the_blocks_before_it(models, tmp_path):
+    """An attention-only model's five-block prompt on disk, its third block's
+    object deleted behind the catalogue's back: the warm run's one load copies
+    the first two blocks in and vLLM computes the prompt from the third (its
+    computed tokens cut at the first failed block; every token the engine
+    schedules for the request counted). Before, the failed load kept nothing:
+    vLLM asked again, and a second load read the first two blocks again.
+    Tokens equal vLLM alone's."""
+    from kvarena.prefix.keys import block_keys
+    from kvarena.tiers.disk import SUFFIX
+    from kvarena.tiers.image import ImageKind, object_name
+
+    model = models["llama"]
+    rng = random.Random(9)
+    prompt = [rng.randrange(3, 500) for _ in range(5 * 32 + 7)]
+    alone = engine(model, block_size=32)
+    reference, _ = one_by_one(alone, [prompt])
+    close(alone)
+    disk = tmp_path / "disk"
+    llm = engine(model, block_size=32, tiers=[f"disk:{disk}:64MiB"])
+    assert one_by_one(llm, [prompt])[0] == reference
+    saved(llm)
+    root = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler.root
+    third = block_keys(root, prompt[: 5 * 32], 32)[2]
+    (disk / f"{object_name(ImageKind.KV_BLOCK, third)}{SUFFIX}").unlink()
+    llm.reset_prefix_cache()
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    scheduled, schedule = [], scheduler.schedule
+
+    def counted(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        scheduled.append(sum(out.num_scheduled_tokens.values()))
+        return out
+
+    scheduler.schedule = counted
+    worker = worker_connector()._worker
+    reads = worker.tiers.tiers[0].metrics.gets
+    got, _ = one_by_one(llm, [prompt])
+    scheduler.schedule = schedule
+    assert got == reference
+    assert worker.load_failures == 1 and worker.loads_done == 0
+    assert worker.tiers.tiers[0].metrics.gets - reads == 6  # five blocks and the tail, once
+    # the prompt past its first two blocks, then one token a step for 11 more
+    assert sum(scheduled) == len(prompt) - 2 * 32 + 11

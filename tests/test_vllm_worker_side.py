@@ -239,6 +239,45 @@ def test_a_load_no_tier_can_serve_is_a_failure_and_copies_nothing(worker):
     assert host.contains_many([name]) == [False]
 
 
+@pytest.mark.parametrize("states", [0, 1])
+def test_a_load_missing_an_object_keeps_the_blocks_before_it_where_they_stand_alone(
+    tmp_path, states
+):
+    """A load whose second of three KV objects is gone. One KV group and no
+    state: the first object is copied into its block, and only the blocks from
+    the second on are failed (vLLM recomputes from there). With a state group
+    beside it (a hybrid resumes only where its state was taken): nothing is
+    copied, every block failed. A failed block's page is never touched."""
+    kc, caches = allocation("LBHNC", states=states)
+    groups = classify(kc)
+    tiers = TierStack([DiskTier(tmp_path / "d", 64 << 20)])
+    w = WorkerSide(
+        groups=groups, namespace=NS, tiers=tiers, block_size=BLOCK_SIZE, save_backlog=1 << 30
+    )
+    try:
+        w.register(caches, kc.num_blocks)
+        fill(caches, seed=7)
+        first = _pages(caches, groups, "kv", 1)
+        w.save(StepPlan(kv_saves=[BlockCopy(index=i, key=K[i], blocks=(1 + i,)) for i in range(3)]))
+        w.flush()
+        tiers.tiers[0].delete_many([object_name(ImageKind.KV_BLOCK, K[1])])
+        fill(caches, seed=8)
+        before = {b: _pages(caches, groups, "kv", b) for b in (6, 7, 8)}
+        copies = tuple(BlockCopy(index=i, key=K[i], blocks=(6 + i,), level=0) for i in range(3))
+        w.load(StepPlan(loads=[Load(request="p", kv=copies, state=None)]))
+        finish_loads(w)
+        assert w.received() == ({"p"}, {"p"}) and w.load_failures == 1 and w.loads_done == 0
+        if states:
+            assert w.load_errors() == {6, 7, 8}
+            assert _pages(caches, groups, "kv", 6) == before[6]
+        else:
+            assert w.load_errors() == {7, 8}
+            assert _pages(caches, groups, "kv", 6) == first
+        assert [_pages(caches, groups, "kv", b) for b in (7, 8)] == [before[7], before[8]]
+    finally:
+        w.close()
+
+
 def test_a_rank_reports_what_it_saved_and_failed_by_the_prefix_objects_name(tmp_path):
     """Rank 1 of 2 writes and reads its own shard (a name of its own), but tells
     the scheduler which prefix object it was, so a lookup over every rank can

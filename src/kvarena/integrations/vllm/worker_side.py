@@ -235,14 +235,19 @@ class WorkerSide:
     ) -> bool:
         """Copy a load's payloads into its blocks (those the arena's tier lent in
         place by their offsets in it), or fail the load if any is missing;
-        whether it was copied."""
-        missing = sum(p is None for p in payloads)
-        why = f"{missing} of {len(payloads)} objects missing or failing their checks"
-        if not missing:
+        whether it was copied whole. Where the blocks before the first missing
+        object can stand alone (:meth:`_prefix_stands`), those are copied and
+        only the blocks from it on are failed: vLLM recomputes from there."""
+        missing = [i for i, p in enumerate(payloads) if p is None]
+        why = f"{len(missing)} of {len(payloads)} objects missing or failing their checks"
+        usable = len(payloads) if not missing else self._prefix_stands(job) * missing[0]
+        if not missing or usable:
             level, arena = self._arena if self._arena is not None else (-1, None)
             try:
                 parts: dict[str, tuple[list, list, list]] = {}
-                for (kind, copy), p, where in zip(wanted, payloads, lent, strict=True):
+                for (kind, copy), p, where in zip(
+                    wanted[:usable], payloads[:usable], lent[:usable], strict=True
+                ):
                     name = "kv" if kind is ImageKind.KV_BLOCK else "state"
                     part = parts.setdefault(name, ([], [], []))
                     part[0].append(copy.blocks)
@@ -251,24 +256,43 @@ class WorkerSide:
                 assert self.pages is not None
                 self.pages.place(parts, arena)
             except Error as exc:  # a batch refused before a byte moved: recompute
-                why = f"its copy was refused ({exc})"
+                why, usable = f"its copy was refused ({exc})", 0
             else:
-                self.loads_done += 1
-                return True
-        self._fail(job, why)
+                if not missing:
+                    self.loads_done += 1
+                    return True
+        self._fail(job, why, kept=usable if missing else 0)
         return False
 
-    def _fail(self, job: Load, why: str) -> None:
-        """Nothing usable is left for a load that cannot be served whole: vLLM
-        recomputes every block it named, from the first."""
+    def _prefix_stands(self, job: Load) -> bool:
+        """Whether a load's first objects are of use without the rest: KV blocks
+        alone, in block order, in a cache of one KV group (vLLM maps failed
+        block ids back to requests for one group alone, and truncates a
+        request's computed tokens at its first failed block; a state, or a
+        second group, makes the load all or nothing; so does a part the prefill
+        engine's read completes, :mod:`.joins`)."""
+        indexes = [c.index for c in job.kv]
+        return (
+            job.state is None
+            and not job.joined
+            and len(self.groups) == 1
+            and indexes == sorted(indexes)
+        )
+
+    def _fail(self, job: Load, why: str, kept: int = 0) -> None:
+        """What a load that cannot be served whole leaves: its first ``kept`` KV
+        objects copied in (:meth:`_apply`), every block from there on failed;
+        vLLM recomputes from the first failed block."""
         self.load_failures += 1
-        self._errors |= job.block_ids
+        failed = job.block_ids if not kept else {b for c in job.kv[kept:] for b in c.blocks}
+        self._errors |= failed
         if not job.in_step:  # one vLLM runs in this step is named by its blocks alone
             self._failed_requests.add(job.request)
         log.warning(
-            "kvarena: request %s: %s; vLLM recomputes its %d blocks",
+            "kvarena: request %s: %s; vLLM recomputes %d of its %d blocks",
             job.request,
             why,
+            len(failed),
             len(job.block_ids),
         )
 
