@@ -129,51 +129,70 @@ def test_outputs_equal_vllm_alone_cold_warm_restarted_shared_and_corrupted(
     close(fifth)
 
 
-def test_a_hybrid_with_an_irregular_pattern_hits_every_turn_of_a_conversation(tmp_path):
-    """Four turns of a conversation, each the last one's prompt and answer plus a
-    new 504-token piece, through a tiny Qwen3-Next whose layers are irregular
-    (Gated DeltaNet, Gated DeltaNet, attention, Gated DeltaNet, attention), the
-    device cache reset between turns: every later turn resumes from the tiers
-    where the last one's computed blocks end (the state saved where a step ends
-    on a block boundary: the prompt's end, which vLLM does not offer), as many
-    tokens as the KV alone allows, with tokens equal to vLLM alone's."""
-    pattern = ["linear_attention"] * 2 + ["full_attention", "linear_attention", "full_attention"]
+IRREGULAR = {
+    "deltanet_first": (
+        ["linear_attention"] * 2 + ["full_attention", "linear_attention", "full_attention"],
+        [1024, 504, 504, 504],
+    ),
+    "attention_first": (
+        ["full_attention", *["linear_attention"] * 2, "full_attention", *["linear_attention"] * 2],
+        [777, 568, 318, 193, 123],
+    ),
+}
+"""Layer patterns that do not alternate, and each conversation's first turn and
+the new tokens of each later one (whole 504-token pieces; pieces of any length)."""
+
+
+@pytest.mark.parametrize("shape", sorted(IRREGULAR))
+def test_a_hybrid_with_an_irregular_pattern_hits_every_turn_of_a_conversation(tmp_path, shape):
+    """Turns of a conversation, each the last one's prompt and answer plus new
+    tokens, through a tiny Qwen3-Next whose layers are irregular. vLLM alone
+    keeps its own prefix cache across turns (the reference: each turn resumes
+    from the state vLLM's own cache holds; a hybrid's greedy tokens can
+    depend on where a prompt resumes, so a run from scratch is not the
+    reference: it differs from this one for the second shape). The
+    connector's engine has its device cache reset between turns, so every
+    later turn resumes from the tiers, with vLLM alone's tokens — where the
+    last one's computed blocks end, as deep as vLLM's own cache or deeper
+    (the state saved where a step ends on a block boundary: the prompt's
+    end, which vLLM does not keep)."""
+    pattern, pieces = IRREGULAR[shape]
     model = save_tiny(
-        "qwen3_next", tmp_path, name="irregular", num_hidden_layers=5, layer_types=pattern
+        "qwen3_next", tmp_path, name=shape, num_hidden_layers=len(pattern), layer_types=pattern
     )
 
     def conversation(llm, tiers: bool):
         from vllm import SamplingParams
 
         rng = random.Random(1)
-        turn = [rng.randrange(3, 500) for _ in range(1024)]
+        turn = [rng.randrange(3, 500) for _ in range(pieces[0])]
         params = SamplingParams(max_tokens=8, temperature=0, detokenize=False)
         out = []
-        for _ in range(4):
+        for piece in [*pieces[1:], 0]:
             o = llm.generate([{"prompt_token_ids": turn}], params, use_tqdm=False)[0]
             answer = list(o.outputs[0].token_ids)
             out.append((len(turn), o.num_cached_tokens, answer))
             if tiers:  # a user's next turn comes after the saves land (a step late)
                 saved(llm)
-            llm.reset_prefix_cache()
-            turn = turn + answer + [rng.randrange(3, 500) for _ in range(504)]
+                llm.reset_prefix_cache()
+            turn = turn + answer + [rng.randrange(3, 500) for _ in range(piece)]
         return out
 
     alone = engine(model)
+    block = alone.llm_engine.vllm_config.cache_config.block_size  # vLLM's unified block
     reference = conversation(alone, tiers=False)
     close(alone)
     llm = engine(model, tiers=["host:256MiB", f"disk:{tmp_path / 'disk'}:1GiB"])
     got = conversation(llm, tiers=True)
     close(llm)
-    block = 256  # vLLM's unified block for this model
     assert [a for *_, a in got] == [a for *_, a in reference]
     previous = 0
-    for length, cached, answer in got:
+    for (length, cached, answer), (_, own, _) in zip(got, reference, strict=True):
         # the KV the last turn computed (its prompt and all but its last answer token)
         bound = min(previous // block, (length - 1) // block) * block
-        assert cached == bound, (length, cached, bound)
+        assert cached == bound >= own, (length, cached, bound, own)
         previous = length + len(answer) - 1
-    assert sum(c for _, c, _ in got) > 0
+    assert all(c for _, c, _ in got[1:])
 
 
 def test_an_attention_only_model_hits_a_partial_block_only_where_its_tokens_match(models, tmp_path):
