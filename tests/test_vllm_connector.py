@@ -102,6 +102,18 @@ def test_outputs_equal_vllm_alone_cold_warm_restarted_shared_and_corrupted(
     second = engine(model, block_size=block_size, tiers=[f"disk:{disk}:256MiB"])
     again, again_cached = one_by_one(second, prompts)
     assert again == reference and again_cached[0] == hits[0]
+    assert worker_connector()._worker.load_failures == 0
+    # Then every disk object corrupted behind its back (one payload byte
+    # flipped): each load fails its checksum, vLLM recomputes, and the tokens
+    # do not change.
+    for f in files:
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 0xFF
+        f.write_bytes(bytes(data))
+    second.reset_prefix_cache()
+    bad, _ = one_by_one(second, prompts[:1])
+    assert bad == reference[:1]
+    assert worker_connector()._worker.load_failures >= 1
     close(second)
 
     # Another engine sharing only the store: hits what the first one wrote there.
@@ -109,18 +121,6 @@ def test_outputs_equal_vllm_alone_cold_warm_restarted_shared_and_corrupted(
     shared, shared_cached = one_by_one(third, prompts[:1])
     assert shared == reference[:1] and shared_cached[0] == hits[0]
     close(third)
-
-    # Every disk object corrupted (one payload byte flipped): each load fails its
-    # checksum, vLLM recomputes, and the tokens do not change.
-    for f in files:
-        data = bytearray(f.read_bytes())
-        data[-1] ^= 0xFF
-        f.write_bytes(bytes(data))
-    fourth = engine(model, block_size=block_size, tiers=[f"disk:{disk}:256MiB"])
-    bad, _ = one_by_one(fourth, prompts[:1])
-    assert bad == reference[:1]
-    assert worker_connector()._worker.load_failures >= 1
-    close(fourth)
 
     # Another namespace over the same store: the same tokens never match.
     fifth = engine(model, block_size=block_size, tiers=[store.url], extra={"namespace": "other"})
