@@ -120,11 +120,13 @@ BAD_ARGS = [
     (["plan", "--bogus"], "--bogus"),
     (["demo", "llama-3.1-8b"], "keeps no per-request state"),
     (["demo", "--requests", "0"], "--requests must be an int"),
-    (["replay", "/dev/null", "--tier", "tape:1GiB"], "tier 'tape:1GiB': use host:SIZE"),
-    (["replay", "/dev/null", "--tier", "host:lots"], "'lots' is not a size"),
-    (["replay", "/dev/null", "--tier", "disk:/proc/kvarena:1GiB"], "cannot use the directory"),
-    (["replay", "/dev/null", "--tier", "host:1MiB", "--compare"], "--compare and --tier"),
+    (["replay", "TRACE", "--tier", "tape:1GiB"], "tier 'tape:1GiB': use host:SIZE"),
+    (["replay", "TRACE", "--tier", "host:lots"], "'lots' is not a size"),
+    (["replay", "TRACE", "--tier", "disk:/proc/kvarena:1GiB"], "cannot use the directory"),
+    (["replay", "TRACE", "--tier", "host:1MiB", "--compare"], "--compare and --tier"),
+    (["replay", "/dev/null"], "/dev/null: no request in it"),
 ]
+"""``TRACE``: a trace of one request (the test writes it)."""
 if not torch.cuda.is_available():
     BAD_ARGS.append((["demo", "--device", "cuda"], "no CUDA device"))
 
@@ -162,8 +164,10 @@ def assert_one_line_refusal(what, code, err, words):
     assert words in lines[0], (what, lines[0])
 
 
-def test_bad_arguments_exit_2_with_one_line():
-    results = run_many([args for args, _ in BAD_ARGS])
+def test_bad_arguments_exit_2_with_one_line(tmp_path):
+    trace = tmp_path / "one.jsonl"
+    trace.write_text('{"tokens": [1, 2, 3], "output_length": 1}\n')
+    results = run_many([[str(trace) if a == "TRACE" else a for a in args] for args, _ in BAD_ARGS])
     for (args, words), (code, err) in zip(BAD_ARGS, results, strict=True):
         assert_one_line_refusal(args, code, err, words)
 

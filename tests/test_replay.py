@@ -91,6 +91,9 @@ def test_mooncake_lines_expand_into_deterministic_tokens():
     ):
         with pytest.raises(TraceError, match=f"trace:1: .*{words}|trace:1: {words}"):
             parse_trace([bad])
+    for empty in ([], ["", "  ", "\n"]):  # the wrong file, most likely: said so
+        with pytest.raises(TraceError, match="trace: no request in it"):
+            parse_trace(empty)
 
 
 @pytest.mark.parametrize("seed", [1, 2])

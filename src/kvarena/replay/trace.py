@@ -47,7 +47,10 @@ def _mooncake_tokens(hash_ids: list[int], input_length: int, where: str) -> np.n
 def parse_trace(
     lines: Iterable[str], *, source: str = "trace", limit: int | None = None
 ) -> list[TraceRequest]:
-    """Requests from trace lines, checked line by line (sorted by arrival)."""
+    """Requests from trace lines, checked line by line (sorted by arrival). A
+    trace with no request (empty, or blank lines alone) is refused: replaying
+    nothing would print a table of zeros for what is almost surely the wrong
+    file."""
     out: list[TraceRequest] = []
     for i, line in enumerate(lines, 1):
         if limit is not None and len(out) >= limit:
@@ -98,6 +101,8 @@ def parse_trace(
         except InvalidValueError as exc:
             raise TraceError(str(exc)) from None
         out.append(TraceRequest(arrival_ms=float(ts), tokens=arr, output_tokens=output))
+    if not out and limit != 0:
+        raise TraceError(f"{source}: no request in it (a JSON object a line)")
     out.sort(key=lambda r: r.arrival_ms)  # stable: equal timestamps keep file order
     return out
 
