@@ -11,8 +11,9 @@ with the tier's medium and locality — host ``CPU``/``LOCAL``, disk
 ``STORAGE``/``LOCAL``, a shared store ``STORAGE``/``REMOTE`` (vLLM's mediums:
 ``GPU``, ``CPU``, ``STORAGE``) — and ``ownership`` ``kvarena:<tier label>``;
 ``BlockRemoved`` when the host or disk tier drops it. An object is announced
-once every rank holds its shard (a lookup needs them all) and removed once
-any rank dropped one. A shared store evicts on its server, unseen: a router
+once every rank holds its shard (a lookup needs them all), in the tiers that
+stored it on every rank (a full disk, a store out of memory: refused there),
+and removed once any rank dropped one. A shared store evicts on its server, unseen: a router
 learns of that as a miss, as the engine does.
 
 A KV object stands for one block of every full-attention group (one event
@@ -134,7 +135,8 @@ class TierEvents:
             self._refused.setdefault(prefix, set()).add(label)
 
     def stored(self, prefix: str) -> None:
-        """Every rank holds ``prefix`` in every tier: announce it, tier by tier."""
+        """Every rank has saved ``prefix``: announce it, tier by tier, in every
+        tier no rank's refused (:meth:`refused`)."""
         block = self._planned.pop(prefix, None)
         if block is None:
             return
@@ -144,7 +146,7 @@ class TierEvents:
         refused = self._refused.pop(prefix, set())
         for label, medium, locality in self.tiers:
             self._removed.discard((label, prefix))
-            if label in refused:  # held there by no rank but some: not held
+            if label in refused:  # a rank's shard is missing there: not held
                 self._removed.add((label, prefix))
                 continue
             for group, spec_kind in block.groups:
