@@ -72,7 +72,7 @@ def parse_tier(
 class Written:
     """What :meth:`TierStack.write_through` did, by tier label: the names each
     tier evicted to make room and those it did not store (:class:`~.base.Put`),
-    the seconds its write took, the bytes it was handed."""
+    the seconds its write took, the bytes it stored."""
 
     evicted: dict[str, list[str]] = field(default_factory=dict)
     refused: dict[str, list[str]] = field(default_factory=dict)
@@ -198,7 +198,8 @@ class TierStack:
             out.evicted[label] = [o.name for o in put.evicted]
             out.refused[label] = put.refused
             out.seconds[label] = took
-            out.nbytes[label] = sum(o.stored_bytes for o in batch)
+            refused = set(put.refused)
+            out.nbytes[label] = sum(o.stored_bytes for o in batch if o.name not in refused)
         return out
 
     @synchronized
