@@ -28,6 +28,11 @@ from .vllm_engine import engine_args
 STARTUP_S = 180.0
 """The longest a server may take to answer ``/health`` (tens of seconds here)."""
 
+PORT_TRIES = 3
+"""Starts on a fresh port when the last one was taken before the server bound it:
+a free port is only free until someone binds it, and tests beside this one
+(Redis servers, other engines' sockets) bind ports of their own meanwhile."""
+
 
 class ServerError(Error, RuntimeError):
     """The server did not start, or did not stop when asked."""
@@ -73,35 +78,42 @@ class VllmServer:
     ) -> None:
         """``python``: the interpreter of the environment the server runs from (a
         peer's own, beside this one's)."""
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path)
-        cmd = [
+        base = [
             python,
             "-m",
             "vllm.entrypoints.openai.api_server",
             *server_options(engine_args(model, **overrides)),
             "--host",
             "127.0.0.1",
-            "--port",
-            str(self.port),
-            *options,
         ]
         if kv_transfer_config is not None:
-            cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+            options = (*options, "--kv-transfer-config", json.dumps(kv_transfer_config))
         full_env = dict(os.environ)
         full_env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a server runs as shipped
         full_env.update(env or {})
-        self._log = open(self.log_path, "wb")
-        # a session of its own: stop() ends the server's engine processes with it
-        self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
-        )
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop(signal.SIGKILL)
-            raise
+        for tries_left in reversed(range(PORT_TRIES)):
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            self._log = open(self.log_path, "wb")
+            # a session of its own: stop() ends the server's engine processes with it
+            self.proc = subprocess.Popen(
+                [*base, "--port", str(self.port), *options],
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                env=full_env,
+                start_new_session=True,
+            )
+            try:
+                self._wait_healthy()
+                return
+            except ServerError:
+                self.stop(signal.SIGKILL)
+                if not tries_left or "Address already in use" not in self.log:
+                    raise
+            except BaseException:
+                self.stop(signal.SIGKILL)
+                raise
 
     @property
     def log(self) -> str:
