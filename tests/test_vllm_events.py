@@ -192,27 +192,35 @@ def test_a_router_reading_the_events_knows_each_tiers_share_of_every_prompt(tmp_
         llm.llm_engine.engine_core.shutdown()
 
 
-def test_an_object_dropped_from_every_local_tier_is_announced_once_each_and_forgotten():
+def _book_of_two_ranks(kinds: list[str], *, hash_block_size: int):
+    """A KV events book of two ranks over tiers of ``kinds`` (32-token blocks, one
+    attention group), and a request of 128 tokens carrying vLLM's block hashes
+    (one per ``hash_block_size`` tokens: the i-th all bytes ``i``)."""
     from types import SimpleNamespace
+
+    from kvarena.integrations.vllm.events import TierEvents
+
+    book = TierEvents(
+        tiers=[(k, k) for k in kinds],
+        kv_groups=[(0, "full_attention")],
+        state_groups=[],
+        block_size=32,
+        hash_block_size=hash_block_size,
+        ranks=2,
+    )
+    hashes = [bytes([i]) * 32 for i in range(128 // hash_block_size)]
+    return book, SimpleNamespace(block_hashes=hashes, all_token_ids=list(range(128)), lora_request=None)
+
+
+def test_an_object_dropped_from_every_local_tier_is_announced_once_each_and_forgotten():
 
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
-    from kvarena.integrations.vllm.events import TierEvents
     from kvarena.integrations.vllm.ranks import rank_names
     from kvarena.integrations.vllm.records import BlockCopy
     from kvarena.tiers.image import ImageKind, object_name
 
-    book = TierEvents(
-        tiers=[("host", "host"), ("disk", "disk")],
-        kv_groups=[(0, "full_attention")],
-        state_groups=[],
-        block_size=32,
-        hash_block_size=16,
-        ranks=2,
-    )
-    request = SimpleNamespace(
-        block_hashes=[bytes([i]) * 32 for i in range(8)], all_token_ids=list(range(128)), lora_request=None
-    )
+    book, request = _book_of_two_ranks(["host", "disk"], hash_block_size=16)
     copy = BlockCopy(index=1, key=bytes([9]) * 16, blocks=(4,))
     prefix = object_name(ImageKind.KV_BLOCK, copy.key)
     book.planned(request, ImageKind.KV_BLOCK, copy)
@@ -239,26 +247,14 @@ def test_an_object_a_tier_refused_is_never_announced_there():
     """A rank's tier that did not store its shard (a full disk, a store out of
     memory): before every rank saved it, the object is announced in the other
     tiers alone; after, it is announced gone from that tier, once."""
-    from types import SimpleNamespace
 
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
-    from kvarena.integrations.vllm.events import TierEvents
     from kvarena.integrations.vllm.ranks import rank_names
     from kvarena.integrations.vllm.records import BlockCopy, WorkerReport
     from kvarena.tiers.image import ImageKind, object_name
 
-    book = TierEvents(
-        tiers=[("host", "host"), ("disk", "disk"), ("redis", "redis")],
-        kv_groups=[(0, "full_attention")],
-        state_groups=[],
-        block_size=32,
-        hash_block_size=32,
-        ranks=2,
-    )
-    request = SimpleNamespace(
-        block_hashes=[bytes([i]) * 32 for i in range(4)], all_token_ids=list(range(128)), lora_request=None
-    )
+    book, request = _book_of_two_ranks(["host", "disk", "redis"], hash_block_size=32)
     copies = [BlockCopy(index=i, key=bytes([9 + i]) * 16, blocks=(i,)) for i in range(2)]
     first, second = (object_name(ImageKind.KV_BLOCK, c.key) for c in copies)
     for c in copies:
