@@ -38,7 +38,7 @@ vllm = pytest.importorskip("vllm")
 from kvarena.integrations.transformers.tiny import save_tiny  # noqa: E402
 from kvarena.testing.vllm_engine import split_args  # noqa: E402
 from kvarena.testing.vllm_pair import EngineProcess  # noqa: E402
-from kvarena.testing.vllm_server import VllmServer, free_port  # noqa: E402
+from kvarena.testing.vllm_server import PORT_TRIES, VllmServer, free_port  # noqa: E402
 from kvarena.transfer import nixl_available  # noqa: E402
 
 ROUTER = Path(sys.executable).parent / "vllm-router"
@@ -83,29 +83,36 @@ class Router:
     """``vllm-router --vllm-pd-disaggregation`` on a free loopback port."""
 
     def __init__(self, prefill: str, decode: str, log_path: Path) -> None:
-        self.url = f"http://127.0.0.1:{free_port()}"
-        self._log = open(log_path, "wb")
         self.log_path = log_path
         cmd = [str(ROUTER), "--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode]
-        cmd += ["--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1]]
-        cmd += ["--policy", "round_robin", "--disable-retries"]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
-        self._wait_healthy()
+        cmd += ["--policy", "round_robin", "--disable-retries", "--host", "127.0.0.1"]
+        for tries_left in reversed(range(PORT_TRIES)):  # a free port is free until taken
+            port = free_port()
+            self.url = f"http://127.0.0.1:{port}"
+            self._log = open(log_path, "wb")
+            self.proc = subprocess.Popen(
+                [*cmd, "--port", str(port)], stdout=self._log, stderr=subprocess.STDOUT
+            )
+            if self._healthy():
+                return
+            self.stop()
+            log = self.log_path.read_text(errors="replace")
+            if not tries_left or "in use" not in log:
+                raise AssertionError(f"vllm-router did not serve:\n{log[-2000:]}")
 
-    def _wait_healthy(self) -> None:
+    def _healthy(self) -> bool:
         import httpx
 
         for _ in range(240):
             if self.proc.poll() is not None:
-                break
+                return False
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
+                    return True
             except httpx.HTTPError:
                 pass
             time.sleep(0.25)
-        self.stop()
-        raise AssertionError(f"vllm-router did not serve:\n{self.log_path.read_text()[-2000:]}")
+        return False
 
     def stop(self) -> None:
         self.proc.kill()
