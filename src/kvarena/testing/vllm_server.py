@@ -107,13 +107,11 @@ class VllmServer:
             try:
                 self._wait_healthy()
                 return
-            except ServerError:
+            except BaseException as exc:  # an interrupt too: no server left behind
                 self.stop(signal.SIGKILL)
-                if not tries_left or "Address already in use" not in self.log:
+                taken = isinstance(exc, ServerError) and "Address already in use" in self.log
+                if not (taken and tries_left):
                     raise
-            except BaseException:
-                self.stop(signal.SIGKILL)
-                raise
 
     @property
     def log(self) -> str:

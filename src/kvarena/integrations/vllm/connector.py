@@ -33,7 +33,7 @@ from ...tiers.image import object_bytes
 from ...tiers.stack import tier_labels
 from .catalogue import Catalogue
 from .events import TierEvents
-from .groups import Group, classify, namespace_json
+from .groups import Group, blocks_fail_alone, classify, namespace_json
 from .joins import Joins
 from .key_memo import engine_memo, hash_block_size
 from .metrics import KvarenaPromMetrics, KvarenaStats
@@ -283,7 +283,7 @@ class KvarenaConnector(KVConnectorBase_V1, SupportsHMA):
             sent, pulled, pull_failed, pull_errors = self._pd_worker.take()
             done, failed = self._joins.settle((done, failed), (pulled, pull_failed))
             errors |= pull_errors
-        self._block_errors = errors if len(self._kv_cache_config.kv_cache_groups) == 1 else set()
+        self._block_errors = errors if blocks_fail_alone(self._worker.groups) else set()
         return KVConnectorTransferResults(
             finished_sending=sent,
             finished_recving=done,

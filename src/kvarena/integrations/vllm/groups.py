@@ -39,6 +39,14 @@ class Group:
     block_bytes: int  # what one layer's block holds: the spec's own unpadded page size
 
 
+def blocks_fail_alone(groups: Sequence[Group]) -> bool:
+    """Whether vLLM takes a failed load by the ids of its failed blocks,
+    truncating the request's computed tokens at the first: in a cache of one KV
+    cache group alone (it maps block ids back to requests for one group); with
+    more, a failed load is named by its request and recomputed whole."""
+    return len(groups) == 1
+
+
 def _json_value(v: Any) -> Any:
     if isinstance(v, enum.Enum):
         return str(v.value)

@@ -15,11 +15,12 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from ...tiers import ImageKind, TierStack
+from ...tiers import ImageKind, TierObject, TierStack
 from ...tiers.base import IndexedTier
 from ...tiers.checked import Expectations
 from .records import BlockCopy, Held, News, Timed
@@ -44,6 +45,17 @@ class Save:
 class _Batch:
     saves: list[Save]
     nbytes: int  # payload bytes reserved in the backlog
+
+
+def _refused(
+    refused: Mapping[str, Sequence[str]], objects: Sequence[TierObject], saves: Sequence[Save]
+) -> list[tuple[str, str, str]]:
+    """Each name a tier refused, with the tier's label and its save's prefix
+    (most batches have none: the name → prefix map is made only for those)."""
+    if not any(refused.values()):
+        return []
+    prefix_of = {o.name: s.prefix for o, s in zip(objects, saves, strict=True)}
+    return [(label, name, prefix_of[name]) for label, names in refused.items() for name in names]
 
 
 class SaveQueue:
@@ -137,7 +149,6 @@ class SaveQueue:
             for label, t in tiers
             if isinstance(t, IndexedTier)  # known here; a shared store's is the server's
         ]
-        prefix_of = {o.name: s.prefix for o, s in zip(objects, saves, strict=True)}
         for label in hosted:  # the host tier's evictions come back as names alone
             self.news.add(host_added=names, host_dropped=written.evicted.get(label, []))
         self.news.add(
@@ -146,11 +157,7 @@ class SaveQueue:
             held=held,
             written=names,
             # applied after ``written`` and ``host_added``: a refused name is not held
-            refused=[
-                (label, name, prefix_of[name])
-                for label, names_refused in written.refused.items()
-                for name in names_refused
-            ],
+            refused=_refused(written.refused, objects, saves),
             dropped=[
                 (label, name)
                 for label, gone in written.evicted.items()

@@ -29,7 +29,7 @@ from ...tiers import ImageKind, TierStack
 from ...tiers.checked import Expectations, Fetched, fetch_checked
 from ...tiers.host import HostTier
 from ...tiers.image import object_name
-from .groups import Group
+from .groups import Group, blocks_fail_alone
 from .loads import LoadQueue
 from .ranks import rank_key
 from .records import BlockCopy, Load, News, StepPlan, Timed, WorkerReport
@@ -238,30 +238,30 @@ class WorkerSide:
         whether it was copied whole. Where the blocks before the first missing
         object can stand alone (:meth:`_prefix_stands`), those are copied and
         only the blocks from it on are failed: vLLM recomputes from there."""
-        missing = [i for i, p in enumerate(payloads) if p is None]
-        why = f"{len(missing)} of {len(payloads)} objects missing or failing their checks"
-        usable = len(payloads) if not missing else self._prefix_stands(job) * missing[0]
-        if not missing or usable:
+        missing = sum(p is None for p in payloads)
+        why = f"{missing} of {len(payloads)} objects missing or failing their checks"
+        first = next((i for i, p in enumerate(payloads) if p is None), len(payloads))
+        kept = first if first == len(payloads) or self._prefix_stands(job) else 0
+        if kept:
             level, arena = self._arena if self._arena is not None else (-1, None)
+            parts: dict[str, tuple[list, list, list]] = {}
+            for (kind, copy), p, where in zip(
+                wanted[:kept], payloads[:kept], lent[:kept], strict=True
+            ):
+                name = "kv" if kind is ImageKind.KV_BLOCK else "state"
+                part = parts.setdefault(name, ([], [], []))
+                part[0].append(copy.blocks)
+                part[1].append(p)
+                part[2].append(where[1] if where is not None and where[0] == level else None)
+            assert self.pages is not None
             try:
-                parts: dict[str, tuple[list, list, list]] = {}
-                for (kind, copy), p, where in zip(
-                    wanted[:usable], payloads[:usable], lent[:usable], strict=True
-                ):
-                    name = "kv" if kind is ImageKind.KV_BLOCK else "state"
-                    part = parts.setdefault(name, ([], [], []))
-                    part[0].append(copy.blocks)
-                    part[1].append(p)
-                    part[2].append(where[1] if where is not None and where[0] == level else None)
-                assert self.pages is not None
                 self.pages.place(parts, arena)
             except Error as exc:  # a batch refused before a byte moved: recompute
-                why, usable = f"its copy was refused ({exc})", 0
-            else:
-                if not missing:
-                    self.loads_done += 1
-                    return True
-        self._fail(job, why, kept=usable if missing else 0)
+                why, kept = f"its copy was refused ({exc})", 0
+        if kept == len(payloads):
+            self.loads_done += 1
+            return True
+        self._fail(job, why, kept=kept)
         return False
 
     def _prefix_stands(self, job: Load) -> bool:
@@ -275,7 +275,7 @@ class WorkerSide:
         return (
             job.state is None
             and not job.joined
-            and len(self.groups) == 1
+            and blocks_fail_alone(self.groups)
             and indexes == sorted(indexes)
         )
 
