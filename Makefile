@@ -8,6 +8,9 @@ export PYTHON
 export TORCH := torch==2.13.0
 # mkdocs 1.6 prints a banner about its successor on every build
 export NO_MKDOCS_2_WARNING := 1
+# The venvs are installed without byte-compiling (tools/venv.sh): each module
+# a run imports is compiled once and kept, which this variable would forbid.
+unexport PYTHONDONTWRITEBYTECODE
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed

@@ -16,11 +16,12 @@ python=${PYTHON:-python3}
 rm -rf "$dir"
 "$python" -m venv "$dir"
 py="$dir/bin/python"
-# Byte-compiled at install (pip's default), not left to the first import: where
-# PYTHONDONTWRITEBYTECODE is set (this development machine sets it) nothing
-# compiled on import is kept, and every process would compile torch,
-# transformers and vLLM again: the main suite took 8:49 instead of 6:02.
-pip=("$py" -m pip install --quiet --disable-pip-version-check)
+# Not byte-compiled at install (--no-compile): of the ~34,000 modules in the
+# two venvs a run imports a few thousand, compiled on first import and kept
+# (the Makefile clears PYTHONDONTWRITEBYTECODE, which this development machine
+# sets: with it, nothing compiled on import is kept and every process compiles
+# torch, transformers and vLLM again: the main suite took 8:49, not 6:02).
+pip=("$py" -m pip install --quiet --disable-pip-version-check --no-compile)
 if [ -n "$lock" ]; then
   "${pip[@]}" "$(grep -E '^pip==' "$lock")"
   "${pip[@]}" "$TORCH"
