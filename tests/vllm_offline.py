@@ -24,7 +24,9 @@ at a block size of its own, and a hybrid at vLLM's unified page (None: vLLM
 picks it; the tiny Qwen3-Next gets 256)."""
 
 
-def engine(model: Path, *, tiers=None, block_size=None, extra=None):
+def engine(model: Path, *, tiers=None, block_size=None, extra=None, **overrides):
+    """An engine in this process for ``model`` (``tiers``: the connector's, its
+    ``extra`` settings beside them; ``overrides``: more ``vllm.LLM`` arguments)."""
     from vllm import LLM
 
     from kvarena.integrations.vllm import kv_transfer_config
@@ -33,7 +35,9 @@ def engine(model: Path, *, tiers=None, block_size=None, extra=None):
     if tiers is not None:
         kw["kv_transfer_config"] = kv_transfer_config(tiers, **(extra or {}))
     return LLM(
-        **engine_args(model, distributed_executor_backend="uni", block_size=block_size, **kw)
+        **engine_args(
+            model, distributed_executor_backend="uni", block_size=block_size, **kw, **overrides
+        )
     )
 
 
