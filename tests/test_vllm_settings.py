@@ -82,6 +82,20 @@ def test_bad_settings_are_refused_naming_the_key(extra, names):
     assert isinstance(err.value, Error)
 
 
+@pytest.mark.parametrize(
+    "tiers",
+    [
+        ["redis://:s3cret@h:1", "redis://:s3cret@h:2/1"],  # a second store
+        ["host:1GiB", "redis://:s3cret@h:1", "rediss://u:s3cret@h:2"],
+        "redis://:s3cret@h:1",  # a string, not a list
+    ],
+)
+def test_a_refused_store_is_named_without_its_password(tiers):
+    with pytest.raises(ConnectorConfigError) as err:
+        ConnectorSettings.parse({"tiers": tiers})
+    assert "s3cret" not in str(err.value) and ":***@h:" in str(err.value)
+
+
 def test_roles_take_disaggregation_and_tiers_as_they_need():
     for role in ("kv_producer", "kv_consumer"):
         s = ConnectorSettings.parse({}, role=role)  # nothing but the role is required

@@ -12,6 +12,7 @@ from ..checks import check_count
 from ..errors import InvalidValueError
 from ..models import ServingOptions, model_cache
 from ..prefix import DEFAULT_POLICY, CheckpointPolicy
+from ..tiers.redact import redacted
 from .replay_fleet import check_fleet, run_fleets
 from .replay_outputs import check_sweep, json_head, outputs, run_sweep, write_replay_outputs
 from .replay_tables import render_replay
@@ -166,7 +167,7 @@ def replay(
         head = {
             **json_head("kvarena-replay-fleet/1", trace, m, cfg),
             "budget_bytes": cfg.budget_bytes,
-            "tiers": list(cfg.tiers),
+            "tiers": [redacted(t) for t in cfg.tiers],
         }
         run_fleets(
             trace, m, requests, cfg, fleets, picture=fleet_picture, as_json=as_json, head=head
@@ -195,7 +196,7 @@ def replay(
             **json_head("kvarena-replay/1", trace, m, cfg),
             "budget_bytes": cfg.budget_bytes,
             "verify": verify,
-            "tiers": list(cfg.tiers),
+            "tiers": [redacted(t) for t in cfg.tiers],
             "results": [r.to_dict() for r in rows],
         }
         typer.echo(json.dumps(doc, indent=2))

@@ -27,6 +27,7 @@ from ..replay.fleet import (
 )
 from ..replay.run import ReplayConfig
 from ..replay.summary import FLEET_COLUMNS, fleet_row
+from ..tiers.redact import redacted
 from .root import console
 
 
@@ -96,7 +97,7 @@ def run_fleets(
 
 
 def render_fleets(model: str, cfg: ReplayConfig, results: list[FleetResult]) -> None:
-    own = ", ".join(cfg.tiers) or "none"
+    own = ", ".join(redacted(t) for t in cfg.tiers) or "none"
     table = Table(
         title=escape(
             f"kvarena replay --engines: {model}, {cfg.budget_bytes:,} B a device, own tiers: {own}"

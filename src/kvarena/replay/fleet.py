@@ -37,6 +37,7 @@ from ..errors import InvalidValueError
 from ..models import ModelCache
 from ..pools import plan_cache
 from ..tiers import TierStack
+from ..tiers.redact import redacted
 from ..tiers.spec import TierSpec
 from .host_memory import check_host_memory
 from .run import EngineRun, ReplayConfig, ReplayResult, frame_bytes
@@ -193,7 +194,7 @@ def point_store(shared: Sequence[str], engines: int, router: str) -> tuple[str, 
             )
         elif spec.kind != "host":
             raise InvalidValueError(
-                f"a sweep over engine counts needs an empty store at each point; {text!r} "
+                f"a sweep over engine counts needs an empty store at each point; {redacted(text)!r} "
                 "cannot be emptied for one: give host:SIZE or disk:DIR:SIZE"
             )
         out.append(str(spec))

@@ -16,6 +16,7 @@ import shutil
 import socket
 import subprocess
 import time
+import urllib.parse
 
 from ..errors import Error
 
@@ -62,7 +63,10 @@ class RedisServer:
         maxmemory: str = "256mb",
         binary: str | None = None,
         extra: tuple[str, ...] = (),
+        password: str | None = None,
     ) -> None:
+        """``password``: the server asks clients for it (``requirepass``), and
+        ``url`` carries it as redis-py reads it (``redis://:PASSWORD@...``)."""
         found = binary or find_redis_server()
         if found is None:
             raise RedisServerError(
@@ -71,7 +75,9 @@ class RedisServer:
         # A cluster node also listens on port + 10000 (its bus), so it needs both.
         self.port = _free_port(with_bus="--cluster-enabled" in extra)
         self.binary, self.workdir, self.maxmemory, self.extra = found, workdir, maxmemory, extra
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.password = password
+        auth = f":{urllib.parse.quote(password, safe='')}@" if password is not None else ""
+        self.url = f"redis://{auth}127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 
@@ -96,11 +102,14 @@ class RedisServer:
                 "--maxmemory-policy",
                 "allkeys-lru",
                 *self.extra,
+                *(("--requirepass", self.password) if self.password is not None else ()),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        client = redis.Redis(
+            port=self.port, password=self.password, socket_connect_timeout=0.2
+        )
         deadline = time.monotonic() + timeout_s
         while True:  # readiness: wait until it answers
             try:

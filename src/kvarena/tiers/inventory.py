@@ -39,6 +39,7 @@ from .image import (
     object_name,
     read_header,
 )
+from .redact import redacted
 
 
 def namespace_id(namespace: bytes) -> str:
@@ -229,7 +230,7 @@ class RedisInventory:
         if self._names is None:
             # the tier's own words, less its describe() and its serving advice
             why = str(said[-1].message).split("; ")[0].split(": ", 1)[-1] if said else "no reply"
-            raise TierError(f"redis {url}: cannot reach the store ({why})")
+            raise TierError(f"redis {redacted(url)}: cannot reach the store ({why})")
         self.prefix, self._client = self.tier.prefix, self.tier.client
 
     def _keys(self) -> list[str]:
@@ -238,7 +239,7 @@ class RedisInventory:
         return sorted(self.prefix + n for n in self._names or ())
 
     def describe(self) -> str:
-        return f"redis {self.url}"
+        return f"redis {redacted(self.url)}"
 
     def entries(self) -> tuple[list[Entry], list[tuple[str, str]]]:
         keys = self._keys()

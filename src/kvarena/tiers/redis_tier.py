@@ -28,6 +28,7 @@ from ..locking import synchronized
 from .base import Put, Tier, TierError
 from .duty import DutyCycle
 from .image import TierObject, logical_bytes
+from .redact import redacted
 
 DEFAULT_PREFIX = "kvarena:"
 INLINE_BYTES = 64 << 10
@@ -115,7 +116,7 @@ class RedisTier(Tier):
                 url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
             )
         except (ValueError, *self._errors) as exc:
-            raise TierError(f"redis tier {url}: {exc}") from None
+            raise TierError(f"redis tier {redacted(url)}: {exc}") from None
         self._capacity = 0
         try:
             self._capacity = _memory_field(self._client.info("memory"), "maxmemory")
@@ -128,7 +129,7 @@ class RedisTier(Tier):
         self._count = 0  # objects this client wrote and has not seen go (an estimate)
 
     def describe(self) -> str:
-        return f"redis {self.url}"
+        return f"redis {redacted(self.url)}"
 
     @property
     def cascades(self) -> bool:

@@ -18,6 +18,7 @@ from .base import Tier
 from .disk import DiskTier
 from .frames import DEFAULT_FRAME_BYTES
 from .mooncake_tier import DEFAULT_SEGMENT_BYTES, MooncakeTier
+from .redact import redacted
 from .redis_tier import RedisTier
 
 SPEC_FORMS = (
@@ -35,7 +36,8 @@ class TierSpecError(InvalidValueError):
     (a caller that names the spec its own way, a settings key, adds it)."""
 
     def __init__(self, spec: object, reason: str) -> None:
-        super().__init__(f"tier {spec!r}: {reason}")
+        shown = redacted(spec) if isinstance(spec, str) else spec
+        super().__init__(f"tier {shown!r}: {reason}")
         self.reason = reason
 
 
@@ -111,6 +113,8 @@ class TierSpec:
         return cls.parse(text)
 
     def __str__(self) -> str:
+        """The canonical spec, a store's password in it (it opens the same tier);
+        shown to people as :func:`redacted` gives it."""
         if self.kind == "host":
             return f"host:{self.size}"
         if self.kind == "disk":

@@ -17,6 +17,7 @@ from ...checks import parse_bytes
 from ...errors import Error
 from ...tiers import SPEC_FORMS, TierSpec, TierSpecError
 from ...tiers.frames import MIN_FRAME_BYTES
+from ...tiers.redact import redacted
 
 KEYS = (
     "tiers",
@@ -151,7 +152,7 @@ class ConnectorSettings:
         ):
             raise ConnectorConfigError(
                 f"{where}['tiers'] must be a non-empty list of tier specs ({SPEC_FORMS}), "
-                f"got {tiers!r}"
+                f"got {redacted(tiers) if isinstance(tiers, str) else tiers!r}"
                 + (" (kv_producer and kv_consumer may have none)" if role == "kv_both" else "")
             )
         for i, spec in enumerate(tiers):
@@ -165,17 +166,17 @@ class ConnectorSettings:
                 spec = TierSpec.parse(text)
             except TierSpecError as exc:
                 raise ConnectorConfigError(
-                    f"{where}['tiers'][{i}] = {text!r}: {exc.reason}"
+                    f"{where}['tiers'][{i}] = {redacted(text)!r}: {exc.reason}"
                 ) from None
             if spec.kind == "mooncake":
                 raise ConnectorConfigError(
-                    f"{where}['tiers'][{i}] = {text!r}: a Mooncake store is not yet a tier "
+                    f"{where}['tiers'][{i}] = {redacted(text)!r}: a Mooncake store is not yet a tier "
                     "of the connector (its scheduler lists a shared store, which Mooncake's "
                     "client cannot); use redis:// or redis+cluster://"
                 )
             if spec.kind in [x.kind for x in specs]:
                 raise ConnectorConfigError(
-                    f"{where}['tiers'][{i}] = {text!r}: a second {spec.kind} tier; "
+                    f"{where}['tiers'][{i}] = {redacted(text)!r}: a second {spec.kind} tier; "
                     "name each kind once"
                 )
             specs.append(spec)
