@@ -37,6 +37,8 @@ SECRET = "p@ss:w/rd%7"
         ("redis://h:1/0?PASSWORD=s3cret", "redis://h:1/0?PASSWORD=***"),
         ("redis://:s3@cret@h:1", "redis://:***@h:1"),  # an @ in the password
         ("redis://bob@h:1/0", "redis://bob@h:1/0"),  # a user alone: no secret
+        ("redis://:${REDIS_PW}@h:1", "redis://:${REDIS_PW}@h:1"),  # names the secret
+        ("redis://h:1?password=${REDIS_PW}", "redis://h:1?password=${REDIS_PW}"),
         ("redis://h:6379/2", "redis://h:6379/2"),
         ("unix:///tmp/r.sock", "unix:///tmp/r.sock"),
         ("redis://[::1]:6379", "redis://[::1]:6379"),
@@ -86,6 +88,22 @@ def test_a_tier_behind_a_password_serves_and_never_shows_it(guarded):
     for w in said:
         _no_secret(str(w.message))
     guarded.start()
+
+
+def test_a_password_from_the_environment_opens_the_store(guarded, monkeypatch):
+    """The secret out of the spec altogether (``${NAME}``, read when the tier
+    opens): the store serves, and neither the spec nor the tier shows it."""
+    monkeypatch.setenv("KVARENA_TEST_REDIS_PW", SECRET)
+    text = f"redis://:${{KVARENA_TEST_REDIS_PW}}@127.0.0.1:{guarded.port}/0"
+    spec = TierSpec.parse(text)
+    tier = spec.open()
+    assert tier.put_many([TierObject("b", (b"y" * 32,), 32)]).refused == []
+    assert bytes(tier.get_many(["b"])[0]) == b"y" * 32
+    _no_secret(str(spec) + tier.describe())
+    stat = _kvarena("tiers", "stat", text, "--json")
+    assert stat.returncode == 0, stat.stderr
+    assert ":***@127.0.0.1" in json.loads(stat.stdout)["tier"]  # it connected
+    _no_secret(stat.stdout + stat.stderr)
 
 
 def test_a_wrong_password_is_refused_without_showing_either(guarded):

@@ -94,3 +94,21 @@ def test_a_place_to_read_is_a_spec_a_sizeless_disk_or_a_directory():
     assert TierSpec.parse_place("host:1GiB").kind == "host"
     with pytest.raises(TierSpecError):
         TierSpec.parse_place("")
+
+
+def test_a_store_url_reads_its_secret_from_the_environment(monkeypatch):
+    """``${NAME}`` in a store URL is the environment variable NAME when the tier
+    opens (quoted for a URL); the spec keeps the name, never the value."""
+    monkeypatch.setenv("KVARENA_TEST_PW", "p@ss:w/rd")
+    monkeypatch.setenv("KVARENA_TEST_HOST", "store.internal")
+    spec = TierSpec.parse("redis://:${KVARENA_TEST_PW}@${KVARENA_TEST_HOST}:6379/1")
+    assert str(spec) == "redis://:${KVARENA_TEST_PW}@${KVARENA_TEST_HOST}:6379/1"
+    assert spec.store_url() == "redis://:p%40ss%3Aw%2Frd@store.internal:6379/1"
+    cluster = TierSpec.parse("redis+cluster://:${KVARENA_TEST_PW}@h:7000")
+    assert cluster.cluster and cluster.store_url() == "redis://:p%40ss%3Aw%2Frd@h:7000"
+    assert TierSpec.parse("disk:/tmp/${NOT_READ}:1GiB").directory == "/tmp/${NOT_READ}"
+    monkeypatch.delenv("KVARENA_TEST_PW")
+    with pytest.raises(TierSpecError, match="the environment has no KVARENA_TEST_PW"):
+        TierSpec.parse("redis://:${KVARENA_TEST_PW}@h:6379")
+    with pytest.raises(TierSpecError, match="the environment has no KVARENA_TEST_PW"):
+        spec.store_url()  # gone since the spec was parsed

@@ -50,6 +50,11 @@ pytestmark = pytest.mark.usefixtures("vllm_in_process")
         ({"tiers": ["nowhere:1GiB"]}, "['tiers'][0]"),
         ({"tiers": ["host:1GiB", "host:2GiB"]}, "['tiers'][1]"),
         ({"tiers": ["host:1GiB", "mooncake://m:50051"]}, "['tiers'][1]"),
+        (
+            {"tiers": ["host:1GiB", "redis://:${KVARENA_UNSET_PW}@h:1"]},
+            "['tiers'][1] = 'redis://:${KVARENA_UNSET_PW}@h:1': the environment has no "
+            "KVARENA_UNSET_PW",
+        ),
         ({"tiers": [3]}, "['tiers'][0]"),
         ({"tiers": ["host:1GiB"], "namespace": 7}, "'namespace'"),
         ({"tiers": ["host:1GiB"], "host_frame_bytes": 100}, "'host_frame_bytes'"),

@@ -54,7 +54,7 @@ def open_inventory(where: str) -> Inventory:
     if spec.kind == "disk" and spec.directory is not None:
         return DiskInventory(spec.directory)
     if spec.kind == "redis" and spec.url is not None:
-        return RedisInventory(spec.url, cluster=spec.cluster)
+        return RedisInventory(spec.store_url(), cluster=spec.cluster)
     if spec.kind == "mooncake":
         raise InvalidValueError(
             f"{where!r}: a Mooncake store cannot be listed from outside (its client has no "

@@ -9,7 +9,9 @@ records, and a tier is opened from one (:meth:`TierSpec.open`).
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import urllib.parse
 from dataclasses import dataclass
 
 from ..checks import check_count, parse_bytes
@@ -18,11 +20,11 @@ from .base import Tier
 from .disk import DiskTier
 from .frames import DEFAULT_FRAME_BYTES
 from .mooncake_tier import DEFAULT_SEGMENT_BYTES, MooncakeTier
-from .redact import redacted
+from .redact import VARIABLE, redacted
 from .redis_tier import RedisTier
 
 SPEC_FORMS = (
-    "host:SIZE, disk:DIR:SIZE, redis://HOST:PORT[/DB], redis+cluster://HOST:PORT, "
+    "host:SIZE, disk:DIR:SIZE, redis://[:PASSWORD@]HOST:PORT[/DB], redis+cluster://HOST:PORT, "
     "mooncake://HOST:PORT[/SEGMENT]"
 )
 KINDS = ("host", "disk", "redis", "mooncake")
@@ -63,6 +65,14 @@ class TierSpec:
         if not isinstance(spec, str) or not spec.strip():
             raise TierSpecError(spec, f"use {SPEC_FORMS}")
         text = spec.strip()
+        if text.startswith((*_REDIS, _CLUSTER)):
+            missing = [n for n in VARIABLE.findall(text) if n not in os.environ]
+            if missing:
+                raise TierSpecError(
+                    spec,
+                    f"the environment has no {missing[0]} (a store URL's ${{NAME}} is the "
+                    "environment variable NAME, read when the tier opens)",
+                )
         if text.startswith(_REDIS):
             return cls(kind="redis", url=text)
         if text.startswith(_CLUSTER):
@@ -150,4 +160,20 @@ class TierSpec:
         if self.kind == "mooncake":
             assert self.size is not None
             return MooncakeTier(self.url, segment_bytes=self.size)
-        return RedisTier(self.url, cluster=self.cluster)
+        return RedisTier(self.store_url(), cluster=self.cluster)
+
+    def store_url(self) -> str:
+        """The shared store's URL as its client connects: each ``${NAME}`` in the
+        spec the environment variable ``NAME``, quoted for a URL (redis-py
+        unquotes a password). A spec names a secret this way, so that neither
+        it nor anything printed from it — vLLM's own log of its
+        ``--kv-transfer-config`` above all — holds the secret itself; a
+        variable gone since the spec was parsed is refused here, naming it."""
+        assert self.url is not None
+
+        def value(m: re.Match[str]) -> str:
+            if m.group(1) not in os.environ:
+                raise TierSpecError(str(self), f"the environment has no {m.group(1)}")
+            return urllib.parse.quote(os.environ[m.group(1)], safe="")
+
+        return VARIABLE.sub(value, self.url)
