@@ -1,6 +1,8 @@
 """kvarena behind ``vllm serve``, as an operator runs it, through a real client.
 
-Two server processes over one disk directory and one Redis:
+Two server processes over one disk directory and one Redis (behind a
+password, which the config names as ``${KVARENA_STORE_PASSWORD}``, an
+environment variable of the server's: the server's log never holds it):
 
 1. The connector inside vLLM's ``MultiConnector`` beside another connector,
    configured by ``--kv-transfer-config`` JSON alone (no module path: vLLM
@@ -133,13 +135,29 @@ def settle(server, client, model, want: dict) -> dict:
     raise AssertionError(f"kvarena metrics (got, want): {wrong}")
 
 
-def test_serve_metrics_shutdown_and_restart(model, reference, tmp_path, redis_server):
+PASSWORD = "s3cret:w/@rd"
+
+
+@pytest.fixture
+def guarded_store(tmp_path):
+    """The shared store behind a password (``requirepass``), as a fleet's is."""
+    from conftest import redis_binary
+
+    from kvarena.testing.redis_server import RedisServer
+
+    server = RedisServer(str(tmp_path), binary=redis_binary(), password=PASSWORD)
+    yield server
+    server.stop()
+
+
+def test_serve_metrics_shutdown_and_restart(model, reference, tmp_path, guarded_store):
     import openai
     import redis
 
     disk = tmp_path / "disk"
-    url = f"redis://127.0.0.1:{redis_server.port}"
-    store = redis.Redis(host="127.0.0.1", port=redis_server.port)
+    # the password in the server's environment, named in the config: never in its log
+    url = f"redis://:${{KVARENA_STORE_PASSWORD}}@127.0.0.1:{guarded_store.port}"
+    store = redis.Redis(host="127.0.0.1", port=guarded_store.port, password=PASSWORD)
     multi = {
         "kv_connector": "MultiConnector",
         "kv_role": "kv_both",
@@ -155,7 +173,7 @@ def test_serve_metrics_shutdown_and_restart(model, reference, tmp_path, redis_se
             ]
         },
     }
-    env = {"PYTHONPATH": ":".join([BENCHMARKS, *sys.path])}
+    env = {"PYTHONPATH": ":".join([BENCHMARKS, *sys.path]), "KVARENA_STORE_PASSWORD": PASSWORD}
     server = VllmServer(
         model,
         tmp_path / "first.log",
@@ -201,6 +219,7 @@ def test_serve_metrics_shutdown_and_restart(model, reference, tmp_path, redis_se
         THIRD
     )
     assert "saves not written" not in server.log
+    assert "KVARENA_STORE_PASSWORD" in server.log and PASSWORD not in server.log
 
     again = VllmServer(
         model,
