@@ -124,6 +124,11 @@ BAD_ARGS = [
     (["replay", "TRACE", "--tier", "host:lots"], "'lots' is not a size"),
     (["replay", "TRACE", "--tier", "disk:/proc/kvarena:1GiB"], "cannot use the directory"),
     (["replay", "TRACE", "--tier", "host:1MiB", "--compare"], "--compare and --tier"),
+    (
+        ["replay", "TRACE", "--tier", "redis://:${KVARENA_UNSET_PW}@127.0.0.1:1"],
+        "the environment has no KVARENA_UNSET_PW",
+    ),
+    (["tiers", "stat", "redis://:${KVARENA_UNSET_PW}@h:1"], "the environment has no"),
     (["replay", "/dev/null"], "/dev/null: no request in it"),
 ]
 """``TRACE``: a trace of one request (the test writes it)."""
