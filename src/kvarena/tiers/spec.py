@@ -66,13 +66,7 @@ class TierSpec:
             raise TierSpecError(spec, f"use {SPEC_FORMS}")
         text = spec.strip()
         if text.startswith((*_REDIS, _CLUSTER)):
-            missing = [n for n in VARIABLE.findall(text) if n not in os.environ]
-            if missing:
-                raise TierSpecError(
-                    spec,
-                    f"the environment has no {missing[0]} (a store URL's ${{NAME}} is the "
-                    "environment variable NAME, read when the tier opens)",
-                )
+            _check_variables(spec, text)
         if text.startswith(_REDIS):
             return cls(kind="redis", url=text)
         if text.startswith(_CLUSTER):
@@ -170,10 +164,16 @@ class TierSpec:
         ``--kv-transfer-config`` above all — holds the secret itself; a
         variable gone since the spec was parsed is refused here, naming it."""
         assert self.url is not None
+        _check_variables(str(self), self.url)
+        return VARIABLE.sub(lambda m: urllib.parse.quote(os.environ[m.group(1)], safe=""), self.url)
 
-        def value(m: re.Match[str]) -> str:
-            if m.group(1) not in os.environ:
-                raise TierSpecError(str(self), f"the environment has no {m.group(1)}")
-            return urllib.parse.quote(os.environ[m.group(1)], safe="")
 
-        return VARIABLE.sub(value, self.url)
+def _check_variables(spec: object, url: str) -> None:
+    """Refuse a store URL naming a variable the environment lacks, naming it."""
+    missing = [n for n in VARIABLE.findall(url) if n not in os.environ]
+    if missing:
+        raise TierSpecError(
+            spec,
+            f"the environment has no {missing[0]} (a store URL's ${{NAME}} is the "
+            "environment variable NAME, read when the tier opens)",
+        )
