@@ -66,6 +66,7 @@ lock:
 # $(1): the main venv, $(2): the vLLM venv.
 define suite
 	$(1)/bin/ruff check src tests benchmarks examples tools
+	$(1)/bin/ruff format --check --quiet src tests benchmarks examples tools
 	$(1)/bin/mkdocs build --strict --quiet --site-dir build/site
 	OMP_NUM_THREADS=1 $(1)/bin/python -m pytest -q -n auto --maxprocesses 4 --durations=15
 	$(2)/bin/python -m pytest -q -p no:cacheprovider -n auto --maxprocesses 2 --dist loadscope \
@@ -126,6 +127,7 @@ test-hf-floor:
 # Type-check the package (not part of `make test`, which must stay fast on 2 cores).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples tools
+	$(VENV)/bin/ruff format --check --quiet src tests benchmarks examples tools
 	$(VENV)/bin/mypy src/kvarena --ignore-missing-imports
 
 bench: $(STAMP)

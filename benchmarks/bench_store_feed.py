@@ -64,7 +64,11 @@ def row(
     (the names written numbered from ``first``: no row finds another's)."""
     client.config_set("notify-keyspace-events", "K$gxe" if follow else "")
     settings = ConnectorSettings.parse({"tiers": ["host:1GiB", url]})
-    books = [Catalogue(settings, rescan_s=rescan_s) for _ in range(engines)] if follow is not None else []
+    books = (
+        [Catalogue(settings, rescan_s=rescan_s) for _ in range(engines)]
+        if follow is not None
+        else []
+    )
     listed = sum(c._listings for c in books)
     written: dict[str, float] = {}
     found: dict[str, float] = {}
@@ -151,7 +155,10 @@ def main() -> None:
                     missed += sampled - len(found)
                 ms = (
                     [f"{statistics.median(found) * 1e3:>9,.1f}ms"]
-                    + [f"{x * 1e3:>7,.1f}ms" for x in (found[int(0.99 * (len(found) - 1))], found[-1])]
+                    + [
+                        f"{x * 1e3:>7,.1f}ms"
+                        for x in (found[int(0.99 * (len(found) - 1))], found[-1])
+                    ]
                     if found
                     else [f"{'-':>10}", f"{'-':>8}", f"{'-':>8}"]
                 )

@@ -45,9 +45,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
 # imports it by module path, so the folder goes on that process's path too.
 HERE = str(Path(__file__).resolve().parent)
 sys.path.insert(0, HERE)
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in (HERE, os.environ.get("PYTHONPATH", "")) if p
-)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH", "")) if p)
 
 PAUSE_S = 0.3
 """Between requests: longer than the OpenMP workers of the engine just used

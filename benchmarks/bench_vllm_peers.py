@@ -172,9 +172,7 @@ def _start(
     bound = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
     common = {"block_size": block, "kv_cache_memory_bytes": DEVICE_KV}
     details = ("--enable-prompt-tokens-details",)
-    servers["vLLM alone"] = VllmServer(
-        model, tmp / "alone.log", options=details, env=dev, **common
-    )
+    servers["vLLM alone"] = VllmServer(model, tmp / "alone.log", options=details, env=dev, **common)
     servers["kvarena"] = VllmServer(
         model,
         tmp / "kvarena.log",
@@ -249,9 +247,7 @@ def bench(kind: str, args) -> tuple[list[dict], list[str]]:
         second = results[n][1]
         ttft = sorted(r["ttft"] for r in second)
         lat = sorted(r["latency"] for r in second)
-        same = all(
-            [r["tokens"] for r in results[n][p]] == reference for p in range(2)
-        )
+        same = all([r["tokens"] for r in results[n][p]] == reference for p in range(2))
         rows.append(
             {
                 "model": kind,

@@ -154,7 +154,9 @@ def test_pools_and_prefix_hold_no_weak_references_and_no_callbacks_up():
     ]
     plan = plan_for(page, state, 24 * 1024, 2, block_size=4)
     pc = PrefixCache(
-        plan, "cpu", policy=CheckpointPolicy.parse("end,interval:8"),
+        plan,
+        "cpu",
+        policy=CheckpointPolicy.parse("end,interval:8"),
         tiers=TierStack([HostTier(1 << 20, frame_bytes=1024)]),
     )
     rng = np.random.default_rng(0)

@@ -21,10 +21,18 @@ from kvarena.tiers.inventory import namespace_id
 
 BS = 16
 VLLM_NS = json.dumps(
-    {"format": "kvarena-vllm/1", "model": "Qwen/Qwen3-Next", "revision": "r1", "layout": "LBHNC", "tp": [0, 2]},
+    {
+        "format": "kvarena-vllm/1",
+        "model": "Qwen/Qwen3-Next",
+        "revision": "r1",
+        "layout": "LBHNC",
+        "tp": [0, 2],
+    },
     sort_keys=True,
 ).encode()
-PREFIX_NS = json.dumps({"format": "kvarena-prefix/1", "model": "llama", "block_size": 16, "tp": [0, 1]}).encode()
+PREFIX_NS = json.dumps(
+    {"format": "kvarena-prefix/1", "model": "llama", "block_size": 16, "tp": [0, 1]}
+).encode()
 
 
 def objects(namespace: bytes, n_kv: int, n_state: int, seed: int):
@@ -41,7 +49,10 @@ def objects(namespace: bytes, n_kv: int, n_state: int, seed: int):
 
 def kvarena(*args: str):
     return subprocess.run(
-        [sys.executable, "-m", "kvarena", "tiers", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "kvarena", "tiers", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -64,13 +75,24 @@ def test_stat_counts_each_namespaces_objects_bytes_and_ages(filled):
     assert doc["objects"] == len(files) == 10 and doc["bytes"] == sum(files.values())
     rows = {row["namespace"]: row for row in doc["namespaces"]}
     vllm, prefix = rows[namespace_id(VLLM_NS)], rows[namespace_id(PREFIX_NS)]
-    assert (vllm["model"], vllm["revision"], vllm["layout"], vllm["rank"]) == ("Qwen/Qwen3-Next", "r1", "LBHNC", "0/2")
+    assert (vllm["model"], vllm["revision"], vllm["layout"], vllm["rank"]) == (
+        "Qwen/Qwen3-Next",
+        "r1",
+        "LBHNC",
+        "0/2",
+    )
     assert (vllm["kv_blocks"], vllm["states"]) == (5, 2)
-    assert (prefix["model"], prefix["layout"], prefix["kv_blocks"]) == ("llama", "16-token blocks", 3)
+    assert (prefix["model"], prefix["layout"], prefix["kv_blocks"]) == (
+        "llama",
+        "16-token blocks",
+        3,
+    )
     assert vllm["bytes"] + prefix["bytes"] == doc["bytes"]
     assert 0 <= vllm["newest_s"] <= vllm["oldest_s"] < 600
     table = kvarena("stat", f"disk:{filled}:1GiB")  # a tier spec names it too
-    assert table.returncode == 0 and "Qwen/Qwen3-Next" in table.stdout and "10 objects" in table.stdout
+    assert (
+        table.returncode == 0 and "Qwen/Qwen3-Next" in table.stdout and "10 objects" in table.stdout
+    )
 
 
 def test_verify_lists_what_fails_and_fix_removes_exactly_those(filled):
@@ -106,11 +128,16 @@ def test_prune_by_namespace_age_and_size(filled):
     aged = sorted(files)[:4]
     for p in aged:
         os.utime(p, (old, old))
-    dry = json.loads(kvarena("prune", str(filled), "--older-than", "2d", "--dry-run", "--json").stdout)
+    dry = json.loads(
+        kvarena("prune", str(filled), "--older-than", "2d", "--dry-run", "--json").stdout
+    )
     assert dry["selected"] == 4 and dry["removed"] == 0 and len(list(filled.glob("*.kvi"))) == 10
     r = kvarena("prune", str(filled), "--older-than", "2d", "--json")
     assert json.loads(r.stdout)["removed"] == 4 and not any(p.exists() for p in aged)
-    rows = {r["namespace"]: r for r in json.loads(kvarena("stat", str(filled), "--json").stdout)["namespaces"]}
+    rows = {
+        r["namespace"]: r
+        for r in json.loads(kvarena("stat", str(filled), "--json").stdout)["namespaces"]
+    }
     held_by_prefix = rows[namespace_id(PREFIX_NS)]["objects"]
     r = kvarena("prune", str(filled), "--namespace", namespace_id(PREFIX_NS), "--json")
     assert json.loads(r.stdout)["removed"] == held_by_prefix
@@ -164,7 +191,10 @@ def _stat_verify_prune(url: str, store) -> None:
     doc = json.loads(kvarena("stat", url, "--json").stdout)
     assert doc["objects"] == 7
     rows = {r["namespace"]: r for r in doc["namespaces"]}
-    assert (rows[namespace_id(VLLM_NS)]["kv_blocks"], rows[namespace_id(VLLM_NS)]["states"]) == (4, 1)
+    assert (rows[namespace_id(VLLM_NS)]["kv_blocks"], rows[namespace_id(VLLM_NS)]["states"]) == (
+        4,
+        1,
+    )
     key = tier.prefix + objs[0].name
     value = bytearray(store.get(key))
     value[-1] ^= 1

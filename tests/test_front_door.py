@@ -22,7 +22,9 @@ def _type_checking_imports() -> dict[str, set[str]]:
     """The names the ``if TYPE_CHECKING:`` block imports, by module."""
     tree = ast.parse(INIT.read_text())
     block = next(
-        n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", "") == "TYPE_CHECKING"
+        n
+        for n in tree.body
+        if isinstance(n, ast.If) and getattr(n.test, "id", "") == "TYPE_CHECKING"
     )
     out: dict[str, set[str]] = {}
     for node in block.body:

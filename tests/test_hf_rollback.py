@@ -183,8 +183,6 @@ def test_crop_refusals_change_nothing(models):
     _all_back(nocrop)
 
 
-
-
 @needs_5_25
 @pytest.mark.parametrize("family", STATEFUL)
 def test_assisted_generate_on_stateful_models_is_token_identical(models, family):

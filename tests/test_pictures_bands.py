@@ -82,9 +82,7 @@ def test_presets(preset, tp):
         ]
         attention = [b for b in buffer.bands if b.kind == "attention pages"]
         g = v.group_size
-        assert (
-            attention[0].nbytes == (v.num_block_ids - v.state_block_ids) * g * v.page_bytes
-        )
+        assert attention[0].nbytes == (v.num_block_ids - v.state_block_ids) * g * v.page_bytes
 
 
 def test_qwen3_next_tp8_numbers():

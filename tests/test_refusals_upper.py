@@ -36,7 +36,12 @@ def books(pc) -> tuple:
     host = pc.tiers.tiers[0]
     return (
         c.buf.clone(),
-        (sorted(b._region.free._set), b._region.refs.tolist(), sorted(map(repr, b.keys())), list(b._lru)),
+        (
+            sorted(b._region.free._set),
+            b._region.refs.tolist(),
+            sorted(map(repr, b.keys())),
+            list(b._lru),
+        ),
         (sorted(s._free._set), dict(s._owner)),
         (sorted(pc._copying), sorted(pc._running, key=repr), sorted(pc.placement._wanted)),
         pc.metrics.to_dict(),
@@ -105,7 +110,12 @@ def pool_books(pool) -> tuple:
     b, s = c.blocks, c.slots
     return (
         c.buf.clone(),
-        (sorted(b._region.free._set), b._region.refs.tolist(), sorted(map(repr, b.keys())), len(c.holdings)),
+        (
+            sorted(b._region.free._set),
+            b._region.refs.tolist(),
+            sorted(map(repr, b.keys())),
+            len(c.holdings),
+        ),
         (sorted(s._free._set), dict(s._owner)),
         pool.live_caches,
         pool.prefix.metrics.to_dict(),

@@ -20,7 +20,11 @@ def test_each_rest_is_what_the_piece_before_it_worked_scaled_to_the_duty(monkeyp
 
     monkeypatch.setattr(module.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(module.time, "sleep", sleep)
-    for duty, rests in ((0.25, [0.006, 0.0015, 0.0]), (0.5, [0.002, 0.0005, 0.0]), (None, [0.0] * 3)):
+    for duty, rests in (
+        (0.25, [0.006, 0.0015, 0.0]),
+        (0.5, [0.002, 0.0005, 0.0]),
+        (None, [0.0] * 3),
+    ):
         slept.clear()
         cycle = DutyCycle(duty)
         for worked in (0.002, 0.0005, 0.0):

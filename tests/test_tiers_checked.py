@@ -77,7 +77,9 @@ def test_write_through_names_what_each_tier_refused(tmp_path):
         assert written.refused == {"host": [], "disk": [big.name]}
         assert stack.tiers[0].contains_many([big.name]) == [True]
         assert written.evicted == {"host": [], "disk": []}
-        assert written.nbytes["disk"] == disk.stored(small)[0].stored_bytes  # the refused not counted
+        assert (
+            written.nbytes["disk"] == disk.stored(small)[0].stored_bytes
+        )  # the refused not counted
         assert disk.contains_many([small[0].name, big.name]) == [True, False]
     finally:
         stack.close()

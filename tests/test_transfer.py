@@ -785,9 +785,7 @@ def test_an_abort_on_a_connection_that_carried_nothing_frees_the_receiver_at_onc
         dst = client.expect("g", 2)
         assert decode.call("stats")["live_blocks"] == 2
         client.sender.abort(client.peer, "g", int(dst["transfer"]))
-        status = _until(
-            lambda: client.status("g"), lambda s: s["status"] != "pending", "g aborted"
-        )
+        status = _until(lambda: client.status("g"), lambda s: s["status"] != "pending", "g aborted")
         assert status == {"status": "failed", "reason": "aborted by the sender"}
         assert decode.call("stats")["live_blocks"] == 0
         client.close()

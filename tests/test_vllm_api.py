@@ -17,7 +17,7 @@ import pytest
 
 from kvarena.testing import vllm_api
 
-BASE = '''
+BASE = """
 from abc import ABC, abstractmethod
 
 class KVConnectorBase_V1(ABC):
@@ -40,7 +40,7 @@ class KVConnectorBase_V1(ABC):
 class SupportsHMA(ABC):
     @abstractmethod
     def request_finished_all_groups(self, request, block_ids): ...
-'''
+"""
 
 
 class _Fits:
@@ -102,8 +102,10 @@ def test_signature_changes_are_named():
     assert vllm_api.connector_mismatches(BASE, NotProperty) == [
         "KVConnectorBase_V1.role: a property on one side only"
     ]
-    grown = BASE.replace("def request_finished(self, request, block_ids)",
-                         "def request_finished(self, request, block_ids, *, num_computed)")
+    grown = BASE.replace(
+        "def request_finished(self, request, block_ids)",
+        "def request_finished(self, request, block_ids, *, num_computed)",
+    )
     assert vllm_api.connector_mismatches(grown, _Fits) == [
         "KVConnectorBase_V1.request_finished: takes no keyword 'num_computed'"
     ]
@@ -128,8 +130,11 @@ def test_missing_imports_are_named(tmp_path):
     )
     wanted = vllm_api.vllm_imports([src])
     assert wanted == {
-        ("vllm", "LLM"), ("vllm", "SamplingParams"), ("vllm.config", "KVTransferConfig"),
-        ("vllm.config", "parallel"), ("vllm.gone", "Thing"),
+        ("vllm", "LLM"),
+        ("vllm", "SamplingParams"),
+        ("vllm.config", "KVTransferConfig"),
+        ("vllm.config", "parallel"),
+        ("vllm.gone", "Thing"),
     }
     assert vllm_api.missing_imports(tmp_path, wanted) == [
         "from vllm import SamplingParams: not in vllm",

@@ -49,6 +49,7 @@ def test_vanished_and_evicted_objects_cost_a_recompute_never_a_token(
     Redis at its ``maxmemory`` under ``noeviction``, room for three objects).
     Tokens equal vLLM alone's throughout."""
     import redis
+
     model = models[kind]
     prompts = prompts_for(block_size or 256)
     alone = engine(model, block_size=block_size)
@@ -72,9 +73,7 @@ def test_vanished_and_evicted_objects_cost_a_recompute_never_a_token(
     admin.config_set("maxmemory", int(admin.info("memory")["used_memory"]) + 3 * one_object)
     admin.config_set("maxmemory-policy", "noeviction")
     admin.close()
-    small = engine(
-        model, block_size=block_size, tiers=[f"host:{4 * one_object}", redis_server.url]
-    )
+    small = engine(model, block_size=block_size, tiers=[f"host:{4 * one_object}", redis_server.url])
     with pytest.warns(TierWarning, match="maxmemory"):
         assert one_by_one(small, prompts)[0] == reference
         worker = worker_connector()._worker

@@ -209,7 +209,9 @@ def _book_of_two_ranks(kinds: list[str], *, hash_block_size: int):
         ranks=2,
     )
     hashes = [bytes([i]) * 32 for i in range(128 // hash_block_size)]
-    return book, SimpleNamespace(block_hashes=hashes, all_token_ids=list(range(128)), lora_request=None)
+    return book, SimpleNamespace(
+        block_hashes=hashes, all_token_ids=list(range(128)), lora_request=None
+    )
 
 
 def test_an_object_dropped_from_every_local_tier_is_announced_once_each_and_forgotten():
@@ -239,7 +241,10 @@ def test_an_object_dropped_from_every_local_tier_is_announced_once_each_and_forg
     book.dropped("host", [rank_names(prefix, 2)[0]])  # the other rank's drop: already said
     book.dropped("disk", [rank1])
     removed = book.take()
-    assert [(type(e), e.medium) for e in removed] == [(BlockRemoved, "CPU"), (BlockRemoved, "STORAGE")]
+    assert [(type(e), e.medium) for e in removed] == [
+        (BlockRemoved, "CPU"),
+        (BlockRemoved, "STORAGE"),
+    ]
     assert not (book._held or book._prefix_of or book._removed)  # nothing kept for it
 
 

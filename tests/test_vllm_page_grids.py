@@ -62,7 +62,9 @@ def expand(grids):
 def test_a_groups_layers_are_one_run_where_they_advance_evenly(layout, runs):
     found = SpanRuns.of(*spans_of(layout)).runs
     assert len(found) == runs
-    assert [r[0] for r in found] == [0, 1] and {r[3] for r in found} == {6 if layout == "token-major" else 3}
+    assert [r[0] for r in found] == [0, 1] and {r[3] for r in found} == {
+        6 if layout == "token-major" else 3
+    }
 
 
 def test_a_span_of_another_length_or_rows_that_would_overlap_start_a_run():

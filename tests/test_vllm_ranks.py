@@ -42,7 +42,9 @@ def test_each_rank_has_a_key_of_its_own_and_rank_0_keeps_the_prefix_key(key, ran
     assert rank_key(key, 0, 1) == key
     for r in (1, ranks - 1):
         person = b"kvarena-tp" + r.to_bytes(2, "big")
-        assert rank_key(key, r, ranks) == hashlib.blake2b(key, digest_size=16, person=person).digest()
+        assert (
+            rank_key(key, r, ranks) == hashlib.blake2b(key, digest_size=16, person=person).digest()
+        )
     derived = [rank_key(key, r, ranks) for r in range(ranks)]
     assert derived[0] == key
     assert len(set(derived)) == ranks and all(len(k) == len(key) for k in derived)

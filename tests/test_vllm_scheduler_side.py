@@ -266,14 +266,20 @@ def test_a_plan_lets_fetched_loads_land_in_what_its_step_leaves():
     side = make_side("kv")
     assert side.plan(_step([], {}, {}, 1)).land_bytes == 0
     side.reported(
-        WorkerReport(landed=[(mib, 1.5e-3), (2 * mib, 2.5e-3), (8 * mib, 8.5e-3), (16 * mib, 16.5e-3)])
+        WorkerReport(
+            landed=[(mib, 1.5e-3), (2 * mib, 2.5e-3), (8 * mib, 8.5e-3), (16 * mib, 16.5e-3)]
+        )
     )
     assert side.plan(_step([], {}, {}, 1)).land_bytes == 0  # no step measured yet
     side.pace._steps.extend([0.02] * 5)  # 20 ms steps: 2 ms a step, 0.5 ms fixed, 1 ms a MiB
     r = make_request("r1", 80)
-    assert side.plan(_step([r], {"r1": 1}, {"r1": 79}, 1)).land_bytes == pytest.approx(1.5 * mib, abs=2)
+    assert side.plan(_step([r], {"r1": 1}, {"r1": 79}, 1)).land_bytes == pytest.approx(
+        1.5 * mib, abs=2
+    )
     side.pace.waited(0.1)
-    assert side.plan(_step([r], {"r1": 1}, {"r1": 80}, 1)).land_bytes == pytest.approx(1.5 * mib, abs=2)
+    assert side.plan(_step([r], {"r1": 1}, {"r1": 80}, 1)).land_bytes == pytest.approx(
+        1.5 * mib, abs=2
+    )
     idle = side.plan(_step([], {}, {}, 1)).land_bytes
     assert idle == pytest.approx(99.5 * mib, abs=2)  # nobody decodes: the wait's worth
 

@@ -29,10 +29,14 @@ from kvarena.integrations.vllm.telemetry import Telemetry
 
 def test_a_load_over_two_ranks_is_one_load_its_bytes_summed_its_time_the_slowest():
     t = Telemetry(ranks=2)
-    t.reported(WorkerReport(loads=[Timed(key="r", rank=0, seconds={"disk": 0.01}, nbytes={"disk": 100})]))
+    t.reported(
+        WorkerReport(loads=[Timed(key="r", rank=0, seconds={"disk": 0.01}, nbytes={"disk": 100})])
+    )
     got = t.take()
     assert got == {"load_bytes": {"disk": 100}}  # no time until every rank reported
-    t.reported(WorkerReport(loads=[Timed(key="r", rank=1, seconds={"disk": 0.03}, nbytes={"disk": 100})]))
+    t.reported(
+        WorkerReport(loads=[Timed(key="r", rank=1, seconds={"disk": 0.03}, nbytes={"disk": 100})])
+    )
     assert t.take() == {"load_bytes": {"disk": 100}, "load_seconds": {"disk": [0.03]}}
     assert t.take() == {}
 
@@ -87,8 +91,18 @@ def test_the_scheduler_counts_lookups_and_hits_by_tier():
 
 
 def test_an_interval_merges_counters_observations_and_the_latest_gauges():
-    a = {"lookups": 1, "load_bytes": {"disk": 5}, "load_seconds": {"disk": [0.1]}, "held_bytes": {"host": 9}}
-    b = {"lookups": 2, "load_bytes": {"disk": 1, "host": 2}, "load_seconds": {"disk": [0.2]}, "held_bytes": {"host": 4}}
+    a = {
+        "lookups": 1,
+        "load_bytes": {"disk": 5},
+        "load_seconds": {"disk": [0.1]},
+        "held_bytes": {"host": 9},
+    }
+    b = {
+        "lookups": 2,
+        "load_bytes": {"disk": 1, "host": 2},
+        "load_seconds": {"disk": [0.2]},
+        "held_bytes": {"host": 4},
+    }
     assert merge(a, b) == {
         "lookups": 3,
         "load_bytes": {"disk": 6, "host": 2},
@@ -125,7 +139,9 @@ def test_the_prometheus_families_carry_vllms_labels_and_every_count():
     assert value("vllm:kvarena_lookups_total", labels) == 3
     assert value("vllm:kvarena_hit_tokens_total", {**labels, "tier": "disk"}) == 64
     assert value("vllm:kvarena_load_seconds_count", {**labels, "tier": "disk"}) == 2
-    assert value("vllm:kvarena_load_seconds_bucket", {**labels, "tier": "disk", "le": "0.0025"}) == 1
+    assert (
+        value("vllm:kvarena_load_seconds_bucket", {**labels, "tier": "disk", "le": "0.0025"}) == 1
+    )
     assert value("vllm:kvarena_load_failures_total", {**labels, "reason": "corrupt"}) == 1
     assert value("vllm:kvarena_held_objects", {**labels, "tier": "host"}) == 7
     # every metric of the one list registered, and nothing else

@@ -58,7 +58,9 @@ def test_a_load_from_below_the_host_is_fetched_off_the_step_and_copied_in_a_late
     want = _pages(caches, groups, "kv", 2)
     w.tiers.tiers[0].delete_many([object_name(ImageKind.KV_BLOCK, K[2])])  # only on disk now
     fill(caches, seed=7)
-    disk_load = Load(request="d", kv=(BlockCopy(index=0, key=K[2], blocks=(5,), level=1),), state=None)
+    disk_load = Load(
+        request="d", kv=(BlockCopy(index=0, key=K[2], blocks=(5,), level=1),), state=None
+    )
     w.load(StepPlan(loads=[disk_load]))
     assert w.received() == (set(), set()) and len(w.queue) == 1  # in flight, the step goes on
     finish_loads(w)
@@ -97,14 +99,20 @@ def test_fetched_loads_land_a_steps_bytes_at_a_time_in_the_order_asked(worker):
     w.tiers.tiers[0].delete_many([object_name(ImageKind.KV_BLOCK, k) for k in K[:3]])
     fill(caches, seed=9)
     jobs = [
-        Load(request=f"r{i}", kv=(BlockCopy(index=i, key=K[i], blocks=(8 + i,), level=1),), state=None)
+        Load(
+            request=f"r{i}",
+            kv=(BlockCopy(index=i, key=K[i], blocks=(8 + i,), level=1),),
+            state=None,
+        )
         for i in range(3)
     ]
     w.queue.deadline_s = 0.0  # every load past its deadline at once: fetched ones still land
     w.load(StepPlan(loads=jobs))
     w.queue.wait()
     w.report()
-    one = len(page(caches[groups[0].layers[0]], 1)) * sum(len(g.layers) for g in groups if g.kind == "kv")
+    one = len(page(caches[groups[0].layers[0]], 1)) * sum(
+        len(g.layers) for g in groups if g.kind == "kv"
+    )
     for i in range(3):
         w.load(StepPlan(land_bytes=one))
         assert w.received() == ({f"r{i}"}, set())
@@ -127,12 +135,16 @@ def test_only_a_load_from_a_host_tier_on_top_is_done_in_the_step(tmp_path):
     on top, a load found at level 0 reads the disk, so it goes off the step."""
     kc, caches = allocation("LBHNC", states=1)
     tiers = TierStack([DiskTier(tmp_path / "d", 64 << 20), HostTier(8 << 20, frame_bytes=64 << 10)])
-    w = WorkerSide(groups=classify(kc), namespace=NS, tiers=tiers, block_size=BLOCK_SIZE, save_backlog=1 << 30)
+    w = WorkerSide(
+        groups=classify(kc), namespace=NS, tiers=tiers, block_size=BLOCK_SIZE, save_backlog=1 << 30
+    )
     try:
         w.register(caches, kc.num_blocks)
         w.save(StepPlan(kv_saves=[BlockCopy(index=0, key=K[0], blocks=(2,))]))
         w.flush()
-        job = Load(request="f", kv=(BlockCopy(index=0, key=K[0], blocks=(5,), level=0),), state=None)
+        job = Load(
+            request="f", kv=(BlockCopy(index=0, key=K[0], blocks=(5,), level=0),), state=None
+        )
         w.load(StepPlan(loads=[job]))
         assert w.received() == (set(), set()) and len(w.queue) == 1  # off the step
         finish_loads(w)
@@ -164,7 +176,10 @@ def test_saved_objects_load_back_into_the_blocks_named(worker):
     [write] = report.writes
     stored = sum(len(x) for x in w.tiers.tiers[1].get_many(names))
     assert write.key == names[0] and write.rank == 0
-    assert write.nbytes == {"host": stored, "disk": stored} and set(write.seconds) == {"host", "disk"}
+    assert write.nbytes == {"host": stored, "disk": stored} and set(write.seconds) == {
+        "host",
+        "disk",
+    }
     assert [(h.label, h.nbytes, h.objects) for h in report.held] == [
         ("host", w.tiers.tiers[0].used_bytes, 2),
         ("disk", w.tiers.tiers[1].used_bytes, 2),
@@ -205,8 +220,11 @@ def test_a_load_no_tier_can_serve_is_a_failure_and_copies_nothing(worker):
     disk.delete_many([name])
     host.delete_many([name])  # (a host tier keeps the first object of a name)
     foreign = WorkerSide(
-        groups=groups, namespace=b'{"other":1}', tiers=TierStack([host]),
-        block_size=BLOCK_SIZE, save_backlog=1 << 30,
+        groups=groups,
+        namespace=b'{"other":1}',
+        tiers=TierStack([host]),
+        block_size=BLOCK_SIZE,
+        save_backlog=1 << 30,
     )
     foreign.register(caches, blocks)
     foreign.save(StepPlan(kv_saves=[BlockCopy(index=0, key=K[1], blocks=(1,))]))
@@ -284,8 +302,13 @@ def test_a_rank_reports_what_it_saved_and_failed_by_the_prefix_objects_name(tmp_
     skip it whichever shard failed."""
     kc, caches = allocation("LBHNC", states=1)
     w = WorkerSide(
-        groups=classify(kc), namespace=NS, tiers=TierStack([HostTier(8 << 20, frame_bytes=64 << 10)]),
-        block_size=BLOCK_SIZE, rank=1, ranks=2, save_backlog=1 << 30,
+        groups=classify(kc),
+        namespace=NS,
+        tiers=TierStack([HostTier(8 << 20, frame_bytes=64 << 10)]),
+        block_size=BLOCK_SIZE,
+        rank=1,
+        ranks=2,
+        save_backlog=1 << 30,
     )
     try:
         w.register(caches, kc.num_blocks)
@@ -295,9 +318,20 @@ def test_a_rank_reports_what_it_saved_and_failed_by_the_prefix_objects_name(tmp_
         report = w.report()
         assert report is not None and report.saved == [prefix]
         assert report.host_added == [object_name(ImageKind.KV_BLOCK, rank_key(K[0], 1, 2))]
-        w.load(StepPlan(loads=[Load(request="c", kv=(BlockCopy(index=0, key=K[0], blocks=(3,)),
-                                                     BlockCopy(index=1, key=K[3], blocks=(4,))),
-                                    state=None)]))
+        w.load(
+            StepPlan(
+                loads=[
+                    Load(
+                        request="c",
+                        kv=(
+                            BlockCopy(index=0, key=K[0], blocks=(3,)),
+                            BlockCopy(index=1, key=K[3], blocks=(4,)),
+                        ),
+                        state=None,
+                    )
+                ]
+            )
+        )
         finish_loads(w)
         assert w.received() == ({"c"}, {"c"})
         report = w.report()
@@ -313,7 +347,12 @@ def test_a_rank_reports_what_a_tier_refused_by_its_label_name_and_prefix(tmp_pat
     kc, caches = allocation("LBHNC", states=1)
     tiers = TierStack([HostTier(8 << 20, frame_bytes=64 << 10), DiskTier(tmp_path / "d", 1)])
     w = WorkerSide(
-        groups=classify(kc), namespace=NS, tiers=tiers, block_size=BLOCK_SIZE, rank=1, ranks=2,
+        groups=classify(kc),
+        namespace=NS,
+        tiers=tiers,
+        block_size=BLOCK_SIZE,
+        rank=1,
+        ranks=2,
         save_backlog=1 << 30,
     )
     try:

@@ -31,7 +31,9 @@ def main() -> None:
         locked = pins(f.readlines())
     frozen = subprocess.run(
         [python, "-m", "pip", "freeze", "--all", "--exclude-editable"],
-        check=True, capture_output=True, text=True,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout.splitlines()
     latest = pins(frozen)
     latest.pop("torch", None)  # the pinned CPU wheel, owned by the Makefile

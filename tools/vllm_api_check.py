@@ -25,7 +25,9 @@ def main(wheels: list[str]) -> int:
     bad = 0
     for wheel in wheels:
         with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(wheel) as z:
-            z.extractall(tmp, [n for n in z.namelist() if n.startswith("vllm/") and n.endswith(".py")])
+            z.extractall(
+                tmp, [n for n in z.namelist() if n.startswith("vllm/") and n.endswith(".py")]
+            )
             root = Path(tmp)
             base = (root / vllm_api.BASE_MODULE).read_text()
             found = vllm_api.connector_mismatches(base, KvarenaConnector)

@@ -32,6 +32,7 @@ def _is_tensor(value: Any) -> bool:
     loaded = sys.modules.get("torch")
     return loaded is not None and isinstance(value, loaded.Tensor)
 
+
 MAX_BYTES = 1 << 60
 """The largest byte count or offset kvarena accepts (1 EiB): far above any
 real memory, far enough below 2**63 that sums of a few such values never wrap

@@ -239,7 +239,9 @@ class BlockAllocator:
                 continue
             chosen.add(key)
             keys.append(key)
-            freed += sum(1 for b in self._keys.blocks_of(key) or () if self._region.kind[b] == EVICTABLE)
+            freed += sum(
+                1 for b in self._keys.blocks_of(key) or () if self._region.kind[b] == EVICTABLE
+            )
             if freed >= short:
                 break
         return keys
@@ -305,7 +307,11 @@ class BlockAllocator:
             out.append(key)
             dep = self._keys.dependent_of(key)
             blocks = self._keys.blocks_of(dep) if dep is not None else None
-            if dep not in seen and blocks and all(self._region.kind[b] == EVICTABLE for b in blocks):
+            if (
+                dep not in seen
+                and blocks
+                and all(self._region.kind[b] == EVICTABLE for b in blocks)
+            ):
                 seen.add(dep)
                 out.append(dep)
         return out

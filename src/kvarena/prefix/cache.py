@@ -80,7 +80,10 @@ class PrefixCache:
         self.metrics = PrefixMetrics()
         self.enabled = reuse  # False: every lookup misses (prefix caching off, for comparisons)
         self._loads = TierLoads.build(
-            cache=self.cache, tiers=self.tiers, spec=self.spec, metrics=self.metrics,
+            cache=self.cache,
+            tiers=self.tiers,
+            spec=self.spec,
+            metrics=self.metrics,
             namespace=self.namespace.to_json(),
         )
         self._write_down = self._loads.write_down
@@ -262,11 +265,19 @@ class PrefixCache:
             for u in units:
                 pool.release(u)  # restored: the image ages in the LRU again
         elif hit.image_source is not None and self.spec is not None:  # from a tier
-            self._loads.restore_payload(payloads[object_name(ImageKind.STATE, keys[h - 1])], slots[0])
+            self._loads.restore_payload(
+                payloads[object_name(ImageKind.STATE, keys[h - 1])], slots[0]
+            )
         self.metrics.admitted(hit, tok.size, self.spec.image_bytes if self.spec else None)
         adm = Admission(
-            request=request, tokens=tok, keys=keys, hit=hit, holding=holding,
-            checkpoints=self._checkpoints(tok, keys, hit), committed=h, extra=tuple(extra),
+            request=request,
+            tokens=tok,
+            keys=keys,
+            hit=hit,
+            holding=holding,
+            checkpoints=self._checkpoints(tok, keys, hit),
+            committed=h,
+            extra=tuple(extra),
         )
         self._running[request] = adm
         self._settle()

@@ -107,9 +107,7 @@ class RedisServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        client = redis.Redis(
-            port=self.port, password=self.password, socket_connect_timeout=0.2
-        )
+        client = redis.Redis(port=self.port, password=self.password, socket_connect_timeout=0.2)
         deadline = time.monotonic() + timeout_s
         while True:  # readiness: wait until it answers
             try:

@@ -19,9 +19,7 @@ from vllm.v1.worker.utils import allocate_kv_cache
 
 BLOCKS = 12
 BLOCK_SIZE = 16
-ATTN = FullAttentionSpec(
-    block_size=BLOCK_SIZE, num_kv_heads=2, head_size=64, dtype=torch.bfloat16
-)
+ATTN = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
 
 
 def mamba(padded: bool) -> MambaSpec:

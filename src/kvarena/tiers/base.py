@@ -78,9 +78,7 @@ class Tier(abc.ABC):
 
     # -- the interface -------------------------------------------------------------
     @abc.abstractmethod
-    def put_many(
-        self, objects: Sequence[TierObject], *, want_evicted: bool = True
-    ) -> Put:
+    def put_many(self, objects: Sequence[TierObject], *, want_evicted: bool = True) -> Put:
         """Store each object (an existing name is refreshed, not rewritten); return
         the objects evicted to make room, oldest first, for the next tier down,
         and the names not stored. With ``want_evicted`` False nothing below

@@ -95,9 +95,7 @@ def object_entries(directory: str | os.PathLike[str]) -> list[os.DirEntry[str]]:
     except FileNotFoundError:
         return []
     return [
-        e
-        for e in entries
-        if e.name.endswith(SUFFIX) and NAME.fullmatch(e.name[: -len(SUFFIX)])
+        e for e in entries if e.name.endswith(SUFFIX) and NAME.fullmatch(e.name[: -len(SUFFIX)])
     ]
 
 
@@ -313,9 +311,7 @@ class DiskTier(IndexedTier):
             os.close(fd)
 
     @synchronized
-    def put_many(
-        self, objects: Sequence[TierObject], *, want_evicted: bool = True
-    ) -> Put:
+    def put_many(self, objects: Sequence[TierObject], *, want_evicted: bool = True) -> Put:
         """Write the batch to temporary files, make them durable together, then
         rename each into place: a reader never sees an object before its bytes
         are on disk. Objects are sealed first (a file can be changed by anyone)."""

@@ -155,9 +155,7 @@ class HostTier(IndexedTier):
         self._removed(name)
 
     @synchronized
-    def put_many(
-        self, objects: Sequence[TierObject], *, want_evicted: bool = True
-    ) -> Put:
+    def put_many(self, objects: Sequence[TierObject], *, want_evicted: bool = True) -> Put:
         evicted: list[TierObject] = []
         index, free, frame = self._index, self._free, self.frame_bytes
         metrics = self.metrics

@@ -330,9 +330,16 @@ def read_header(data: bytes | bytearray | memoryview) -> ImageHeader:
     view = memoryview(data)
     _magic, version, kind, flags, ns_len, start, end, payload, key, checksum = _fields(view)
     return ImageHeader(
-        version=version, kind=kind, elided=bool(flags & FLAG_ELIDED),
-        sealed=not flags & FLAG_UNSEALED, namespace=bytes(view[HEAD_BYTES : HEAD_BYTES + ns_len]),
-        start=start, end=end, payload_bytes=payload, key=key, checksum=checksum,
+        version=version,
+        kind=kind,
+        elided=bool(flags & FLAG_ELIDED),
+        sealed=not flags & FLAG_UNSEALED,
+        namespace=bytes(view[HEAD_BYTES : HEAD_BYTES + ns_len]),
+        start=start,
+        end=end,
+        payload_bytes=payload,
+        key=key,
+        checksum=checksum,
     )
 
 

@@ -121,9 +121,7 @@ class MooncakeTier(Tier):
         return out
 
     @synchronized
-    def put_many(
-        self, objects: Sequence[TierObject], *, want_evicted: bool = True
-    ) -> Put:
+    def put_many(self, objects: Sequence[TierObject], *, want_evicted: bool = True) -> Put:
         objects = self.stored(objects)
         refused: list[str] = []
         for run in self._batches([o.stored_bytes for o in objects]):

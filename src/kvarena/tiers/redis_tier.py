@@ -176,9 +176,7 @@ class RedisTier(Tier):
         return result
 
     @synchronized
-    def put_many(
-        self, objects: Sequence[TierObject], *, want_evicted: bool = True
-    ) -> Put:
+    def put_many(self, objects: Sequence[TierObject], *, want_evicted: bool = True) -> Put:
         """SETs in batches of about ``BATCH_BYTES``, each batch one round trip;
         objects are sealed first (a shared store can be changed by anyone). A
         batch the server refused (unreachable, out of memory) is refused whole:

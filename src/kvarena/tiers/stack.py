@@ -109,7 +109,11 @@ class TierStack:
 
     @classmethod
     def from_specs(
-        cls, specs: Sequence[str | TierSpec], *, frame_bytes: int = DEFAULT_FRAME_BYTES, pin_memory: bool = False
+        cls,
+        specs: Sequence[str | TierSpec],
+        *,
+        frame_bytes: int = DEFAULT_FRAME_BYTES,
+        pin_memory: bool = False,
     ) -> TierStack:
         """Tiers opened from spec strings, in order; if one fails, those already
         opened are closed again and the error names the spec."""
@@ -124,7 +128,6 @@ class TierStack:
                 t.close()
             raise
         return cls(opened)
-
 
     def __len__(self) -> int:
         return len(self.tiers)
@@ -146,7 +149,9 @@ class TierStack:
 
         return first_holders(names, [functools.partial(timed, i) for i in range(len(self.tiers))])
 
-    def fetch(self, level: int, names: Sequence[str]) -> list[bytes | bytearray | memoryview | None]:
+    def fetch(
+        self, level: int, names: Sequence[str]
+    ) -> list[bytes | bytearray | memoryview | None]:
         """The tier at ``level``'s copies of ``names``. Like :meth:`write_through`,
         it holds the stack's lock for its timing alone, not across the tier's I/O
         (each tier locks itself): a load stuck on a disk or a store off the

@@ -151,8 +151,10 @@ class LinearLayer(_InPool, LinearAttentionCacheLayerMixin):
             )
         # transformers >= 5.25 may hand the states after each of a forward's last
         # tokens: the last is the live state, the others are history.
-        states = [recurrent_states] if isinstance(recurrent_states, torch.Tensor) else list(
-            recurrent_states
+        states = (
+            [recurrent_states]
+            if isinstance(recurrent_states, torch.Tensor)
+            else list(recurrent_states)
         )
         if not states:
             raise InvalidValueError(f"layer {self.layer_idx}: an empty list of recurrent states")

@@ -209,8 +209,12 @@ SERVED: dict[str, dict[str, Any]] = {
 """model_type -> the config fields of its served tiny model (over SERVED_COMMON)."""
 
 
-def _config(sizes: dict[str, dict[str, Any]], common: dict[str, Any], model_type: str,
-            overrides: dict[str, Any]) -> Any:
+def _config(
+    sizes: dict[str, dict[str, Any]],
+    common: dict[str, Any],
+    model_type: str,
+    overrides: dict[str, Any],
+) -> Any:
     from transformers import AutoConfig
 
     if model_type not in sizes:

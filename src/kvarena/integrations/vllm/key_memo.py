@@ -48,7 +48,9 @@ class KeyMemo:
         self._entries: dict[tuple[object, ...], dict[bytes, tuple[Chain, int]]] = {}
         self._chains: deque[tuple[tuple[object, ...], Chain]] = deque()
         self._held = 0  # keys in the chains held
-        self.learnt = 0  # how many times it has learnt: a recall that found nothing holds until then
+        self.learnt = (
+            0  # how many times it has learnt: a recall that found nothing holds until then
+        )
 
     def recall(
         self, extra: tuple[object, ...], hashes: Sequence[Any], have: int, blocks: int
