@@ -81,3 +81,13 @@ def test_one_vocabulary_and_every_name_in_it_exists():
         for name in re.findall(r"`([A-Za-z_][A-Za-z0-9_.]*)`", row):
             leaf = name.split(".")[-1]
             assert re.search(rf"\b{re.escape(leaf)}\b", source), f"{name!r} ({row[:40]}...)"
+
+
+def test_the_architecture_page_maps_every_module_of_the_vllm_connector():
+    page = (ROOT / "docs" / "concepts" / "architecture.md").read_text()
+    table = page[page.index("## The vLLM connector, module by module") :]
+    named = set(re.findall(r"`(\w+)\.py`", table))
+    package = ROOT / "src" / "kvarena" / "integrations" / "vllm"
+    modules = {p.stem for p in package.glob("*.py")} - {"__init__"}
+    assert modules - named == set(), "modules the architecture page does not map"
+    assert named - modules == set(), "the page maps modules that do not exist"
