@@ -1,13 +1,19 @@
 """A worker's half of the connector: the tiers' bytes, in and out of vLLM's tensors.
 
-Loads run before the step's forward (vLLM waits for them): every object is
-fetched top tier first, checked against what this engine expects — kind, key,
-namespace, token span, length, checksum — and copied into the block ids the
-scheduler names, one batch of kvarena's copy engine per storage and object
-kind (:class:`~.tensors.CachePages`; a host tier's objects straight from its
-allocation); an object that fails anywhere is tried in the next tier, and
-a load no tier can serve is reported by its block ids so vLLM recomputes them
-(``kv_load_failure_policy="recompute"``). Nothing unchecked is ever copied.
+A load is fetched top tier first, every object checked against what this
+engine expects — kind, key, namespace, token span, length, checksum — and
+copied into the block ids the scheduler names, one batch of kvarena's copy
+engine per storage (:class:`~.tensors.CachePages`; a host tier's objects
+straight from its allocation); an object that fails anywhere is tried in the
+next tier, and what no tier serves is reported by its block ids so vLLM
+recomputes them (``kv_load_failure_policy="recompute"``). Nothing unchecked
+is ever copied. Where it runs: a load the host tier on top serves whole is
+copied in ``start_load_kv``, before the step's forward (from host memory in
+place: no I/O on the step), and vLLM runs the request in that very step
+where the scheduler found the copy fits a share of it (:mod:`.pace`; else
+the request waits a step); every other load is fetched on the I/O threads
+(:mod:`.loads`) and copied in at the start of a later step, as many a step
+as the plan's landing budget allows, or failed past its deadline.
 
 Saves take the step's bytes after its forward (one batch per storage and object
 kind into one host buffer) and hand checksumming and the tier writes to the
