@@ -42,7 +42,7 @@ from conftest import redis_binary
 from kvarena.integrations.vllm.catalogue import RESCAN_S, Catalogue
 from kvarena.integrations.vllm.settings import ConnectorSettings
 from kvarena.testing.redis_server import RedisServer
-from kvarena.tiers.image import ImageKind, object_name
+from kvarena.tiers.names import ImageKind, object_name
 
 
 def _cpu(client) -> float:

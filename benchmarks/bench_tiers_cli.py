@@ -29,8 +29,9 @@ from _timing import side_by_side
 from kvarena.checks import parse_bytes
 from kvarena.tiers import DiskTier, TierStack
 from kvarena.tiers.checked import Expectations
-from kvarena.tiers.image import HEAD_BYTES, MAX_NAMESPACE_BYTES, ImageKind
+from kvarena.tiers.image import HEAD_BYTES, MAX_NAMESPACE_BYTES
 from kvarena.tiers.inventory import DiskInventory, check_alone
+from kvarena.tiers.names import ImageKind
 
 
 def fill(directory: Path, objects: int, size: int) -> None:

@@ -51,7 +51,7 @@ from conftest import redis_binary
 from kvarena.integrations.vllm.catalogue import LIST_CHUNK, LIST_DUTY, Catalogue
 from kvarena.integrations.vllm.settings import ConnectorSettings
 from kvarena.testing.redis_server import RedisServer
-from kvarena.tiers.image import ImageKind, object_name
+from kvarena.tiers.names import ImageKind, object_name
 from kvarena.tiers.spec import TierSpec
 
 STEP_S = 200e-6
@@ -87,7 +87,7 @@ def steps(catalogue: Catalogue | None, names: list[str], seconds: float) -> list
 
 _WRITER = """
 import sys, time, redis
-from kvarena.tiers.image import ImageKind, object_name
+from kvarena.tiers.names import ImageKind, object_name
 port, rate, seconds, FIRST = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), 1 << 100
 client, began, i = redis.Redis(port=port), time.perf_counter(), 0
 while time.perf_counter() - began < seconds:

@@ -16,8 +16,8 @@ import pytest
 
 from kvarena.tiers import DiskTier, TierStack
 from kvarena.tiers.checked import Expectations
-from kvarena.tiers.image import ImageKind
 from kvarena.tiers.inventory import namespace_id
+from kvarena.tiers.names import ImageKind
 
 BS = 16
 VLLM_NS = json.dumps(

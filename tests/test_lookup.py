@@ -10,7 +10,8 @@ from kvarena.errors import InvalidValueError
 from kvarena.prefix import ImagesWalked, locate_in_tiers, resume_point
 from kvarena.tiers import TierStack
 from kvarena.tiers.host import HostTier
-from kvarena.tiers.image import ImageKind, encode
+from kvarena.tiers.image import encode
+from kvarena.tiers.names import ImageKind
 
 
 @given(
@@ -103,7 +104,7 @@ def test_the_tier_walk_finds_exactly_what_the_tiers_hold(
 
 def test_names_that_failed_their_checks_count_as_absent():
     stack = _stack({0, 1, 2, 3}, {2, 4})
-    from kvarena.tiers.image import object_name
+    from kvarena.tiers.names import object_name
 
     finds = locate_in_tiers(
         stack,
@@ -247,7 +248,7 @@ def test_a_walk_remembered_answers_as_a_walk_from_scratch(tier_kv, before, joine
     stack = _Asked(_stack(tier_kv, before | joined))
     again = _state_walk(stack, start, limit, walked)
     assert again == _state_walk(_stack(tier_kv, before | joined), start, limit)
-    from kvarena.tiers.image import object_name
+    from kvarena.tiers.names import object_name
 
     covered = {object_name(ImageKind.STATE, KEYS[b - 1]) for b in range(1, top + 1)}
     assert not covered & set(stack.names)

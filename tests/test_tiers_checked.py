@@ -10,7 +10,8 @@ import pytest
 from kvarena.errors import InvalidValueError
 from kvarena.tiers import DiskTier, HostTier, TierStack
 from kvarena.tiers.checked import Expectations, fetch_checked, object_span
-from kvarena.tiers.image import ImageKind, TierObject, object_name, read_header
+from kvarena.tiers.image import TierObject, read_header
+from kvarena.tiers.names import ImageKind, object_name
 
 BS = 16
 EXPECT = Expectations(namespace=b'{"m":"x"}', block_size=BS, kv_bytes=64, state_bytes=96)

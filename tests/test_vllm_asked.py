@@ -28,7 +28,7 @@ from kvarena.integrations.vllm.records import WorkerReport
 from kvarena.integrations.vllm.scheduler_side import SchedulerSide
 from kvarena.integrations.vllm.settings import ConnectorSettings
 from kvarena.prefix.keys import block_keys, key_root
-from kvarena.tiers.image import ImageKind, object_name
+from kvarena.tiers.names import ImageKind, object_name
 
 
 def _spied(side: SchedulerSide, r: Request, held: int) -> tuple[list[str], list[str]]:

@@ -20,7 +20,7 @@ pytest.importorskip("vllm")
 
 from kvarena.integrations.vllm.catalogue import Catalogue
 from kvarena.integrations.vllm.settings import ConnectorSettings
-from kvarena.tiers.image import ImageKind, object_name
+from kvarena.tiers.names import ImageKind, object_name
 
 NAMES = [object_name(ImageKind.KV_BLOCK, bytes([i]) * 16) for i in range(6)]
 

@@ -13,7 +13,7 @@ pytest.importorskip("vllm")
 from kvarena import InvalidValueError
 from kvarena.integrations.vllm.chains import CHUNK, RequestKeys
 from kvarena.prefix.keys import block_keys, tail_key
-from kvarena.tiers.image import ImageKind, object_name
+from kvarena.tiers.names import ImageKind, object_name
 
 ROOT = b"r" * 16
 

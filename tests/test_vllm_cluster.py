@@ -57,7 +57,7 @@ def _holds_kv_block(server) -> bool:
     """Whether a cluster node holds a KV block object (under the Redis tier's prefix)."""
     import redis
 
-    from kvarena.tiers.image import ImageKind
+    from kvarena.tiers.names import ImageKind
     from kvarena.tiers.redis_tier import DEFAULT_PREFIX
 
     match = f"{DEFAULT_PREFIX}{ImageKind.KV_BLOCK.prefix}-*"

@@ -263,7 +263,7 @@ def test_a_load_missing_one_object_keeps_the_blocks_before_it(models, tmp_path):
     Tokens equal vLLM alone's."""
     from kvarena.prefix.keys import block_keys
     from kvarena.tiers.disk import SUFFIX
-    from kvarena.tiers.image import ImageKind, object_name
+    from kvarena.tiers.names import ImageKind, object_name
 
     model = models["llama"]
     rng = random.Random(9)

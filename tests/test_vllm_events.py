@@ -117,7 +117,7 @@ def test_a_router_reading_the_events_knows_each_tiers_share_of_every_prompt(tmp_
 
     from kvarena.integrations.vllm import kv_transfer_config
     from kvarena.prefix.keys import block_keys
-    from kvarena.tiers.image import ImageKind, object_name
+    from kvarena.tiers.names import ImageKind, object_name
 
     model = save_tiny("llama", tmp_path)
     events = KVEventsConfig(
@@ -220,7 +220,7 @@ def test_an_object_dropped_from_every_local_tier_is_announced_once_each_and_forg
 
     from kvarena.integrations.vllm.ranks import rank_names
     from kvarena.integrations.vllm.records import BlockCopy
-    from kvarena.tiers.image import ImageKind, object_name
+    from kvarena.tiers.names import ImageKind, object_name
 
     book, request = _book_of_two_ranks(["host", "disk"], hash_block_size=16)
     copy = BlockCopy(index=1, key=bytes([9]) * 16, blocks=(4,))
@@ -257,7 +257,7 @@ def test_an_object_a_tier_refused_is_never_announced_there():
 
     from kvarena.integrations.vllm.ranks import rank_names
     from kvarena.integrations.vllm.records import BlockCopy, WorkerReport
-    from kvarena.tiers.image import ImageKind, object_name
+    from kvarena.tiers.names import ImageKind, object_name
 
     book, request = _book_of_two_ranks(["host", "disk", "redis"], hash_block_size=32)
     copies = [BlockCopy(index=i, key=bytes([9 + i]) * 16, blocks=(i,)) for i in range(2)]

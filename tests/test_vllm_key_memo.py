@@ -22,7 +22,7 @@ from vllm.v1.request import Request
 from kvarena.integrations.vllm.chains import RequestKeys, request_extra
 from kvarena.integrations.vllm.key_memo import KeyMemo, trusted_hashes
 from kvarena.prefix.keys import block_keys
-from kvarena.tiers.image import ImageKind, object_name
+from kvarena.tiers.names import ImageKind, object_name
 
 ROOT = b"k" * 16
 BS = 4

@@ -19,7 +19,7 @@ from kvarena.integrations.vllm.ranks import (
 )
 from kvarena.integrations.vllm.settings import ConnectorSettings
 from kvarena.tiers import TierSpec, TierStack
-from kvarena.tiers.image import ImageKind, object_name, parse_object_name
+from kvarena.tiers.names import ImageKind, object_name, parse_object_name
 
 keys = st.binary(min_size=16, max_size=16)
 

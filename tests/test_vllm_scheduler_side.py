@@ -27,7 +27,7 @@ from kvarena.integrations.vllm.records import WorkerReport
 from kvarena.integrations.vllm.scheduler_side import SchedulerSide
 from kvarena.integrations.vllm.settings import ConnectorSettings
 from kvarena.prefix.keys import block_keys, key_root, tail_key
-from kvarena.tiers.image import ImageKind, object_name
+from kvarena.tiers.names import ImageKind, object_name
 
 
 def _blocks(rid: str, groups: int, n: int = 16) -> tuple[list[int], ...]:

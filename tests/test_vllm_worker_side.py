@@ -21,7 +21,7 @@ from kvarena.integrations.vllm.records import BlockCopy, Load, StepPlan
 from kvarena.integrations.vllm.worker_side import WorkerSide
 from kvarena.testing.vllm_tensors import BLOCK_SIZE, allocation, fill, page
 from kvarena.tiers import DiskTier, HostTier, TierStack
-from kvarena.tiers.image import ImageKind, object_name
+from kvarena.tiers.names import ImageKind, object_name
 
 NS = b'{"model":"tiny","rank":0}'
 K = [bytes([i]) * 16 for i in range(1, 5)]

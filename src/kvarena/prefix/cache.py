@@ -31,10 +31,10 @@ from ..locking import synchronized
 from ..pools import BlockAllocationError, BoundaryMove, CachePlan, StateAllocationError
 from ..pools.unified import UnifiedCache
 from ..tiers import Tier, TierStack
-from ..tiers.image import ImageKind, object_name
+from ..tiers.names import ImageKind, object_name
 from . import records
+from .answer import DeviceHeld, answer
 from .keys import as_tokens, block_keys
-from .lookup import TierFinds, locate_in_tiers, resume_point
 from .placement import Placement
 from .policy import CheckpointPolicy
 from .records import Admission, Image, ImageState, PrefixHit, PrefixMetrics, image_key
@@ -91,6 +91,7 @@ class PrefixCache:
         units = self.spec.units_per_image if self.spec is not None else 1
         self.placement = Placement(self.policy, plan.block_size, self.pool.capacity, units)
         self._copying: dict[bytes, Image] = {}  # images whose bytes are still being written
+        self._device = DeviceHeld(pool=self.pool, copying=self._copying)
         self._running: dict[Hashable, Admission] = {}
         self._lock = threading.RLock()  # every public call holds it: see kvarena.locking
 
@@ -115,8 +116,8 @@ class PrefixCache:
         """Blocks of a prompt (its ``keys``) this device could resume after now, as a
         router reading its KV events knows: no tier asked, nothing taken or counted."""
         if not self.has_kv:  # a state-only model resumes at its furthest image
-            return next((b for b in range(len(keys), 0, -1) if self._has_image(keys, b)), 0)
-        return next((i for i, k in enumerate(keys) if not self._device_kv(k)), len(keys))
+            return next((b for b in range(len(keys), 0, -1) if self._device.has_image(keys, b)), 0)
+        return next((i for i, k in enumerate(keys) if not self._device.kv(k)), len(keys))
 
     @synchronized
     def running(self, request: Hashable) -> Admission:
@@ -146,66 +147,19 @@ class PrefixCache:
         for u in img.units:
             self.pool.release(u)
 
-    def _device_kv(self, key: bytes) -> bool:
-        return self.pool.blocks_of(key) is not None
-
-    def _has_image(self, keys: Sequence[bytes], b: int) -> bool:
-        """Whether the device holds a READY image at resume point ``b``."""
-        if b < 1:
-            return False
-        key = keys[b - 1]
-        return key not in self._copying and self.pool.blocks_of(image_key(key)) is not None
-
-    def _image_at(self, keys: list[bytes], b: int) -> Image | None:
-        """The device's READY image at resume point ``b``, or None."""
-        if not self._has_image(keys, b):
-            return None
-        return Image(key=keys[b - 1], resume_point=b, state=ImageState.READY, pool=self.pool)
-
     def _answer(
         self, tokens: np.ndarray, keys: list[bytes], skip: frozenset[str] = frozenset()
     ) -> PrefixHit:
-        limit = min(len(keys), max(0, (tokens.size - 1) // self.block_size))
-        if not self.enabled:
-            limit = 0
-        full = 0
-        while full < limit and self._device_kv(keys[full]):
-            full += 1
-        finds = TierFinds(kv_end=full, kv={}, state={})
-        if self.tiers and limit:
-            finds = locate_in_tiers(
-                self.tiers,
-                keys,
-                kv_end=full,
-                limit=limit,
-                has_kv=self.has_kv,
-                has_state=self.has_state and self.spec is not None,
-                device_kv=self._device_kv,
-                device_image=lambda b: self._has_image(keys, b),
-                skip=skip,
-            )
-        full, tier_kv, tier_state = finds.kv_end, finds.kv, finds.state
-        cand = resume_point(
-            full if self.has_kv else limit,
-            self.has_state,
-            lambda b: b in tier_state or self._has_image(keys, b),
-        )
-        image = self._image_at(keys, cand) if self.has_state else None
-        names = self.tiers.labels
-        image_source = None
-        if self.has_state and cand:
-            image_source = "device" if image is not None else names[tier_state[cand]]
-        matched = full if self.has_kv else cand
-        kv = range(cand) if self.has_kv else range(0)
-        device = [-1 if i in tier_kv else (self.pool.blocks_of(keys[i]) or (-1,))[0] for i in kv]
-        return PrefixHit(
-            tokens=cand * self.block_size,
-            blocks=tuple(device),
-            image=image,
-            matched_kv_tokens=matched * self.block_size,
-            lost_tokens=(matched - cand) * self.block_size,
-            sources=tuple(names[tier_kv[i]] if i in tier_kv else "device" for i in kv),
-            image_source=image_source,
+        return answer(
+            self._device,
+            self.tiers,
+            keys,
+            tokens.size if self.enabled else 0,
+            block_size=self.block_size,
+            has_kv=self.has_kv,
+            has_state=self.has_state,
+            images=self.spec is not None,
+            skip=skip,
         )
 
     @synchronized

@@ -25,7 +25,7 @@ from typing import Protocol
 
 from ..checks import check_count
 from ..errors import InvalidValueError
-from ..tiers.image import ImageKind, object_name
+from ..tiers.names import ImageKind, object_name
 
 
 def resume_point(cand: int, has_state: bool, image_at: Callable[[int], bool]) -> int:

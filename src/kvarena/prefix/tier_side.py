@@ -18,7 +18,8 @@ from ..errors import InvalidValueError
 from ..pools.unified import UnifiedCache
 from ..tiers import TierStack
 from ..tiers.checked import Expectations, fetch_checked
-from ..tiers.image import Expected, ImageKind, TierObject, object_name
+from ..tiers.image import Expected, TierObject
+from ..tiers.names import ImageKind, object_name
 from .records import Admission, PrefixHit, PrefixMetrics, image_key
 from .tiering import WriteDown, host_bytes
 

@@ -21,7 +21,8 @@ from ..checkpoint import CheckpointSpec
 from ..pools import Evicted
 from ..tiers import TierStack
 from ..tiers.checked import Expectations
-from ..tiers.image import ImageKind, TierObject
+from ..tiers.image import TierObject
+from ..tiers.names import ImageKind
 from .records import PrefixMetrics
 
 

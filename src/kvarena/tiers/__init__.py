@@ -14,16 +14,15 @@ from .disk import DiskTier
 from .image import (
     Expected,
     ImageHeader,
-    ImageKind,
     ImageMismatch,
     TierObject,
     decode,
     encode,
-    object_name,
     read_header,
     seal,
 )
 from .mooncake_tier import MooncakeTier
+from .names import ImageKind, object_name
 from .redis_tier import RedisTier
 from .spec import SPEC_FORMS, TierSpec, TierSpecError
 from .stack import TierStack, parse_tier

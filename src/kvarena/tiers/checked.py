@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 
 from ..errors import InvalidValueError
 from .host import HostTier
-from .image import Expected, ImageKind, ImageMismatch, TierObject, decode, encode
+from .image import Expected, ImageMismatch, TierObject, decode, encode
+from .names import ImageKind
 from .stack import TierStack
 
 

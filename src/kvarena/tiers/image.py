@@ -35,7 +35,6 @@ capacities count; a cache that holds bytes refuses it.
 
 from __future__ import annotations
 
-import enum
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ import xxhash
 
 from ..checks import MAX_BYTES, check_bytes, check_int
 from ..errors import Error, InvalidValueError
+from .names import ImageKind, object_name
 
 MAGIC = b"KVARENA\x89"
 FORMAT_VERSION = 1
@@ -63,44 +63,10 @@ MAX_SPAN = (1 << 64) - 1
 """A token span's ends are unsigned 64-bit fields of the header."""
 
 
-class ImageKind(enum.IntEnum):
-    KV_BLOCK = 1  # one KV block's field bytes (every paged layer of it)
-    STATE = 2  # one checkpoint image: a state's checkpoint ranges, in order
-
-    @property
-    def prefix(self) -> str:
-        return "kv" if self is ImageKind.KV_BLOCK else "st"
-
-
 def object_bytes(namespace: bytes, payload_bytes: int) -> int:
     """A tier object's logical size (header, namespace, payload): what tiers
     count. (An image's ``image_bytes`` elsewhere is its payload alone.)"""
     return HEAD_BYTES + len(namespace) + payload_bytes
-
-
-def object_name(kind: ImageKind, key: bytes) -> str:
-    """A tier's name for an object: its kind and its key (which embeds the namespace)."""
-    return _NAME_PREFIX[kind] + key.hex()
-
-
-_NAME_PREFIX = {kind: f"{kind.prefix}-" for kind in ImageKind}
-"""Each kind's name prefix, computed once: naming is on every put's path."""
-
-
-def parse_object_name(name: str) -> tuple[ImageKind, bytes]:
-    """The kind and key an :func:`object_name` was made of."""
-    prefix, _, digits = name.partition("-")
-    kind = _KIND_OF_PREFIX.get(prefix)
-    if kind is not None and digits:
-        try:
-            return kind, bytes.fromhex(digits)
-        except ValueError:
-            pass
-    raise InvalidValueError(f"{name!r} is no object name (kv-HEX or st-HEX)")
-
-
-_KIND_OF_PREFIX = {kind.prefix: kind for kind in ImageKind}
-"""Each name prefix's kind: a lookup parses a name per block it has not met."""
 
 
 class ImageMismatch(Error, ValueError):
@@ -265,7 +231,7 @@ def encode(
         packed = bytes(head)
     # Every field was checked above; the payload's length matches its parts.
     return TierObject._checked(
-        _NAME_PREFIX[kind] + key.hex(),
+        object_name(kind, key),
         (packed, namespace, *parts),  # apart: joining them would copy the namespace again
         HEAD_BYTES + len(namespace) + payload_bytes,  # object_bytes, inline
     )

@@ -33,12 +33,11 @@ from .image import (
     HEAD_BYTES,
     MAX_NAMESPACE_BYTES,
     ImageHeader,
-    ImageKind,
     ImageMismatch,
     checksum_of,
-    object_name,
     read_header,
 )
+from .names import ImageKind, object_name
 from .redact import redacted
 
 

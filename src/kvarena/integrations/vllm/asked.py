@@ -26,7 +26,7 @@ from typing import Protocol
 
 from ...errors import InvalidValueError
 from ...prefix.lookup import ImagesWalked, TierFinds
-from ...tiers.image import ImageKind, parse_object_name
+from ...tiers.names import ImageKind, parse_object_name
 from .chains import RequestKeys
 
 RUN_BLOCKS_KEPT = 1 << 18

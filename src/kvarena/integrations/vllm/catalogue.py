@@ -47,7 +47,7 @@ from ...checks import check_count, check_timeout
 from ...tiers import RedisTier
 from ...tiers.disk import SUFFIX, object_entries
 from ...tiers.duty import DutyCycle
-from ...tiers.image import ImageKind, object_name
+from ...tiers.names import ImageKind, object_name
 from ...tiers.redis_feed import FeedLost, StoreFeed, open_feed
 from ...tiers.stack import first_members
 from .listing import compare, slices

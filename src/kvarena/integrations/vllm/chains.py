@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ...prefix.keys import chained_keys, extra_bytes, tail_key, token_bytes
-from ...tiers.image import ImageKind, object_name
+from ...tiers.names import ImageKind, object_name
 from .key_memo import Chain, KeyMemo
 from .records import BlockCopy
 

@@ -30,7 +30,7 @@ from typing import Any
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-from ...tiers.image import ImageKind, object_name
+from ...tiers.names import ImageKind, object_name
 from .ranks import rank_names
 from .records import BlockCopy, WorkerReport
 

@@ -21,7 +21,8 @@ from typing import Protocol
 
 from ...prefix.lookup import Locates
 from ...tiers import TierSpec
-from ...tiers.image import KEY_BYTES, object_name, parse_object_name
+from ...tiers.image import KEY_BYTES
+from ...tiers.names import object_name, parse_object_name
 
 
 def rank_key(key: bytes, rank: int, ranks: int) -> bytes:

@@ -21,7 +21,7 @@ from typing import Any
 
 from ...prefix.keys import key_root
 from ...prefix.lookup import TierFinds, locate_in_tiers, resume_point
-from ...tiers.image import ImageKind, object_name
+from ...tiers.names import ImageKind, object_name
 from ...tiers.stack import tier_labels
 from .asked import AskedBefore
 from .catalogue import Catalogue

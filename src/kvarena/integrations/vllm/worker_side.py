@@ -34,7 +34,7 @@ from ...errors import Error
 from ...tiers import ImageKind, TierStack
 from ...tiers.checked import Expectations, Fetched, fetch_checked
 from ...tiers.host import HostTier
-from ...tiers.image import object_name
+from ...tiers.names import object_name
 from .groups import Group, blocks_fail_alone
 from .loads import LoadQueue
 from .ranks import rank_key
