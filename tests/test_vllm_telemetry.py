@@ -61,6 +61,33 @@ def test_a_failure_counts_once_under_its_worst_reason():
     assert t.take() == {"load_failures": {"corrupt": 1, "missing": 1}}
 
 
+@pytest.mark.parametrize(
+    ("first", "second", "counted"),
+    [
+        ("timeout", "timeout", "timeout"),  # every rank gave the load up
+        ("missing", "timeout", "timeout"),
+        ("timeout", "foreign", "foreign"),
+        ("error", "missing", "error"),
+        ("corrupt", "error", "corrupt"),
+    ],
+)
+def test_every_reason_a_rank_gives_counts_once_across_ranks(first, second, counted):
+    """A load given up past its deadline, or whose fetch raised, on two ranks
+    (TP 2) is one failure under the worse reason: no reason a worker gives is
+    unknown to the order (an unknown one raised in the scheduler)."""
+    t = Telemetry(ranks=2)
+    t.reported(WorkerReport(loads=[Timed(key="r", rank=0, failures={"kv-a": first})]))
+    t.reported(WorkerReport(loads=[Timed(key="r", rank=1, failures={"kv-a": second})]))
+    assert t.take() == {"load_failures": {counted: 1}}
+
+
+def test_the_order_knows_every_reason_the_checks_give():
+    from kvarena.tiers.checked import CORRUPT, failure_class
+
+    reasons = {failure_class(None), failure_class("namespace"), *map(failure_class, CORRUPT)}
+    assert reasons <= set(tele.FAILURE_ORDER)
+
+
 def test_held_is_every_ranks_latest_summed_and_sent_when_it_changed():
     t = Telemetry(ranks=2)
     t.reported(WorkerReport(held=[Held(rank=0, label="host", nbytes=10, objects=1)]))

@@ -9,6 +9,7 @@ Runs in the ``.venv-vllm`` environment; skipped where vLLM is not installed.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 
 import pytest
@@ -255,6 +256,52 @@ def test_a_load_no_tier_can_serve_is_a_failure_and_copies_nothing(worker):
     }
     assert set(part.nbytes) == {"host"}  # the foreign object was read, then refused
     assert host.contains_many([name]) == [False]
+
+
+def test_a_fetch_that_raises_fails_its_load_and_never_reaches_the_step(worker, caplog):
+    """A tier's read raising what no check foresaw (a client library's own error,
+    a defect) fails that load, which vLLM recomputes, and is logged with its
+    traceback; the step goes on: off the step (a disk read on an I/O thread)
+    and in it (the host tier's read in place)."""
+    w, caches, groups, _ = worker
+    fill(caches, seed=8)
+    w.save(StepPlan(kv_saves=[BlockCopy(index=0, key=K[3], blocks=(2,))]))
+    w.flush()
+    w.report()
+    host, disk = w.tiers.tiers
+    name = object_name(ImageKind.KV_BLOCK, K[3])
+
+    def broken(*_):
+        raise RuntimeError("the client's own fault")
+
+    before = {b: _pages(caches, groups, "kv", b) for b in (5, 6)}
+    host.lend = broken  # the host tier's read in place raises
+    in_step = Load(
+        request="h",
+        kv=(BlockCopy(index=0, key=K[3], blocks=(6,), level=0),),
+        state=None,
+        in_step=True,
+    )
+    with caplog.at_level(logging.ERROR, logger="vllm.kvarena"):
+        w.load(StepPlan(loads=[in_step]))
+    assert w.received() == (set(), set()) and w.load_errors() == {6}  # named by its blocks
+    host.delete_many([name])  # on the disk alone now: read off the step
+    disk.get_many = broken
+    off = Load(request="g", kv=(BlockCopy(index=0, key=K[3], blocks=(5,), level=1),), state=None)
+    with caplog.at_level(logging.ERROR, logger="vllm.kvarena"):
+        w.load(StepPlan(loads=[off]))
+        finish_loads(w)
+    assert w.received() == ({"g"}, {"g"}) and w.load_errors() == {5}  # failed: recomputed
+    assert w.load_failures == 2 and w.loads_done == 0
+    assert {b: _pages(caches, groups, "kv", b) for b in (5, 6)} == before  # nothing copied
+    report = w.report()
+    assert report is not None
+    assert [(p.key, p.failures) for p in report.loads] == [
+        ("h", {name: "error"}),
+        ("g", {name: "error"}),
+    ]
+    raised = [r for r in caplog.records if r.exc_info and "raised RuntimeError" in r.getMessage()]
+    assert [r.exc_info[1].args for r in raised] == [("the client's own fault",)] * 2
 
 
 @pytest.mark.parametrize("states", [0, 1])

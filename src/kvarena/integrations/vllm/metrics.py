@@ -104,7 +104,10 @@ METRICS = (
         name="vllm:kvarena_load_failures_total",
         type="counter",
         label="reason",
-        help="Objects a load could not use (missing, corrupt, foreign); vLLM recomputes their tokens",
+        help=(
+            "Objects a load could not use (missing, corrupt, foreign, timeout, error); "
+            "vLLM recomputes their tokens"
+        ),
     ),
     Metric(
         key="objects_saved",

@@ -108,7 +108,9 @@ class Timed:
     """One rank's part of one load (``key``: the request) or of one write of a
     step's saves (``key``: its first prefix object's name): seconds and stored
     bytes by tier label, and for a load the prefix objects it could not use,
-    each with why (``missing``, ``corrupt``, ``foreign``)."""
+    each with why (``missing``, ``corrupt``, ``foreign``: what the checks
+    found; ``timeout``: the load passed its deadline; ``error``: its fetch
+    raised; :data:`~.telemetry.FAILURE_ORDER`)."""
 
     key: str
     rank: int

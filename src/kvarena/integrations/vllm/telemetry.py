@@ -30,9 +30,13 @@ PENDING = 4096
 yet); past it the oldest is counted as it stands (a rank that never reports
 must not grow the scheduler's memory)."""
 
-FAILURE_ORDER = ("corrupt", "foreign", "missing")
-"""Which reason a failure counts under when ranks disagree: a corrupt shard
-is what an operator must hear about, even if another rank's was only missing."""
+FAILURE_ORDER = ("corrupt", "error", "foreign", "timeout", "missing")
+"""Every reason a rank gives for a prefix object a load could not use
+(:attr:`~.records.Timed.failures`), the one a failure counts under first when
+ranks disagree: a corrupt shard is what an operator must hear about, even if
+another rank's was only missing; a fetch that raised (``error``) is a defect
+to report; a load past its deadline (``timeout``) is given up on every rank
+that had not fetched it."""
 
 
 class _Part:

@@ -152,12 +152,19 @@ class WorkerSide:
         done now (in place, well inside a step; those vLLM runs in this very
         step before its forward, :attr:`Load.in_step`), the rest handed to the
         I/O threads."""
-        # a fetch's result: (wanted, payloads, what the fetch did, failures)
+        # a fetch's result: (wanted, payloads, what the fetch did, failures), or
+        # the exception it raised (nothing to land)
         done, late = self.queue.collect(
-            budget=plan.land_bytes, weigh=lambda fetched: _payload_bytes(fetched[1])
+            budget=plan.land_bytes,
+            weigh=lambda fetched: (
+                0 if isinstance(fetched, BaseException) else _payload_bytes(fetched[1])
+            ),
         )
         for job, fetched in done:
-            self._finish(job, *fetched)
+            if isinstance(fetched, BaseException):
+                self._broken(job, fetched)
+            else:
+                self._finish(job, *fetched)
         for job in late:
             self._give_up(job)
         for job in plan.loads:
@@ -167,7 +174,10 @@ class WorkerSide:
                     # in the step: the host tier alone (a miss there is a
                     # recompute, never a read below it on the step)
                     fetched = self._fetch_job(job, held, last=0 if job.in_step else None)
-                    self._finish(job, *fetched, began=began)
+                    if isinstance(fetched, BaseException):
+                        self._broken(job, fetched)
+                    else:
+                        self._finish(job, *fetched, began=began)
             else:
                 self.queue.submit(job)
 
@@ -187,9 +197,19 @@ class WorkerSide:
 
     def _fetch_job(
         self, job: Load, held: contextlib.ExitStack | None, last: int | None = None
-    ) -> tuple[list[tuple[ImageKind, BlockCopy]], list[memoryview | None], Fetched, dict[str, str]]:
-        wanted, prefixes = self._named(job)
-        payloads, got, failures = self._fetch(wanted, prefixes, held, last)
+    ) -> (
+        tuple[list[tuple[ImageKind, BlockCopy]], list[memoryview | None], Fetched, dict[str, str]]
+        | Exception
+    ):
+        """A load's fetch, or the exception it raised: a tier's fault no tier
+        foresaw (a bug, a client library's own error) fails that load, which
+        vLLM recomputes, as a bad object would; it never reaches the engine's
+        step (:meth:`_broken` logs it whole)."""
+        try:
+            wanted, prefixes = self._named(job)
+            payloads, got, failures = self._fetch(wanted, prefixes, held, last)
+        except Exception as exc:
+            return exc
         return wanted, payloads, got, failures
 
     def _finish(
@@ -223,6 +243,25 @@ class WorkerSide:
             failures=failures,
         )
         self.news.add(loads=[timed])
+
+    def _broken(self, job: Load, exc: BaseException) -> None:
+        """A load whose fetch raised: failed, so vLLM recomputes it; the
+        exception logged with its traceback (a defect to report, not a miss)."""
+        if not job.in_step:
+            self._received.add(job.request)
+        log.error(
+            "kvarena: request %s: its fetch raised %s",
+            job.request,
+            type(exc).__name__,
+            exc_info=(type(exc), exc, exc.__traceback__),
+        )
+        self._fail(job, f"its fetch raised {type(exc).__name__}: {exc}")
+        _, prefixes = self._named(job)
+        self.news.add(
+            loads=[
+                Timed(key=job.request, rank=self.rank, failures=dict.fromkeys(prefixes, "error"))
+            ]
+        )
 
     def _give_up(self, job: Load) -> None:
         """A load past its deadline: failed, so vLLM recomputes it."""
