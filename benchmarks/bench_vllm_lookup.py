@@ -1,6 +1,6 @@
 """The scheduler's lookup per request at TP 8 with a host, a disk and a Redis tier.
 
-.venv-vllm/bin/python benchmarks/bench_vllm_lookup.py [--requests 200] [--tokens 4096] [--held 20000] [--waiting 1] [--cluster] [--hybrid [--no-image]]
+.venv-vllm/bin/python benchmarks/bench_vllm_lookup.py [--requests 200] [--tokens 4096] [--held 20000] [--cluster] [--hybrid [--no-image]]
 
 vLLM's scheduler is one thread: a lookup's time is every request's. The
 connector's scheduler side answers ``get_num_new_matched_tokens`` (the
@@ -30,14 +30,6 @@ size); the in-memory side takes the keys of prefixes it met before from them
 (:class:`~kvarena.integrations.vllm.key_memo.KeyMemo`), as the connector does,
 and hashes the rest. For scale, the time vLLM's hashing of the same prompt
 takes (it is done before the scheduler asks).
-
-``--waiting K``: the sides take turns every K requests instead of every
-request. vLLM's scheduler asks its waiting requests back to back in one
-``schedule()`` call, and at TP 8 the forward runs in the workers' processes,
-not the scheduler's: K above 1 is that case (the caches as one side's own
-lookups leave them); 1, the default, has the other side's stats and round
-trips run between any two first asks, as a forward run in the scheduler's
-process would (caches cold).
 """
 
 from __future__ import annotations
@@ -78,7 +70,7 @@ from kvarena.prefix.keys import block_keys, key_root
 from kvarena.testing.redis_server import RedisCluster, RedisServer
 from kvarena.tiers import RedisTier, TierObject
 from kvarena.tiers.disk import SUFFIX
-from kvarena.tiers.names import ImageKind, object_name
+from kvarena.tiers.image import ImageKind, object_name
 from kvarena.tiers.spec import TierSpec
 from kvarena.tiers.stack import first_holders
 
@@ -136,12 +128,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument(
-        "--waiting",
-        type=int,
-        default=1,
-        help="requests one side asks back to back before the other's turn",
-    )
     ap.add_argument("--held", type=int, default=20000, help="objects per rank in the tiers")
     ap.add_argument(
         "--cluster",
@@ -161,8 +147,6 @@ def main() -> None:
     args = ap.parse_args()
     if args.no_image and not args.hybrid:
         ap.error("--no-image is a hybrid's case: pass --hybrid too")
-    if args.waiting < 1:
-        ap.error(f"--waiting {args.waiting}: requests asked per turn, 1 or more")
     prefix = [(i * 7919) % 30000 + 1 for i in range(args.tokens)]
     root = key_root(NS)
     keys = block_keys(root, torch.tensor(prefix[: args.tokens // 2]).numpy(), BS, ())
@@ -220,13 +204,9 @@ def main() -> None:
         init_none_hash(sha256)
         hasher = get_request_block_hasher(BS, sha256)
         vllm_hash: list[float] = []
-        turns = [
-            range(t, min(t + args.waiting, args.requests))
-            for t in range(0, args.requests, args.waiting)
-        ]
-        for turn, batch in enumerate(turns):
-            order = list(sides) if turn % 2 == 0 else list(reversed(sides))  # turn by turn
-            for label, i in ((label, i) for label in order for i in batch):
+        for i in range(args.requests):
+            order = list(sides) if i % 2 == 0 else list(reversed(sides))  # turn by turn
+            for label in order:
                 side = sides[label]
                 tail = [(i * 31 + j) % 30000 + 1 for j in range(args.tokens // 2)]
                 request = Request(
@@ -264,8 +244,6 @@ def main() -> None:
         f"TP {RANKS}, {model}, {args.tokens:,}-token prompts (a hit of the first half), "
         f"{args.held:,} objects per rank held in {where}; {probes:,} names a lookup may ask"
     )
-    turn = "each request" if args.waiting == 1 else f"every {args.waiting} requests (back to back)"
-    print(f"the two catalogues take turns {turn}")
 
     def p(ts: list[float], q: float) -> float:
         ts = sorted(ts)
