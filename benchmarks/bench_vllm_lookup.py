@@ -70,7 +70,7 @@ from kvarena.prefix.keys import block_keys, key_root
 from kvarena.testing.redis_server import RedisCluster, RedisServer
 from kvarena.tiers import RedisTier, TierObject
 from kvarena.tiers.disk import SUFFIX
-from kvarena.tiers.image import ImageKind, object_name
+from kvarena.tiers.names import ImageKind, object_name
 from kvarena.tiers.spec import TierSpec
 from kvarena.tiers.stack import first_holders
 
