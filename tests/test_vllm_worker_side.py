@@ -209,15 +209,21 @@ def test_saved_objects_load_back_into_the_blocks_named(worker):
             assert _pages(caches, groups, "kv", b) == before[b], b
 
 
-def test_a_load_no_tier_can_serve_is_a_failure_and_copies_nothing(worker):
-    w, caches, groups, blocks = worker
-    fill(caches, seed=5)
-    w.save(StepPlan(kv_saves=[BlockCopy(index=0, key=K[1], blocks=(1,))]))
+def _saved(w, caches, *, seed: int, key: bytes, block: int) -> str:
+    """Fill the cache with ``seed``'s bytes, save block ``block`` as ``key``'s KV
+    object through every tier, and return its name (the report taken)."""
+    fill(caches, seed=seed)
+    w.save(StepPlan(kv_saves=[BlockCopy(index=0, key=key, blocks=(block,))]))
     w.flush()
     w.report()
+    return object_name(ImageKind.KV_BLOCK, key)
+
+
+def test_a_load_no_tier_can_serve_is_a_failure_and_copies_nothing(worker):
+    w, caches, groups, blocks = worker
+    name = _saved(w, caches, seed=5, key=K[1], block=1)
     host, disk = w.tiers.tiers
     # the host's copy is another namespace's; the disk's is gone: nothing serves it
-    name = object_name(ImageKind.KV_BLOCK, K[1])
     disk.delete_many([name])
     host.delete_many([name])  # (a host tier keeps the first object of a name)
     foreign = WorkerSide(
@@ -264,12 +270,8 @@ def test_a_fetch_that_raises_fails_its_load_and_never_reaches_the_step(worker, c
     traceback; the step goes on: off the step (a disk read on an I/O thread)
     and in it (the host tier's read in place)."""
     w, caches, groups, _ = worker
-    fill(caches, seed=8)
-    w.save(StepPlan(kv_saves=[BlockCopy(index=0, key=K[3], blocks=(2,))]))
-    w.flush()
-    w.report()
+    name = _saved(w, caches, seed=8, key=K[3], block=2)
     host, disk = w.tiers.tiers
-    name = object_name(ImageKind.KV_BLOCK, K[3])
 
     def broken(*_):
         raise RuntimeError("the client's own fault")
