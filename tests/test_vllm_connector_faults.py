@@ -244,7 +244,11 @@ def test_saves_past_the_backlog_are_skipped_and_cost_only_misses(models, caplog)
             worker_connector()._worker.flush()  # the backlog empty before the next
         worker = worker_connector()._worker
         saved(llm)
-        assert worker.saves_skipped == 3 and worker.objects_saved == 2 and worker.backlog == 0
+        assert (
+            worker.saves.saves_skipped == 3
+            and worker.saves.objects_saved == 2
+            and worker.saves.backlog == 0
+        )
         assert "saves skipped" in caplog.text and "save_backlog" in caplog.text
         llm.reset_prefix_cache()
         warm, warm_cached = one_by_one(llm, prompts)

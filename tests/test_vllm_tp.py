@@ -75,7 +75,22 @@ def _saves_flushed(worker) -> tuple[int, int, int, int]:
 
     side = get_kv_transfer_group()._worker
     side.flush()
-    return side.rank, side.objects_saved, side.loads_done, side.load_failures
+    return side.rank, side.saves.objects_saved, side.loads_done, side.load_failures
+
+
+def _reads_break(worker) -> int:
+    """Run in each rank's worker process: from now on its tiers' reads raise, as a
+    medium whose client fails in a way no check foresaw."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    side = get_kv_transfer_group()._worker
+
+    def broken(names):
+        raise RuntimeError("the disk's client broke")
+
+    for tier in side.tiers.tiers:
+        tier.get_many = broken
+    return side.rank
 
 
 @pytest.mark.parametrize("kind", ["qwen3_next"])
@@ -100,8 +115,17 @@ def test_two_ranks_save_their_shards_and_load_them_back(tmp_path, kind):
     llm.reset_prefix_cache()  # hits can only come from the tier now
     warm, warm_cached = run(llm, prompts)
     after = sorted(llm.collective_rpc(_saves_flushed))
+    # Every rank's reads break: the same load fails on both ranks (one failure
+    # counted under the scheduler's order of reasons), vLLM recomputes it, and
+    # the engine serves on with the same tokens.
+    assert sorted(llm.collective_rpc(_reads_break)) == [0, 1]
+    llm.reset_prefix_cache()
+    recomputed, _ = run(llm, prompts[:1])
+    broken = sorted(llm.collective_rpc(_saves_flushed))
     close(llm)
     assert warm == reference
     assert warm_cached == [2 * block, 3 * block]  # each resumes at its last full block
     # Both ranks loaded their own shard of both hits; no load failed anywhere.
     assert all(loaded == len(prompts) and failed == 0 for _, _, loaded, failed in after)
+    assert recomputed == reference[:1]
+    assert all(loaded == len(prompts) and failed == 1 for _, _, loaded, failed in broken)

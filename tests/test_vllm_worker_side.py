@@ -84,6 +84,8 @@ def test_a_load_from_below_the_host_is_fetched_off_the_step_and_copied_in_a_late
     assert report is not None and [t.failures for t in report.loads if t.key == "e"] == [
         {object_name(ImageKind.KV_BLOCK, K[2]): "timeout"}
     ]
+    # reported failed: the scheduler does not promise it again until it is saved again
+    assert report.failed == [object_name(ImageKind.KV_BLOCK, K[2])]
 
 
 def test_fetched_loads_land_a_steps_bytes_at_a_time_in_the_order_asked(worker):
@@ -302,6 +304,7 @@ def test_a_fetch_that_raises_fails_its_load_and_never_reaches_the_step(worker, c
         ("h", {name: "error"}),
         ("g", {name: "error"}),
     ]
+    assert report.failed == [name, name]  # the lookups skip it until it is saved again
     raised = [r for r in caplog.records if r.exc_info and "raised RuntimeError" in r.getMessage()]
     assert [r.exc_info[1].args for r in raised] == [("the client's own fault",)] * 2
 

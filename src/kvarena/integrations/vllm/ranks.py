@@ -13,6 +13,7 @@ some rank cannot load would make vLLM recompute it on every rank.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from collections import OrderedDict
@@ -23,6 +24,7 @@ from ...prefix.lookup import Locates
 from ...tiers import TierSpec
 from ...tiers.image import KEY_BYTES
 from ...tiers.names import object_name, parse_object_name
+from .records import BlockCopy
 
 
 def rank_key(key: bytes, rank: int, ranks: int) -> bytes:
@@ -45,6 +47,14 @@ _RANK_HASHES = tuple(_rank_hash(r) for r in range(64))
 """Ranks 0-63's keyed hashes with nothing fed, made once and never fed: each use
 copies its rank's (half the cost of making one; a lookup at TP 8 derives seven
 keys a block it has not met)."""
+
+
+def own_copy(copy: BlockCopy, rank: int, ranks: int) -> BlockCopy:
+    """The plan names a prefix's object; rank ``rank`` copies its own (keyed by
+    :func:`rank_key`), into and out of the same blocks."""
+    if ranks == 1:
+        return copy
+    return dataclasses.replace(copy, key=rank_key(copy.key, rank, ranks))
 
 
 def tp_rank() -> int:

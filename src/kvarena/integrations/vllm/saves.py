@@ -23,7 +23,10 @@ import torch
 from ...tiers import ImageKind, TierObject, TierStack
 from ...tiers.base import IndexedTier
 from ...tiers.checked import Expectations
+from ...tiers.names import object_name
+from .ranks import own_copy
 from .records import BlockCopy, Held, News, Timed
+from .tensors import CachePages
 
 log = logging.getLogger("vllm.kvarena")
 
@@ -39,6 +42,28 @@ class Save:
     payload: memoryview
     prefix: str
     ready: torch.cuda.Event | None = None  # on CUDA: when ``payload`` holds the bytes
+
+
+def gathered(
+    pages: CachePages, kind: ImageKind, copies: Sequence[BlockCopy], *, rank: int, ranks: int
+) -> list[Save]:
+    """The planned objects' bytes, one batch per storage into one host buffer
+    (:meth:`~.tensors.CachePages.gather`), as rank ``rank``'s objects, each with
+    its prefix object's name (what the scheduler knows it by)."""
+    word = "kv" if kind is ImageKind.KV_BLOCK else "state"
+    host, ready = pages.gather(word, [c.blocks for c in copies])
+    stage = memoryview(host.numpy())  # type: ignore[arg-type]
+    size = pages.payload[word]
+    return [
+        Save(
+            kind=kind,
+            copy=own_copy(c, rank, ranks),
+            payload=stage[j * size : (j + 1) * size],
+            prefix=object_name(kind, c.key),
+            ready=ready,
+        )
+        for j, c in enumerate(copies)
+    ]
 
 
 @dataclass(frozen=True, kw_only=True)

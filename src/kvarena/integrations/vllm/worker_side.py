@@ -23,7 +23,6 @@ writer thread (:mod:`.saves`), bounded by ``save_backlog`` bytes.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import Mapping
@@ -37,9 +36,9 @@ from ...tiers.host import HostTier
 from ...tiers.names import object_name
 from .groups import Group, blocks_fail_alone
 from .loads import LoadQueue
-from .ranks import rank_key
+from .ranks import own_copy
 from .records import BlockCopy, Load, News, StepPlan, Timed, WorkerReport
-from .saves import Save, SaveQueue
+from .saves import SaveQueue, gathered
 from .tensors import CachePages, cache_pages, payload_bytes
 
 # Under vLLM's logger: an operator sees the connector in the engine's own log.
@@ -139,12 +138,6 @@ class WorkerSide:
         )
         return got.payloads, got, failures
 
-    def _own(self, copy: BlockCopy) -> BlockCopy:
-        """The plan names a prefix's object; this rank copies its own."""
-        if self.ranks == 1:
-            return copy
-        return dataclasses.replace(copy, key=rank_key(copy.key, self.rank, self.ranks))
-
     def load(self, plan: StepPlan) -> None:
         """This step's loads: the fetches finished since the last step copied in
         and reported (as many as the plan's ``land_bytes`` allow, the first
@@ -192,7 +185,9 @@ class WorkerSide:
         named = [(ImageKind.KV_BLOCK, c) for c in job.kv]
         if job.state is not None:
             named.append((ImageKind.STATE, job.state))
-        wanted = [(kind, self._own(c)) for kind, c in named]  # this rank's shard of each
+        wanted = [
+            (kind, own_copy(c, self.rank, self.ranks)) for kind, c in named
+        ]  # this rank's shard of each
         return wanted, [object_name(kind, c.key) for kind, c in named]
 
     def _fetch_job(
@@ -245,31 +240,36 @@ class WorkerSide:
         self.news.add(loads=[timed])
 
     def _broken(self, job: Load, exc: BaseException) -> None:
-        """A load whose fetch raised: failed, so vLLM recomputes it; the
+        """A load whose fetch raised: failed whole (:meth:`_failed_whole`); the
         exception logged with its traceback (a defect to report, not a miss)."""
-        if not job.in_step:
-            self._received.add(job.request)
         log.error(
             "kvarena: request %s: its fetch raised %s",
             job.request,
             type(exc).__name__,
             exc_info=(type(exc), exc, exc.__traceback__),
         )
-        self._fail(job, f"its fetch raised {type(exc).__name__}: {exc}")
-        _, prefixes = self._named(job)
-        self.news.add(
-            loads=[
-                Timed(key=job.request, rank=self.rank, failures=dict.fromkeys(prefixes, "error"))
-            ]
-        )
+        self._failed_whole(job, "error", f"its fetch raised {type(exc).__name__}: {exc}")
 
     def _give_up(self, job: Load) -> None:
-        """A load past its deadline: failed, so vLLM recomputes it."""
-        self._received.add(job.request)
-        self._fail(job, f"its fetch passed the {self.queue.deadline_s:g} s deadline")
+        """A load past its deadline: failed whole (:meth:`_failed_whole`)."""
+        why = f"its fetch passed the {self.queue.deadline_s:g} s deadline"
+        self._failed_whole(job, "timeout", why)
+
+    def _failed_whole(self, job: Load, reason: str, why: str) -> None:
+        """A load none of whose objects could be had (``reason``, as the metrics
+        count it): every block failed, so vLLM recomputes them, and every prefix
+        object reported failed, so the scheduler's lookups skip it until it is
+        saved again (the recomputed request saves it): a store stuck or broken
+        for good costs each request one deadline or one error, never a load
+        promised again and again."""
+        if not job.in_step:  # vLLM waits for word of it
+            self._received.add(job.request)
+        self._fail(job, why)
         _, prefixes = self._named(job)
-        late = Timed(key=job.request, rank=self.rank, failures=dict.fromkeys(prefixes, "timeout"))
-        self.news.add(loads=[late])
+        failures = dict.fromkeys(prefixes, reason)
+        self.news.add(
+            failed=prefixes, loads=[Timed(key=job.request, rank=self.rank, failures=failures)]
+        )
 
     def _apply(
         self,
@@ -352,25 +352,6 @@ class WorkerSide:
         return errors
 
     # -- saves ----------------------------------------------------------------------
-    def _gather(self, kind: ImageKind, copies: list[BlockCopy]) -> list[Save]:
-        """The planned objects' bytes, one batch per storage into one host buffer,
-        as this rank's objects (each with its prefix object's name, for the report)."""
-        assert self.pages is not None
-        word = "kv" if kind is ImageKind.KV_BLOCK else "state"
-        host, ready = self.pages.gather(word, [c.blocks for c in copies])
-        stage = memoryview(host.numpy())  # type: ignore[arg-type]
-        size = self.pages.payload[word]
-        return [
-            Save(
-                kind=kind,
-                copy=self._own(c),
-                payload=stage[j * size : (j + 1) * size],
-                prefix=object_name(kind, c.key),
-                ready=ready,
-            )
-            for j, c in enumerate(copies)
-        ]
-
     def save(self, plan: StepPlan) -> None:
         kv, state = plan.kv_saves, plan.state_saves
         if not (kv or state):
@@ -380,24 +361,14 @@ class WorkerSide:
         names += [object_name(ImageKind.STATE, c.key) for c in state]
         if not self.saves.admit(nbytes, names):
             return
-        jobs: list[Save] = []
-        if kv:
-            jobs += self._gather(ImageKind.KV_BLOCK, kv)
-        if state:
-            jobs += self._gather(ImageKind.STATE, state)
+        assert self.pages is not None
+        jobs = [
+            save
+            for kind, copies in ((ImageKind.KV_BLOCK, kv), (ImageKind.STATE, state))
+            if copies
+            for save in gathered(self.pages, kind, copies, rank=self.rank, ranks=self.ranks)
+        ]
         self.saves.submit(jobs, nbytes)
-
-    @property
-    def objects_saved(self) -> int:
-        return self.saves.objects_saved
-
-    @property
-    def saves_skipped(self) -> int:
-        return self.saves.saves_skipped
-
-    @property
-    def backlog(self) -> int:
-        return self.saves.backlog
 
     def flush(self, timeout: float | None = None) -> int:
         """Wait until every queued save is in the tiers, or ``timeout`` seconds;
