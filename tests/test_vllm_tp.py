@@ -15,6 +15,7 @@ cores are usable.
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import os
 import random
@@ -29,6 +30,10 @@ from kvarena.testing.vllm_engine import engine_args  # noqa: E402
 
 CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 pytestmark = pytest.mark.skipif(len(CORES) < 2, reason="two ranks need two usable cores")
+
+WATCHDOG_S = 300.0
+"""How long a run that takes seconds may take before the test process exits:
+a failure where a defect would loop the engine for ever."""
 
 
 def engine(model: Path, disk: Path):
@@ -120,7 +125,14 @@ def test_two_ranks_save_their_shards_and_load_them_back(tmp_path, kind):
     # the engine serves on with the same tokens.
     assert sorted(llm.collective_rpc(_reads_break)) == [0, 1]
     llm.reset_prefix_cache()
-    recomputed, _ = run(llm, prompts[:1])
+    # A load promised again after it failed would loop in the engine for ever:
+    # this process then exits, every thread's stack printed (a failure, not a
+    # hang; the run takes seconds).
+    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
+    try:
+        recomputed, _ = run(llm, prompts[:1])
+    finally:
+        faulthandler.cancel_dump_traceback_later()
     broken = sorted(llm.collective_rpc(_saves_flushed))
     close(llm)
     assert warm == reference
