@@ -89,6 +89,31 @@ def test_each_filled_kv_block_is_saved_once_in_the_step_that_fills_it():
     assert again.kv_saves == []
 
 
+def test_a_held_partial_block_is_saved_again_only_after_it_failed_a_load():
+    """A prompt's partial last block the tiers hold is not saved again by another
+    request of the same prompt; once a load of it failed (the lookups skip it
+    until it is saved again), the next such request saves it again, and the
+    lookups use it once the worker reports it saved."""
+    side = make_side("kv")
+    tokens = torch.tensor(make_request("r0", 100).all_token_ids).numpy()
+    keys = block_keys(key_root(NS), tokens, BS)
+    tail = object_name(ImageKind.KV_BLOCK, tail_key(keys[5], tokens[96:100], BS))
+    side.catalogue.hosted([tail], [])
+
+    def tails(rid: str) -> list[int | None]:
+        r = make_request(rid, 100)
+        side.allocated(r, _blocks(rid, 1), 0)
+        plan = side.plan(_step([r], {rid: 100}, {rid: 0}, 1))
+        side.finished(r)
+        return [c.tokens for c in plan.kv_saves if c.tokens is not None]
+
+    assert tails("r1") == []  # held: not saved again
+    side.reported(WorkerReport(failed=[tail]))
+    assert tails("r2") == [4]  # failed a load: saved again
+    side.reported(WorkerReport(saved=[tail]))
+    assert tail not in side.asked.skip and tails("r3") == []
+
+
 def test_every_offered_state_at_a_block_boundary_is_saved():
     side = make_side("kv", "state")
     r = make_request("r2", 70)

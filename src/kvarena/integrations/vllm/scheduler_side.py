@@ -313,7 +313,8 @@ class SchedulerSide:
         the kernel left it: past its ``end % bs`` tokens it holds what the block
         held before, which no attention reads (vLLM computes those positions
         after a load) and no kvarena check looks into (kvarena never interprets
-        a page's layout, which is the attention backend's)."""
+        a page's layout, which is the attention backend's). One held that
+        failed a load is saved again (the lookups skip it until then)."""
         if not self._tails_served or block_state is None:
             return None
         ids = block_state.get_block_ids(request.request_id)
@@ -322,7 +323,9 @@ class SchedulerSide:
             return None  # (a prompt under one block: its prefill costs less than a load)
         blocks = tuple(ids[g.index][full] for g in self.kv_groups)
         key = self._chain(request).tail(full, tokens)
-        held = self._objects.locate([object_name(ImageKind.KV_BLOCK, key)])[0] is not None
+        name = object_name(ImageKind.KV_BLOCK, key)
+        # one that failed a load is saved again: until then the lookups skip it
+        held = self._objects.locate([name])[0] is not None and name not in self.asked.skip
         if 0 in blocks or held:
             return None
         return BlockCopy(index=full, key=key, blocks=blocks, tokens=tokens)
