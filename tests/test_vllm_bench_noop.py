@@ -15,7 +15,7 @@ import pytest
 vllm = pytest.importorskip("vllm")
 
 from kvarena.integrations.transformers.tiny import save_tiny  # noqa: E402
-from kvarena.testing.vllm_engine import engine_args  # noqa: E402
+from kvarena.testing.vllm_engine import engine_args, freeze_heap  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("vllm_in_process")
 
@@ -54,6 +54,7 @@ def test_the_noop_connector_changes_no_token_and_finds_nothing(tmp_path):
     results = []
     for transfer in (None, noop_transfer_config()):
         kw = {} if transfer is None else {"kv_transfer_config": transfer}
+        freeze_heap()
         llm = LLM(**engine_args(model, distributed_executor_backend="uni", block_size=32), **kw)
         try:
             if transfer is not None:

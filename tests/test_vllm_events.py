@@ -22,7 +22,7 @@ import pytest
 vllm = pytest.importorskip("vllm")
 
 from kvarena.integrations.transformers.tiny import save_tiny  # noqa: E402
-from kvarena.testing.vllm_engine import engine_args  # noqa: E402
+from kvarena.testing.vllm_engine import engine_args, freeze_heap  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("vllm_in_process")
 
@@ -128,6 +128,7 @@ def test_a_router_reading_the_events_knows_each_tiers_share_of_every_prompt(tmp_
     )
     # a host tier of four KV objects (~33 KB each): the prompts' ~20 blocks evict
     transfer = kv_transfer_config(["host:160KiB", f"disk:{tmp_path}/disk:64MiB"])
+    freeze_heap()
     llm = LLM(
         **engine_args(model, block_size=BLOCK, distributed_executor_backend="uni"),
         kv_transfer_config=transfer,

@@ -35,7 +35,7 @@ import pytest
 vllm = pytest.importorskip("vllm")
 
 from kvarena.integrations.transformers.tiny import save_tiny  # noqa: E402
-from kvarena.testing.vllm_engine import engine_args  # noqa: E402
+from kvarena.testing.vllm_engine import engine_args, freeze_heap  # noqa: E402
 from kvarena.testing.vllm_server import VllmServer  # noqa: E402
 
 BLOCK = 32
@@ -70,6 +70,7 @@ def reference(model):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        freeze_heap()
         llm = LLM(**engine_args(model, block_size=BLOCK, distributed_executor_backend="uni"))
         params = SamplingParams(max_tokens=OUT, temperature=0, detokenize=False)
         out = {}

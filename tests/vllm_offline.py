@@ -9,12 +9,11 @@ Imported by the ``test_vllm_*`` modules that run the connector in vLLM.
 
 from __future__ import annotations
 
-import gc
 import random
 from pathlib import Path
 
 from kvarena.integrations.transformers.tiny import save_tiny
-from kvarena.testing.vllm_engine import engine_args
+from kvarena.testing.vllm_engine import engine_args, freeze_heap
 
 PROMPT_BLOCKS = (2, 4, 5)  # shared prefixes, in blocks of the model's attention block
 
@@ -34,6 +33,7 @@ def engine(model: Path, *, tiers=None, block_size=None, extra=None, **overrides)
     kw = {}
     if tiers is not None:
         kw["kv_transfer_config"] = kv_transfer_config(tiers, **(extra or {}))
+    freeze_heap()
     return LLM(
         **engine_args(
             model, distributed_executor_backend="uni", block_size=block_size, **kw, **overrides
@@ -43,13 +43,12 @@ def engine(model: Path, *, tiers=None, block_size=None, extra=None, **overrides)
 
 def close(llm) -> None:
     """Shut the engine down (its connector closes its tiers: the disk directory's
-    lock is free for the next engine)."""
+    lock is free for the next engine; vLLM collects the heap whole as it does)."""
     from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
 
     ensure_kv_transfer_shutdown()
     llm.llm_engine.engine_core.shutdown()
     del llm
-    gc.collect()
 
 
 def worker_connector():

@@ -6,6 +6,8 @@ by ``test_vllm_scheduler_side.py`` and ``test_vllm_asked.py``; needs vLLM.
 
 from __future__ import annotations
 
+import random
+
 import torch
 from vllm import SamplingParams
 from vllm.utils.hashing import sha256
@@ -66,7 +68,10 @@ def make_request(rid: str, n: int, seed: int = 0, tail: int = 0) -> Request:
     """``n`` tokens of ``seed``'s prompt; with ``tail``, its last ``tail`` tokens
     the request's own (``rid``'s), as vLLM hashes them (sha256) for ``make_side(memo=True)``."""
     tokens = [(seed * 7919 + i * 31) % 1000 + 1 for i in range(n - tail)]
-    tokens += [(hash(rid) + i) % 1000 + 1 for i in range(tail)]
+    # the same in every run (``hash(rid)`` is salted per process: two requests'
+    # tails once began alike in about one run in a hundred)
+    rng = random.Random(f"tail of {rid}")
+    tokens += [rng.randrange(1, 1001) for _ in range(tail)]
     if not tail:
         return Request(rid, tokens, SamplingParams(max_tokens=4), None)
     init_none_hash(sha256)

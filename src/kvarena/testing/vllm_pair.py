@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import Error
+from .vllm_engine import freeze_heap
 
 START_TIMEOUT_S = 300.0
 
@@ -79,6 +80,7 @@ def _serve(conn: Any, engine: dict[str, Any], env: dict[str, str], setup: Any) -
             setup()
         from vllm import LLM, SamplingParams
 
+        freeze_heap()
         llm = LLM(**engine)
     except BaseException:
         conn.send(("error", traceback.format_exc()))
