@@ -309,6 +309,48 @@ def test_a_fetch_that_raises_fails_its_load_and_never_reaches_the_step(worker, c
     assert [r.exc_info[1].args for r in raised] == [("the client's own fault",)] * 2
 
 
+def test_a_copy_that_raises_part_way_fails_every_block_of_its_load(worker, caplog):
+    """The copy into vLLM's blocks raising part way (torch's own fault, after
+    the bytes were written): the load fails whole — every block named, so vLLM
+    recomputes and rewrites them — the exception is logged with its traceback
+    and never reaches the step; the objects are not reported failed (they are
+    sound), and the next load of them lands."""
+    w, caches, groups, _ = worker
+    fill(caches, seed=9)
+    want = [_pages(caches, groups, "kv", b) for b in (2, 3)]
+    saves = [BlockCopy(index=i, key=K[i], blocks=(2 + i,)) for i in range(2)]
+    w.save(StepPlan(kv_saves=saves))
+    w.flush()
+    w.report()
+    fill(caches, seed=10)
+    place, calls = w.pages.place, []
+
+    def faulty(parts, arena):
+        calls.append(parts)
+        place(parts, arena)
+        if len(calls) == 1:
+            raise RuntimeError("torch's own fault")
+
+    w.pages.place = faulty
+    load = Load(
+        request="c",
+        kv=tuple(BlockCopy(index=i, key=K[i], blocks=(6 + i,), level=0) for i in range(2)),
+        state=None,
+        in_step=True,
+    )
+    with caplog.at_level(logging.ERROR, logger="vllm.kvarena"):
+        w.load(StepPlan(loads=[load]))
+    assert w.load_errors() == {6, 7} and w.load_failures == 1 and w.loads_done == 0
+    raised = [r for r in caplog.records if r.exc_info and "copy raised" in r.getMessage()]
+    assert [r.exc_info[1].args for r in raised] == [("torch's own fault",)]
+    report = w.report()
+    assert report is not None and report.failed == []
+    fill(caches, seed=11)
+    w.load(StepPlan(loads=[dataclasses.replace(load, request="d")]))
+    assert w.load_errors() == set() and w.loads_done == 1 and len(calls) == 2
+    assert [_pages(caches, groups, "kv", b) for b in (6, 7)] == want
+
+
 @pytest.mark.parametrize("states", [0, 1])
 def test_a_load_missing_an_object_keeps_the_blocks_before_it_where_they_stand_alone(
     tmp_path, states

@@ -282,7 +282,9 @@ class WorkerSide:
         place by their offsets in it), or fail the load if any is missing;
         whether it was copied whole. Where the blocks before the first missing
         object can stand alone (:meth:`_prefix_stands`), those are copied and
-        only the blocks from it on are failed: vLLM recomputes from there."""
+        only the blocks from it on are failed: vLLM recomputes from there. A
+        copy that raises (not a refusal: torch's own fault, which may leave some
+        blocks written) fails every block of the load, so vLLM rewrites them."""
         missing = sum(p is None for p in payloads)
         why = f"{missing} of {len(payloads)} objects missing or failing their checks"
         first = next((i for i, p in enumerate(payloads) if p is None), len(payloads))
@@ -303,6 +305,9 @@ class WorkerSide:
                 self.pages.place(parts, arena)
             except Error as exc:  # a batch refused before a byte moved: recompute
                 why, kept = f"its copy was refused ({exc})", 0
+            except Exception as exc:  # torch's own fault, maybe part way: every block recomputed
+                log.error("kvarena: request %s: its copy raised", job.request, exc_info=True)
+                why, kept = f"its copy raised {type(exc).__name__}: {exc}", 0
         if kept == len(payloads):
             self.loads_done += 1
             return True
