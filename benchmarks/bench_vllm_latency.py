@@ -16,6 +16,10 @@ runs):
 - ``arrivals held on device``: the same arrivals computed once before, so
   vLLM's own prefix cache serves them: the run with nothing loaded, the loads'
   rows' baseline (``/held``);
+- ``a burst held on device``: the same, but every arrival reaches vLLM in the
+  step the last one arrives, as a stuck store's do when it is released: the
+  stuck store's baseline (``/burst``), what a burst of ready requests costs
+  the batch with nothing loaded;
 - ``loads from disk``: the prefixes only in a disk tier;
 - ``loads from Redis +Nms``: the prefixes only in a Redis whose replies a
   loopback proxy delays by ``--delay-ms`` (a network's round trip);
@@ -151,9 +155,13 @@ def _reads(llm) -> list[tuple[int, float]]:
     return got
 
 
-def _run(llm, decoding: list[list[int]], arrivals: list[list[int]], proxy=None) -> dict:
+def _run(
+    llm, decoding: list[list[int]], arrivals: list[list[int]], proxy=None, burst: bool = False
+) -> dict:
     """Decode, and send the arrivals once every decoding request has its first
-    token (``proxy``: a stuck store's, held from the first arrival to the last)."""
+    token (``proxy``: a stuck store's, held from the first arrival to the last;
+    ``burst``: each arrival sent when the last arrives, its TTFT counted from
+    when it arrived)."""
     from vllm import SamplingParams
 
     engine = llm.llm_engine
@@ -174,9 +182,11 @@ def _run(llm, decoding: list[list[int]], arrivals: list[list[int]], proxy=None) 
         if started and steps % EVERY == 0 and len(added) < len(arrivals):
             if not added and proxy is not None:
                 proxy.hold()
-            rid = f"a{len(added)}"
-            engine.add_request(rid, {"prompt_token_ids": arrivals[len(added)]}, short)
-            added[rid] = time.perf_counter()
+            added[f"a{len(added)}"] = time.perf_counter()
+            due = list(added)[-1:] if not burst else list(added)
+            if len(added) == len(arrivals) or not burst:
+                for rid in due:
+                    engine.add_request(rid, {"prompt_token_ids": arrivals[int(rid[1:])]}, short)
             if len(added) == len(arrivals) and proxy is not None:
                 proxy.release()
         outs = engine.step()
@@ -263,6 +273,7 @@ def bench(kind: str, args) -> list[dict]:
             ("no arrivals", None, []),
             ("arrivals computed", None, fresh),
             ("arrivals held on device", "device", arrivals),
+            ("a burst held on device", "burst", arrivals),
             ("loads from disk", [f"disk:{disk}:1GiB"], arrivals),
             (f"loads from Redis +{args.delay_ms:g}ms", "redis", arrivals),
             ("loads from a stuck Redis", "stuck", arrivals),
@@ -282,8 +293,8 @@ def bench(kind: str, args) -> list[dict]:
                     proxy = ProxyProcess(server.port, args.delay_ms / 1e3)
                     stuck = proxy if tiers == "stuck" else None
                     tiers = [f"redis://127.0.0.1:{proxy.port}"]
-                on_device = tiers == "device"
-                if tiers in (None, "device"):  # holds nothing
+                on_device, burst = tiers in ("device", "burst"), tiers == "burst"
+                if tiers in (None, "device", "burst"):  # holds nothing
                     empty = Path(tmp) / f"{label.replace(' ', '-')}-{round_}"
                     tiers = [f"disk:{empty}:1GiB"]
                 llm = _engine(model, block, tiers)
@@ -294,7 +305,7 @@ def bench(kind: str, args) -> list[dict]:
                         use_tqdm=False,
                     )
                 reads = _reads(llm)
-                got = _run(llm, decoding, arriving, proxy=stuck)
+                got = _run(llm, decoding, arriving, proxy=stuck, burst=burst)
                 _close(llm)
                 if proxy is not None:
                     proxy.close()
@@ -332,17 +343,21 @@ def bench(kind: str, args) -> list[dict]:
         proxy = ProxyProcess(server.port, args.delay_ms / 1e3)
         rows_raw = {"disk": _raw_disk(disk), "redis": _raw_redis(proxy.port, 4 * args.arrivals)}
         proxy.close()
-        floor = rows[0]["itl_p99_ms"]
-        held = rows[2]["itl_p99_ms"]  # the same arrivals, nothing loaded
+        by_row = {r["row"]: r for r in rows}
+        floor = by_row["no arrivals"]["itl_p99_ms"]
+        held = by_row["arrivals held on device"]  # the same arrivals, nothing loaded
+        burst = by_row["a burst held on device"]  # the same, all at once
         for r in rows:
             r["itl_p99_vs_alone"] = r["itl_p99_ms"] / floor
-            r["itl_p99_vs_held"] = r["itl_p99_ms"] / held
-            r["itl_p99_vs_held_by_round"] = [
-                x / h
-                for x, h in zip(
-                    r["itl_p99_ms_by_round"], rows[2]["itl_p99_ms_by_round"], strict=True
-                )
-            ]
+            r["itl_p99_vs_held"] = r["itl_p99_ms"] / held["itl_p99_ms"]
+            r["itl_p99_vs_burst"] = r["itl_p99_ms"] / burst["itl_p99_ms"]
+            for base, name in ((held, "held"), (burst, "burst")):
+                r[f"itl_p99_vs_{name}_by_round"] = [
+                    x / b
+                    for x, b in zip(
+                        r["itl_p99_ms_by_round"], base["itl_p99_ms_by_round"], strict=True
+                    )
+                ]
             raw = "disk" if "disk" in r["row"] else "redis" if "Redis" in r["row"] else None
             r["raw_mb_s"] = rows_raw[raw] / 1e6 if raw else None
     return rows
@@ -376,7 +391,7 @@ def main() -> None:
         f"one every {EVERY} steps"
     )
     head = (
-        f"{'model':<11}{'row':<26}{'ITL p50':>8}{'p99':>7}{'max':>7}{'p99/alone':>10}{'/held':>7}"
+        f"{'model':<11}{'row':<26}{'ITL p50':>8}{'p99':>7}{'max':>7}{'p99/alone':>10}{'/held':>7}{'/burst':>7}"
         f"{'TTFT p50':>9}{'hit':>7}{'sched p50':>10}{'max':>8}{'read MB/s':>10}{'raw':>8}"
     )
     print(head + "\n" + "-" * len(head))
@@ -388,15 +403,22 @@ def main() -> None:
         print(
             f"{r['model']:<11}{r['row']:<26}{r['itl_p50_ms']:>8.1f}{r['itl_p99_ms']:>7.1f}"
             f"{r['itl_max_ms']:>7.1f}{r['itl_p99_vs_alone']:>9.2f}x{r['itl_p99_vs_held']:>6.2f}x"
+            f"{r['itl_p99_vs_burst']:>6.2f}x"
             f"{f(r['ttft_p50_ms'], '>9.1f')}"
             f"{r['hit_tokens']:>7,}{r['sched_p50_us']:>9.0f}µ{r['sched_max_us']:>7.0f}µ"
             f"{f(r['read_mb_s'], '>10.0f')}{f(r['raw_mb_s'], '>8.0f')}"
         )
     print("(ms; scheduler: the connector's time per step; raw: the same objects read plainly)")
     if args.rounds > 1:
-        print(f"ITL p99 /held, round by round ({args.rounds} rounds, every other in reverse):")
+        print(
+            f"ITL p99 /held and /burst, round by round ({args.rounds} rounds, "
+            "every other in reverse):"
+        )
         for r in rows:
-            by = ", ".join(f"{x:.2f}" for x in r["itl_p99_vs_held_by_round"])
+            by = "; ".join(
+                ", ".join(f"{x:.2f}" for x in r[f"itl_p99_vs_{name}_by_round"])
+                for name in ("held", "burst")
+            )
             differ = len(set(r["hit_tokens_by_round"])) > 1
             hit = f"  (hit tokens by round: {r['hit_tokens_by_round']})" if differ else ""
             print(f"  {r['model']:<11}{r['row']:<26}{by}{hit}")

@@ -323,3 +323,39 @@ def test_a_request_counts_one_lookup_however_often_vllm_asks_while_it_waits():
     side.finished(waiting)  # the same id again later is another request
     side.matched(make_request("r8", 80, seed=4), 0)
     assert side.telemetry.lookups == 3
+
+
+@pytest.mark.parametrize(
+    ("flags", "hit"),
+    [((), 256), (("--hybrid",), 256), (("--hybrid", "--no-image"), 0), (("--cluster",), 256)],
+    ids=["attention", "hybrid", "hybrid-no-image", "cluster"],
+)
+def test_the_lookup_benchmark_answers_alike_from_memory_and_by_probing(
+    monkeypatch, capsys, flags, hit
+):
+    """``benchmarks/bench_vllm_lookup.py``'s small case: the in-memory catalogue
+    and the probing one (a ``stat`` per rank's name, ``EXISTS`` to a real Redis
+    or Redis Cluster) find the same hit for every request: the shared half of
+    the prompt, or none where the hybrid's state is held nowhere."""
+    import sys
+    from pathlib import Path
+
+    from conftest import redis_binary
+
+    redis_binary()  # skips where redis-server is missing (fails under CI)
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.syspath_prepend(str(root / "benchmarks"))
+    monkeypatch.delitem(sys.modules, "bench_vllm_lookup", raising=False)
+    import bench_vllm_lookup
+
+    argv = ["bench", "--requests", "3", "--tokens", "512", "--held", "64", *flags]
+    monkeypatch.setattr(sys, "argv", argv)
+    bench_vllm_lookup.main()
+    rows = capsys.readouterr().out.splitlines()
+    found = {
+        label: row.rsplit(None, 1)[-1]
+        for row in rows
+        for label in ("in memory", "stat + EXISTS")
+        if row.startswith(label)
+    }
+    assert found == {"in memory": f"[{hit}]", "stat + EXISTS": f"[{hit}]"}

@@ -15,10 +15,14 @@ cores are usable.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import gc
 import os
 import random
+import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,6 +38,32 @@ pytestmark = pytest.mark.skipif(len(CORES) < 2, reason="two ranks need two usabl
 WATCHDOG_S = 300.0
 """How long a run that takes seconds may take before the test process exits:
 a failure where a defect would loop the engine for ever."""
+
+
+@contextlib.contextmanager
+def watchdog(seconds: float) -> Iterator[None]:
+    """Past ``seconds``, print every thread's stack, kill every process this one
+    started (the engine core and its rank workers, which would otherwise run on
+    after it) and exit: a failure, not a hang. vLLM's blocked ``generate``
+    wakes for nothing else (an engine shut down from another thread leaves it
+    waiting)."""
+    import psutil
+
+    def fire() -> None:
+        faulthandler.dump_traceback(all_threads=True)
+        print(f"watchdog: {seconds:.0f} s passed; killing the engine", file=sys.stderr)
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+        os._exit(1)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def engine(model: Path, disk: Path):
@@ -125,14 +155,10 @@ def test_two_ranks_save_their_shards_and_load_them_back(tmp_path, kind):
     # the engine serves on with the same tokens.
     assert sorted(llm.collective_rpc(_reads_break)) == [0, 1]
     llm.reset_prefix_cache()
-    # A load promised again after it failed would loop in the engine for ever:
-    # this process then exits, every thread's stack printed (a failure, not a
-    # hang; the run takes seconds).
-    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
-    try:
+    # A load promised again after it failed would loop in the engine for ever
+    # (the run takes seconds).
+    with watchdog(WATCHDOG_S):
         recomputed, _ = run(llm, prompts[:1])
-    finally:
-        faulthandler.cancel_dump_traceback_later()
     broken = sorted(llm.collective_rpc(_saves_flushed))
     close(llm)
     assert warm == reference

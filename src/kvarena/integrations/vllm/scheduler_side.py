@@ -324,7 +324,6 @@ class SchedulerSide:
         blocks = tuple(ids[g.index][full] for g in self.kv_groups)
         key = self._chain(request).tail(full, tokens)
         name = object_name(ImageKind.KV_BLOCK, key)
-        # one that failed a load is saved again: until then the lookups skip it
         held = self._objects.locate([name])[0] is not None and name not in self.asked.skip
         if 0 in blocks or held:
             return None
